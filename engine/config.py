@@ -1,0 +1,227 @@
+"""The config schema, its defaults, and the one validation pass that runs before anything compiles.
+
+Every experiment file starts from `default_config()` and overrides what it needs, so the schema
+lives here once. `validate` checks the whole tree and raises `ConfigError` naming the key and the
+fix; the train loop calls it before it touches a device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+
+import ml_collections
+
+MODES = ('auto',)  # Extended by the manual shard_map mode (engine.parallel registry).
+MODELS = ('gpt',)
+SOURCES = ('embedded', 'file', 'synthetic')
+TOKENIZERS = ('byte', 'char')
+MESH_AXES = ('data', 'fsdp', 'tensor')
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the key and the fix."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The full schema with its defaults: a tiny GPT on the embedded corpus, one device."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = 'gpt'
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.embed_dim = 64
+  c.model.mlp_dim = 256
+  c.model.max_len = 64  # Learned position embeddings cover this many positions.
+  # -1: the tokenizer's vocabulary, rounded up to a multiple of `vocab_multiple` so that it
+  # splits over any tensor axis that divides the multiple.
+  c.model.vocab_size = -1
+  c.model.vocab_multiple = 64
+  c.model.tie_embeddings = True
+  c.model.scan_layers = True  # False unrolls the layer loop in the HLO (debugging).
+  c.model.init_std = 0.02
+
+  c.data = ml_collections.ConfigDict()
+  c.data.source = 'embedded'  # embedded | file | synthetic
+  c.data.path = ''  # Text file, for source='file'.
+  c.data.tokenizer = 'byte'  # byte | char
+  c.data.seq_len = 64
+  c.data.global_batch_size = 16
+  c.data.val_fraction = 0.1
+  c.data.embedded_max_bytes = 2_000_000  # How much of the embedded corpus to read.
+  c.data.synthetic_tokens = 100_000
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.learning_rate = 1e-3
+  c.optim.end_learning_rate = 1e-4
+  c.optim.warmup_steps = 20
+  c.optim.decay_steps = -1  # -1: warmup + cosine decay end at train.num_steps.
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.99
+  c.optim.weight_decay = 0.1
+  c.optim.grad_clip_norm = 1.0
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1: all devices the other axes leave.
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  c.parallelism = ml_collections.ConfigDict()
+  c.parallelism.mode = 'auto'
+  c.parallelism.rules = 'auto'  # A preset in engine.sharding.RULE_PRESETS; 'auto' follows the mesh.
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_steps = 300
+  c.train.log_every = 25
+  c.train.eval_every = 100
+  c.train.eval_batches = 8
+  c.train.checkpoint_every = 100
+  c.train.keep_checkpoints = 3
+  return c
+
+
+def parse_arg(arg: str | None, **defaults):
+  """Parses big_vision-style 'k=v,flag' experiment arguments, typed by their defaults."""
+  parsed = dict(defaults)
+  for item in filter(None, (arg or '').split(',')):
+    key, _, value = item.partition('=')
+    if key not in defaults:
+      raise ConfigError(f'Unknown experiment argument {key!r}; known: {sorted(defaults)}.')
+    kind = type(defaults[key])
+    if kind is bool:
+      parsed[key] = value.lower() in ('', '1', 'true', 'yes')
+    else:
+      parsed[key] = kind(value)
+  return ml_collections.ConfigDict(parsed)
+
+
+def set_mesh_shape(config: ml_collections.ConfigDict, shape: str) -> None:
+  """Applies a 'DxFxT' mesh string (data x fsdp x tensor) from an experiment argument."""
+  sizes = shape.split('x')
+  if len(sizes) != 3:
+    raise ConfigError(f'mesh={shape!r} must be DATAxFSDPxTENSOR, e.g. mesh=2x2x2.')
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = (int(s) for s in sizes)
+
+
+def _unknown_keys(config: Mapping, schema: Mapping, prefix: str = '') -> list[str]:
+  unknown = []
+  for key, value in config.items():
+    if key not in schema:
+      unknown.append(prefix + key)
+    elif isinstance(value, Mapping) and isinstance(schema[key], Mapping):
+      unknown += _unknown_keys(value, schema[key], prefix + key + '.')
+  return unknown
+
+
+def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
+  """Mesh axis sizes with the single -1 filled in; raises if they cannot cover the devices."""
+  sizes = {axis: int(mesh_config[axis]) for axis in MESH_AXES}
+  free = [axis for axis, size in sizes.items() if size == -1]
+  for axis, size in sizes.items():
+    if size == 0 or size < -1:
+      raise ConfigError(f'mesh.{axis}={size}: axis sizes must be positive, or -1 for "the rest".')
+  if len(free) > 1:
+    raise ConfigError(f'mesh: only one axis may be -1, got {free}; give the others sizes.')
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if free:
+    if num_devices % fixed:
+      raise ConfigError(
+          f'mesh: the fixed axes multiply to {fixed}, which does not divide the {num_devices} '
+          f'devices, so mesh.{free[0]}=-1 has no size; choose sizes whose product divides '
+          f'{num_devices}.')
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(
+        f'mesh: data*fsdp*tensor = {sizes["data"]}*{sizes["fsdp"]}*{sizes["tensor"]} = {fixed}, '
+        f'but there are {num_devices} devices; make the product {num_devices} or set one axis '
+        'to -1.')
+  return sizes
+
+
+def _require_positive(config, keys: list[str]) -> None:
+  for key in keys:
+    section, name = key.split('.')
+    if config[section][name] <= 0:
+      raise ConfigError(f'{key}={config[section][name]} must be positive.')
+
+
+def _require_divisible(value: int, value_key: str, by: int, by_name: str) -> None:
+  if value % by:
+    raise ConfigError(
+        f'{value_key}={value} is not divisible by {by_name}={by}; change one of them so that '
+        f'{by_name} divides {value_key}.')
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int,
+             num_processes: int = 1) -> ml_collections.ConfigDict:
+  """Checks the whole config; returns it unchanged or raises ConfigError naming key and fix."""
+  unknown = _unknown_keys(config, default_config())
+  if unknown:
+    raise ConfigError(
+        f'Unknown config keys {unknown}; see engine/config.py default_config() for the schema '
+        '(a typo in an override?).')
+  from engine import models, parallel, sharding  # Registries; imported late to avoid cycles.
+  if config.model.name not in models.MODELS:
+    raise ConfigError(f'model.name={config.model.name!r} is unknown; choose one of '
+                      f'{sorted(models.MODELS)}.')
+  if config.parallelism.mode not in parallel.STEP_BUILDERS:
+    raise ConfigError(f'parallelism.mode={config.parallelism.mode!r} is unknown; choose one of '
+                      f'{sorted(parallel.STEP_BUILDERS)}.')
+  if config.data.source not in SOURCES:
+    raise ConfigError(f'data.source={config.data.source!r} is unknown; choose one of {SOURCES}.')
+  if config.data.tokenizer not in TOKENIZERS:
+    raise ConfigError(f'data.tokenizer={config.data.tokenizer!r} is unknown; choose one of '
+                      f'{TOKENIZERS}.')
+  if config.data.source == 'file' and not os.path.isfile(config.data.path):
+    raise ConfigError(
+        f'data.path={config.data.path!r} is not a file; pass --config.data.path=PATH to a text '
+        'file, or use --config.data.source=embedded.')
+  _require_positive(config, [
+      'model.num_layers', 'model.num_heads', 'model.embed_dim', 'model.mlp_dim', 'model.max_len',
+      'model.vocab_multiple', 'data.seq_len', 'data.global_batch_size', 'train.num_steps',
+      'train.log_every', 'train.eval_every', 'train.eval_batches', 'train.checkpoint_every',
+      'train.keep_checkpoints', 'optim.learning_rate'])
+  if config.model.vocab_size != -1 and config.model.vocab_size <= 0:
+    raise ConfigError(f'model.vocab_size={config.model.vocab_size} must be positive, or -1 to '
+                      'take it from the tokenizer.')
+  if not 0.0 < config.data.val_fraction < 1.0:
+    raise ConfigError(f'data.val_fraction={config.data.val_fraction} must lie in (0, 1).')
+  if config.optim.warmup_steps < 0 or config.optim.end_learning_rate < 0:
+    raise ConfigError('optim.warmup_steps and optim.end_learning_rate must be >= 0.')
+  if config.data.seq_len > config.model.max_len:
+    raise ConfigError(
+        f'data.seq_len={config.data.seq_len} exceeds model.max_len={config.model.max_len}; '
+        'raise model.max_len or shorten data.seq_len.')
+  _require_divisible(config.model.embed_dim, 'model.embed_dim', config.model.num_heads,
+                     'model.num_heads')
+
+  mesh = resolve_mesh_shape(config.mesh, num_devices)
+  if config.parallelism.rules not in sharding.RULE_PRESETS and config.parallelism.rules != 'auto':
+    raise ConfigError(f'parallelism.rules={config.parallelism.rules!r} is unknown; choose '
+                      f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")
+  rules = sharding.rules_for(config.parallelism.rules, mesh)
+  unused = [a for a, size in mesh.items() if size > 1 and a not in rules.mesh_axes_used()]
+  if unused:
+    raise ConfigError(
+        f'parallelism.rules={config.parallelism.rules!r} does not use mesh axes {unused} of size '
+        '> 1, so they would only duplicate work; set them to 1 or pick rules that use them.')
+
+  batch_axes = rules.mesh_axes('batch', activation=True)
+  batch_ways = math.prod(mesh[a] for a in batch_axes)
+  _require_divisible(config.data.global_batch_size, 'data.global_batch_size', batch_ways,
+                     f'the batch axes {"*".join(batch_axes) or "()"} of the mesh')
+  _require_divisible(config.data.global_batch_size, 'data.global_batch_size', num_processes,
+                     'the number of processes')
+  tensor = mesh['tensor']
+  _require_divisible(config.model.num_heads, 'model.num_heads', tensor, 'mesh.tensor')
+  _require_divisible(config.model.mlp_dim, 'model.mlp_dim', tensor, 'mesh.tensor')
+  if config.model.vocab_size != -1:
+    _require_divisible(config.model.vocab_size, 'model.vocab_size', tensor, 'mesh.tensor')
+  else:
+    _require_divisible(config.model.vocab_multiple, 'model.vocab_multiple', tensor, 'mesh.tensor')
+  fsdp = mesh['fsdp']
+  _require_divisible(config.model.embed_dim, 'model.embed_dim', fsdp, 'mesh.fsdp')
+  return config

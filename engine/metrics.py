@@ -1,0 +1,101 @@
+"""Training metrics: absl log lines, TensorBoard events (tensorboardX) and JSON lines.
+
+Only process 0 writes files; every process may call the writer. Throughput and the estimated time
+left come from wall-clock time between log points.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+from absl import logging
+from tensorboardX import SummaryWriter
+
+
+def quiet_library_logs() -> None:
+  """Drops the INFO chatter of Orbax and grain (they log through absl) so progress stays
+  readable; their warnings and errors still show."""
+  import logging as std_logging
+
+  def keep(record) -> bool:
+    chatty = any(f'{os.sep}{lib}{os.sep}' in record.pathname for lib in ('orbax', 'grain'))
+    return record.levelno >= std_logging.WARNING or not chatty
+
+  logging.get_absl_handler().addFilter(keep)
+
+
+class MetricsWriter:
+
+  def __init__(self, workdir: str, num_steps: int, tokens_per_step: int):
+    self.is_writer = jax.process_index() == 0
+    self.num_steps = num_steps
+    self.tokens_per_step = tokens_per_step
+    self._last_time = None
+    self._last_step = None
+    if self.is_writer:
+      self.tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+      self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+
+  def start_clock(self, step: int) -> None:
+    """Marks the start of timed steps (call after compilation, so it is not counted)."""
+    self._last_time, self._last_step = time.perf_counter(), step
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    if not self.is_writer:
+      return
+    for name, value in scalars.items():
+      self.tensorboard.add_scalar(name, value, step)
+    self.jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
+    self.jsonl.flush()
+
+  def log_train(self, step: int, loss: float, learning_rate: float, grad_norm: float) -> None:
+    """Logs one training point with throughput since the previous one."""
+    now = time.perf_counter()
+    scalars = {'train/loss': loss, 'train/learning_rate': learning_rate,
+               'train/grad_norm': grad_norm}
+    eta = ''
+    if self._last_time is not None and step > self._last_step:
+      steps_per_s = (step - self._last_step) / (now - self._last_time)
+      scalars['train/steps_per_s'] = steps_per_s
+      scalars['train/tokens_per_s'] = steps_per_s * self.tokens_per_step
+      eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s | eta {_duration((self.num_steps - step) / steps_per_s)}'
+    self._last_time, self._last_step = now, step
+    logging.info('step %d/%d | loss %.4f | lr %.2e | grad norm %.3f%s', step, self.num_steps,
+                 loss, learning_rate, grad_norm, eta)
+    self.write(step, scalars)
+
+  def log_eval(self, step: int, loss: float) -> None:
+    logging.info('step %d/%d | eval loss %.4f', step, self.num_steps, loss)
+    self.write(step, {'eval/loss': loss})
+
+  def close(self) -> None:
+    if self.is_writer:
+      self.tensorboard.close()
+      self.jsonl.close()
+
+
+def _duration(seconds: float) -> str:
+  minutes, seconds = divmod(int(seconds), 60)
+  return f'{minutes}m{seconds:02d}s'
+
+
+def log_memory(name: str, compiled) -> dict[str, int]:
+  """Logs and returns the per-device memory of a compiled function."""
+  stats = compiled.memory_analysis()
+  fields = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
+            'alias_size_in_bytes', 'generated_code_size_in_bytes')
+  memory = {f: int(getattr(stats, f, 0) or 0) for f in fields} if stats else {}
+  if memory:
+    peak = (memory['argument_size_in_bytes'] + memory['output_size_in_bytes'] +
+            memory['temp_size_in_bytes'] - memory['alias_size_in_bytes'])
+    memory['peak_estimate_bytes'] = peak
+    logging.info('%s per-device memory: arguments %s, outputs %s, temporaries %s, aliased %s, '
+                 'peak about %s', name, *(_mib(memory[f]) for f in fields[:4]), _mib(peak))
+  return memory
+
+
+def _mib(n: int) -> str:
+  return f'{n / 2**20:.2f} MiB'

@@ -1,0 +1,150 @@
+"""A GPT-2-style decoder in Flax NNX with logical axis names on every parameter.
+
+Token + learned position embeddings, pre-LayerNorm blocks (causal multi-head attention, GELU
+MLP), a final LayerNorm and an output projection (tied to the token embedding or not). Blocks are
+stacked along a leading `layers` axis and applied with `nnx.scan`, so compile time does not grow
+with depth. The model never decides how it is distributed: it names its dimensions and calls
+`ops` (engine.parallel.ops) where a layout may need to constrain or communicate.
+
+Shape suffixes: B batch, L length, D embed, H heads, K head_dim, F mlp hidden, V vocab, C=3 (qkv).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from engine.parallel.ops import LocalOps
+from engine.sharding import LOGICAL_AXES
+
+# Scanning over the stacked blocks removes / adds the leading `layers` logical axis.
+_LAYER_AXIS = {nnx.PARTITION_NAME: None, LOGICAL_AXES: 'layers'}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab_size: int
+  num_layers: int
+  num_heads: int
+  embed_dim: int
+  mlp_dim: int
+  max_len: int
+  tie_embeddings: bool = True
+  scan_layers: bool = True
+  init_std: float = 0.02
+
+  @property
+  def head_dim(self) -> int:
+    return self.embed_dim // self.num_heads
+
+
+def _param(rngs: nnx.Rngs, shape, logical_axes, std: float | None) -> nnx.Param:
+  """A parameter initialised N(0, std) (or ones / zeros for std=None / 0), tagged with names."""
+  if std is None:
+    value = jnp.ones(shape, jnp.float32)
+  elif std == 0:
+    value = jnp.zeros(shape, jnp.float32)
+  else:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value, **{LOGICAL_AXES: tuple(logical_axes)})
+
+
+class LayerNorm(nnx.Module):
+
+  def __init__(self, dim: int, rngs: nnx.Rngs):
+    self.scale = _param(rngs, (dim,), ('norm',), None)
+    self.bias = _param(rngs, (dim,), ('norm',), 0)
+
+  def __call__(self, x_BLD, ops):
+    x = x_BLD.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
+    return y * ops.param(self.scale) + ops.param(self.bias)
+
+
+class Block(nnx.Module):
+  """Pre-LN transformer block. The qkv and MLP-up projections are column-parallel (their output
+  dimension is `heads` / `mlp`); the attention-out and MLP-down projections contract over it and
+  are row-parallel, so each is followed by `ops.finish_contraction`."""
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    D, H, K, F = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
+    residual_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5  # GPT-2's scaled residual init.
+    self.ln_attn = LayerNorm(D, rngs)
+    self.w_qkv_CDHK = _param(rngs, (3, D, H, K), (None, 'embed', 'heads', 'head_dim'),
+                             cfg.init_std)
+    self.w_out_HKD = _param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), residual_std)
+    self.ln_mlp = LayerNorm(D, rngs)
+    self.w_up_DF = _param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
+    self.b_up_F = _param(rngs, (F,), ('mlp',), 0)
+    self.w_down_FD = _param(rngs, (F, D), ('mlp', 'embed'), residual_std)
+    self.b_down_D = _param(rngs, (D,), ('embed',), 0)
+
+  def attention(self, x_BLD, ops):
+    qkv_CBLHK = jnp.einsum('BLD,CDHK->CBLHK', x_BLD, ops.param(self.w_qkv_CDHK))
+    q_BLHK, k_BLHK, v_BLHK = (ops.constrain(t, ('batch', 'length', 'heads', 'head_dim'))
+                              for t in qkv_CBLHK)
+    scale = q_BLHK.shape[-1] ** -0.5
+    logits_BHLL = jnp.einsum('BQHK,BSHK->BHQS', q_BLHK * scale, k_BLHK)
+    length = x_BLD.shape[1]
+    causal_LL = jnp.tril(jnp.ones((length, length), bool))
+    logits_BHLL = jnp.where(causal_LL, logits_BHLL, jnp.finfo(jnp.float32).min)
+    probs_BHLL = jax.nn.softmax(logits_BHLL, axis=-1)
+    out_BLHK = jnp.einsum('BHQS,BSHK->BQHK', probs_BHLL, v_BLHK)
+    y_BLD = jnp.einsum('BLHK,HKD->BLD', out_BLHK, ops.param(self.w_out_HKD))
+    return ops.finish_contraction(y_BLD, 'heads')
+
+  def mlp(self, x_BLD, ops):
+    h_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, ops.param(self.w_up_DF)) + ops.param(self.b_up_F)
+    h_BLF = ops.constrain(jax.nn.gelu(h_BLF), ('batch', 'length', 'mlp'))
+    y_BLD = jnp.einsum('BLF,FD->BLD', h_BLF, ops.param(self.w_down_FD))
+    return ops.finish_contraction(y_BLD, 'mlp') + ops.param(self.b_down_D)
+
+  def __call__(self, x_BLD, ops):
+    x_BLD = x_BLD + self.attention(self.ln_attn(x_BLD, ops), ops)
+    x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
+    x_BLD = x_BLD + self.mlp(self.ln_mlp(x_BLD, ops), ops)
+    return ops.constrain(x_BLD, ('batch', 'length', 'embed'))
+
+
+class GPT(nnx.Module):
+
+  def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    V, D = cfg.vocab_size, cfg.embed_dim
+    self.tok_embed_VD = _param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
+    self.pos_embed_LD = _param(rngs, (cfg.max_len, D), (None, 'embed'), cfg.init_std)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
+    def make_blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.ln_final = LayerNorm(D, rngs)
+    if not cfg.tie_embeddings:
+      self.head_DV = _param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
+
+  def __call__(self, tokens_BL: jax.Array, ops=LocalOps()) -> jax.Array:
+    """Logits for every position of `tokens_BL`."""
+    length = tokens_BL.shape[1]
+    x_BLD = ops.embed_lookup(ops.param(self.tok_embed_VD), tokens_BL)
+    x_BLD = x_BLD + ops.param(self.pos_embed_LD)[:length]
+    x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
+
+    # scan_layers=False unrolls the loop completely: straight-line HLO, one copy per layer.
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS,
+              unroll=1 if self.cfg.scan_layers else self.cfg.num_layers)
+    def run_blocks(block, x_BLD):
+      return block(x_BLD, ops)
+
+    x_BLD = self.ln_final(run_blocks(self.blocks, x_BLD), ops)
+    if self.cfg.tie_embeddings:
+      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, ops.param(self.tok_embed_VD))
+    else:
+      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, ops.param(self.head_DV))
+    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))

@@ -1,0 +1,122 @@
+"""Logical axis names -> mesh axes (rule presets), state shardings, and sharded initialisation.
+
+Parameters carry logical axis names in their `logical_axes` metadata; activations are annotated
+with logical names in the model. A `Rules` object maps both to mesh axes. Parameters and
+activations have separate tables because FSDP shards a parameter's `embed` dimension while the
+activations' `embed` dimension stays whole: that difference is exactly what manual mode gathers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MeshAxes = tuple[str, ...]
+LOGICAL_AXES = 'logical_axes'  # The Variable metadata key the model writes.
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """Logical name -> mesh axes, for parameters and for activations."""
+  params: Mapping[str, MeshAxes]
+  activations: Mapping[str, MeshAxes]
+
+  def mesh_axes(self, logical: str | None, activation: bool = False) -> MeshAxes:
+    table = self.activations if activation else self.params
+    return tuple(table.get(logical, ())) if logical else ()
+
+  def spec(self, logical_axes: tuple[str | None, ...], activation: bool = False) -> P:
+    """PartitionSpec for a tensor whose dimensions have these logical names."""
+    dims = []
+    for name in logical_axes:
+      axes = self.mesh_axes(name, activation)
+      dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*dims)
+
+  def mesh_axes_used(self) -> set[str]:
+    used = set()
+    for table in (self.params, self.activations):
+      for axes in table.values():
+        used.update(axes)
+    return used
+
+  def restricted_to(self, mesh_shape: Mapping[str, int]) -> Rules:
+    """Drops mesh axes of size 1: the mesh shape picks which parts of a preset apply."""
+    keep = lambda table: {k: tuple(a for a in v if mesh_shape.get(a, 1) > 1)
+                          for k, v in table.items()}
+    return Rules(keep(self.params), keep(self.activations))
+
+
+# The combined layout: batch over data and fsdp; parameters' embed over fsdp (ZeRO-3);
+# heads / MLP hidden / vocabulary over tensor (Megatron). Other presets are its restrictions.
+_TENSOR_NAMES = ('heads', 'mlp', 'vocab')
+RULE_PRESETS: dict[str, Rules] = {
+    'data_parallel': Rules(params={}, activations={'batch': ('data',)}),
+    'fsdp': Rules(params={'embed': ('fsdp',)}, activations={'batch': ('data', 'fsdp')}),
+    'tensor': Rules(params={n: ('tensor',) for n in _TENSOR_NAMES},
+                    activations={'batch': ('data',), **{n: ('tensor',) for n in _TENSOR_NAMES}}),
+    'fsdp_tensor': Rules(
+        params={'embed': ('fsdp',), **{n: ('tensor',) for n in _TENSOR_NAMES}},
+        activations={'batch': ('data', 'fsdp'), **{n: ('tensor',) for n in _TENSOR_NAMES}}),
+}
+
+
+def rules_for(preset: str, mesh_shape: Mapping[str, int]) -> Rules:
+  """The named preset ('auto' = the combined one) restricted to the mesh's non-trivial axes."""
+  rules = RULE_PRESETS['fsdp_tensor' if preset == 'auto' else preset]
+  return rules.restricted_to(mesh_shape)
+
+
+def is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def logical_axes_of(variable: nnx.Variable) -> tuple[str | None, ...]:
+  axes = variable.get_metadata().get(LOGICAL_AXES)
+  if axes is None:
+    return (None,) * len(variable.get_value().shape)
+  return tuple(axes)
+
+
+def state_specs(abstract_state: nnx.State, rules: Rules) -> nnx.State:
+  """PartitionSpecs for every Variable of an (abstract) model state, from its logical axes."""
+  return jax.tree.map(lambda v: v.replace(rules.spec(logical_axes_of(v))), abstract_state,
+                      is_leaf=is_variable)
+
+
+def named(mesh: jax.sharding.Mesh, specs):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def abstract_model(model_factory: Callable[[nnx.Rngs], nnx.Module]):
+  """(graphdef, abstract state) of a model, without allocating it."""
+  model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
+  return nnx.split(model)
+
+
+def sharded_init(init_fn: Callable[[], object], out_shardings):
+  """Runs `init_fn` under jit so that every output is created already in its sharding.
+
+  XLA partitions the initialisers themselves, so each device computes only its own shards: no
+  device ever holds a whole unsharded parameter. Returns (state, compiled) so callers can read the
+  compiled init's memory analysis.
+  """
+  jitted = jax.jit(init_fn, out_shardings=out_shardings)
+  compiled = jitted.lower().compile()
+  return compiled(), compiled
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes that one device holds of a tree of (possibly sharded) jax.Arrays or abstract arrays."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, 'sharding', None) else x.shape
+    total += int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+  return total

@@ -1,0 +1,101 @@
+"""The train state: optimizer, objective, abstract state and its shardings, sharded creation.
+
+The state is a plain pytree `{'step', 'params', 'opt_state'}` with params as a nested dict of
+arrays, so Orbax saves and restores it and both parallel modes share it unchanged. The model's
+graph definition (structure + logical-axis metadata) stays outside, in `StateLayout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from engine import sharding
+from engine.sharding import Rules
+
+
+def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
+  """Linear warmup to the peak, then cosine decay to `end_learning_rate`."""
+  decay_steps = optim_config.decay_steps if optim_config.decay_steps > 0 else num_steps
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=optim_config.learning_rate,
+      warmup_steps=optim_config.warmup_steps, decay_steps=max(decay_steps, 1),
+      end_value=optim_config.end_learning_rate)
+
+
+def make_optimizer(optim_config, num_steps: int) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping; weight decay only on matrices (not norms or biases)."""
+  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(optim_config.grad_clip_norm),
+      optax.adamw(learning_rate_schedule(optim_config, num_steps), b1=optim_config.b1,
+                  b2=optim_config.b2, weight_decay=optim_config.weight_decay, mask=decay_mask))
+
+
+def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) -> jax.Array:
+  """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
+  model = nnx.merge(graphdef, params)
+  logits_BLV = model(tokens_BL1[:, :-1], ops)
+  return ops.cross_entropy(logits_BLV, tokens_BL1[:, 1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+  """Everything needed to build, shard and apply the train state, derived without allocating."""
+  model_factory: Callable[[nnx.Rngs], nnx.Module]
+  graphdef: nnx.GraphDef
+  abstract_params: Any  # nested dict of ShapeDtypeStruct
+  param_specs: Any  # nested dict of PartitionSpec, same structure
+  tx: optax.GradientTransformation
+  mesh: jax.sharding.Mesh
+  rules: Rules
+
+  def state_specs(self):
+    """PartitionSpecs of the whole train state; optimizer moments follow their parameters."""
+    abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+    opt_specs = optax.tree_map_params(
+        self.tx, lambda _, spec: spec, abstract_opt, self.param_specs,
+        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+    return {'step': P(), 'params': self.param_specs, 'opt_state': opt_specs}
+
+  def state_shardings(self):
+    return sharding.named(self.mesh, self.state_specs())
+
+  def abstract_state(self):
+    """ShapeDtypeStructs carrying their target shardings: the restore target for Orbax."""
+    shapes = jax.eval_shape(lambda: self._fresh_state(jax.random.key(0)))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, self.state_shardings())
+
+  def _fresh_state(self, key):
+    model = self.model_factory(nnx.Rngs(params=key))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return {'step': jnp.zeros((), jnp.int32), 'params': params,
+            'opt_state': self.tx.init(params)}
+
+  def init(self, seed: int):
+    """Creates the state already sharded; returns (state, compiled init) for its memory stats."""
+    return sharding.sharded_init(
+        lambda: self._fresh_state(jax.random.key(seed)),
+        self.state_shardings())
+
+
+def make_layout(model_factory: Callable[[nnx.Rngs], nnx.Module], tx, mesh, rules) -> StateLayout:
+  graphdef, abstract = sharding.abstract_model(model_factory)
+  specs = sharding.state_specs(abstract, rules)
+  return StateLayout(
+      model_factory=model_factory, graphdef=graphdef,
+      abstract_params=nnx.to_pure_dict(abstract), param_specs=nnx.to_pure_dict(specs),
+      tx=tx, mesh=mesh, rules=rules)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules) -> NamedSharding:
+  """Token batches [batch, length+1] are split over the batch axes of the rules."""
+  return NamedSharding(mesh, rules.spec(('batch', None), activation=True))

@@ -1,0 +1,142 @@
+"""The training loop: validate -> mesh -> data -> init or restore -> steps -> eval -> checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from engine import config as config_lib
+from engine import data, models, parallel, sharding
+from engine import state as state_lib
+from engine.checkpoint import Checkpointer
+from engine.mesh import make_mesh
+from engine.metrics import MetricsWriter, log_memory
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What a run reports back: per-step train losses that were logged, eval losses, last step."""
+  train_losses: dict[int, float]
+  eval_losses: dict[int, float]
+  final_step: int
+  memory: dict[str, dict[str, int]]
+
+
+def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
+  """The model's vocabulary: the config's, or the tokenizer's rounded up to `vocab_multiple`."""
+  if model_config.vocab_size == -1:
+    return math.ceil(tokenizer_vocab / model_config.vocab_multiple) * model_config.vocab_multiple
+  if model_config.vocab_size < tokenizer_vocab:
+    raise config_lib.ConfigError(
+        f'model.vocab_size={model_config.vocab_size} is smaller than the tokenizer\'s '
+        f'{tokenizer_vocab} tokens; raise it or set it to -1.')
+  return model_config.vocab_size
+
+
+def _check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Refuses to resume a workdir whose model or data differ: the checkpoint would not fit, or
+  the run would silently change. Mesh, mode and schedule may change between runs."""
+  path = os.path.join(workdir, 'config.json')
+  if os.path.exists(path):
+    with open(path) as f:
+      saved = json.load(f)
+    for section in ('model', 'data'):
+      if saved.get(section) != json.loads(config[section].to_json()):
+        raise config_lib.ConfigError(
+            f'--workdir={workdir} holds a run with a different {section} config than this one; '
+            f'use a new --workdir, or the {section} settings of {path}.')
+  elif jax.process_index() == 0:
+    with open(path, 'w') as f:
+      f.write(config.to_json(indent=2))
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
+  """Trains (or resumes) the experiment `config` in `workdir`."""
+  config_lib.validate(config, jax.device_count(), jax.process_count())
+  os.makedirs(workdir, exist_ok=True)
+  _check_workdir_config(config, workdir)
+
+  mesh = make_mesh(config.mesh)
+  rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
+  corpus = data.load_corpus(config.data, config.seed)
+  vocab_size = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
+  logging.info('Mesh %s, mode %s, rules %s; %s tokenizer, vocab %d (model %d), %d train tokens',
+               dict(mesh.shape), config.parallelism.mode, config.parallelism.rules,
+               config.data.tokenizer, corpus.tokenizer.vocab_size, vocab_size,
+               len(corpus.train_tokens))
+
+  num_steps = config.train.num_steps
+  tx = state_lib.make_optimizer(config.optim, num_steps)
+  schedule = state_lib.learning_rate_schedule(config.optim, num_steps)
+  layout = state_lib.make_layout(models.MODELS[config.model.name](config.model, vocab_size), tx,
+                                 mesh, rules)
+  steps = parallel.STEP_BUILDERS[config.parallelism.mode](layout)
+  batch_sharding = state_lib.batch_sharding(mesh, rules)
+  num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract_params))
+  logging.info('Model %s: %.3fM parameters', config.model.name, num_params / 1e6)
+
+  train_iterator = data.train_iterator(corpus, config.data, config.seed)
+  checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
+                              config.train.checkpoint_every, config.train.keep_checkpoints)
+  memory = {}
+  start_step = checkpointer.latest_step()
+  if start_step is None:
+    state, init_compiled = layout.init(config.seed)
+    memory['init'] = log_memory('init', init_compiled)
+    start_step = 0
+  else:
+    state = checkpointer.restore(start_step, layout.abstract_state(), train_iterator)
+  logging.info('Parameters per device: %.2f MiB',
+               sharding.bytes_per_device(state['params']) / 2**20)
+
+  global_batch = config.data.global_batch_size
+  abstract_batch = jax.ShapeDtypeStruct((global_batch, config.data.seq_len + 1), np.int32,
+                                        sharding=batch_sharding)
+  train_step = steps.train.lower(layout.abstract_state(), abstract_batch).compile()
+  memory['train_step'] = log_memory('train step', train_step)
+  eval_step = steps.eval.lower(layout.abstract_state()['params'], abstract_batch).compile()
+  eval_data = [data.to_global(b, batch_sharding, global_batch)
+               for b in data.eval_batches(corpus, config.data, config.seed,
+                                          config.train.eval_batches)]
+
+  writer = MetricsWriter(workdir, num_steps, global_batch * config.data.seq_len)
+  result = TrainResult({}, {}, start_step, memory)
+  pending = None  # Metrics of the last step to log, fetched once the next step is dispatched.
+
+  def flush(pending):
+    step, metrics = pending
+    metrics = jax.device_get(metrics)
+    loss = float(metrics['loss'])
+    if not math.isfinite(loss):
+      raise FloatingPointError(f'Training loss is {loss} at step {step}; lower '
+                               'optim.learning_rate or check the data.')
+    writer.log_train(step, loss, float(schedule(step - 1)), float(metrics['grad_norm']))
+    result.train_losses[step] = loss
+
+  writer.start_clock(start_step)
+  for step in range(start_step + 1, num_steps + 1):
+    batch = data.to_global(next(train_iterator), batch_sharding, global_batch)
+    state, metrics = train_step(state, batch)
+    if pending is not None:
+      flush(pending)
+      pending = None
+    if step % config.train.log_every == 0 or step == num_steps:
+      pending = (step, metrics)
+    if step % config.train.eval_every == 0 or step == num_steps:
+      eval_loss = float(np.mean([eval_step(state['params'], b) for b in eval_data]))
+      writer.log_eval(step, eval_loss)
+      result.eval_losses[step] = eval_loss
+    checkpointer.save(step, state, train_iterator, force=step == num_steps)
+    result.final_step = step
+  if pending is not None:
+    flush(pending)
+  checkpointer.close()
+  writer.close()
+  return result
