@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
-
 import ml_collections
+from ml_collections import ConfigDict
 
 MODES = ('auto',)  # Extended by the manual shard_map mode (engine.parallel registry).
 MODELS = ('gpt',)
@@ -106,12 +105,12 @@ def set_mesh_shape(config: ml_collections.ConfigDict, shape: str) -> None:
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = (int(s) for s in sizes)
 
 
-def _unknown_keys(config: Mapping, schema: Mapping, prefix: str = '') -> list[str]:
+def _unknown_keys(config: ConfigDict, schema: ConfigDict, prefix: str = '') -> list[str]:
   unknown = []
   for key, value in config.items():
     if key not in schema:
       unknown.append(prefix + key)
-    elif isinstance(value, Mapping) and isinstance(schema[key], Mapping):
+    elif isinstance(value, ConfigDict) and isinstance(schema[key], ConfigDict):
       unknown += _unknown_keys(value, schema[key], prefix + key + '.')
   return unknown
 
@@ -191,6 +190,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(f'data.val_fraction={config.data.val_fraction} must lie in (0, 1).')
   if config.optim.warmup_steps < 0 or config.optim.end_learning_rate < 0:
     raise ConfigError('optim.warmup_steps and optim.end_learning_rate must be >= 0.')
+  if config.optim.decay_steps != -1 and config.optim.decay_steps <= config.optim.warmup_steps:
+    raise ConfigError(
+        f'optim.decay_steps={config.optim.decay_steps} must exceed optim.warmup_steps='
+        f'{config.optim.warmup_steps} (it counts the warmup), or be -1 to end at '
+        'train.num_steps.')
   if config.data.seq_len > config.model.max_len:
     raise ConfigError(
         f'data.seq_len={config.data.seq_len} exceeds model.max_len={config.model.max_len}; '
@@ -212,7 +216,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   batch_axes = rules.mesh_axes('batch', activation=True)
   batch_ways = math.prod(mesh[a] for a in batch_axes)
   _require_divisible(config.data.global_batch_size, 'data.global_batch_size', batch_ways,
-                     f'the batch axes {"*".join(batch_axes) or "()"} of the mesh')
+                     f'the mesh\'s batch axes {"*".join(batch_axes) or "(none)"}')
   _require_divisible(config.data.global_batch_size, 'data.global_batch_size', num_processes,
                      'the number of processes')
   tensor = mesh['tensor']

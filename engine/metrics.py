@@ -11,6 +11,7 @@ import os
 import time
 
 import jax
+import numpy as np
 from absl import logging
 from tensorboardX import SummaryWriter
 
@@ -35,6 +36,7 @@ class MetricsWriter:
     self.tokens_per_step = tokens_per_step
     self._last_time = None
     self._last_step = None
+    self.steps_per_s: list[float] = []  # One entry per log interval, for the closing summary.
     if self.is_writer:
       self.tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'))
       self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
@@ -60,6 +62,7 @@ class MetricsWriter:
     if self._last_time is not None and step > self._last_step:
       steps_per_s = (step - self._last_step) / (now - self._last_time)
       scalars['train/steps_per_s'] = steps_per_s
+      self.steps_per_s.append(steps_per_s)
       scalars['train/tokens_per_s'] = steps_per_s * self.tokens_per_step
       eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s | eta {_duration((self.num_steps - step) / steps_per_s)}'
     self._last_time, self._last_step = now, step
@@ -72,6 +75,11 @@ class MetricsWriter:
     self.write(step, {'eval/loss': loss})
 
   def close(self) -> None:
+    if self.steps_per_s:
+      median = float(np.median(self.steps_per_s))
+      logging.info(f'Throughput: median {median:.2f} steps/s, '
+                   f'{median * self.tokens_per_step:,.0f} tokens/s over '
+                   f'{len(self.steps_per_s)} log intervals')
     if self.is_writer:
       self.tensorboard.close()
       self.jsonl.close()

@@ -22,11 +22,15 @@ from engine.sharding import Rules
 
 
 def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
-  """Linear warmup to the peak, then cosine decay to `end_learning_rate`."""
+  """Linear warmup to the peak, then cosine decay to `end_learning_rate`.
+
+  The decay ends at `decay_steps` (warmup included), by default the end of training; a run
+  shorter than its warmup simply never leaves it."""
   decay_steps = optim_config.decay_steps if optim_config.decay_steps > 0 else num_steps
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=optim_config.learning_rate,
-      warmup_steps=optim_config.warmup_steps, decay_steps=max(decay_steps, 1),
+      warmup_steps=optim_config.warmup_steps,
+      decay_steps=max(decay_steps, optim_config.warmup_steps + 1),
       end_value=optim_config.end_learning_rate)
 
 

@@ -25,7 +25,7 @@ def build_steps(layout: StateLayout) -> Steps:
     loss, grads = jax.value_and_grad(loss_fn)(state['params'], tokens_BL1)
     updates, opt_state = layout.tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
-    metrics = {'loss': loss, 'grad_norm': optax.global_norm(grads)}
+    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
     return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
 
   return Steps(

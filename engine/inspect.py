@@ -1,0 +1,92 @@
+"""Shows how the state and a batch are laid out on the mesh.
+
+  python -m engine.inspect --config=experiments/tiny.py:mesh=2x2x2 --param=tok_embed_VD
+
+(with XLA_FLAGS=--xla_force_host_platform_device_count=8 to simulate 8 devices on CPU). Prints
+every parameter's shape, logical axes, PartitionSpec and bytes per device, then
+`jax.debug.visualize_sharding` of the chosen parameter and of the input batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ml_collections import config_flags
+
+from engine import config as config_lib
+from engine import data, models, sharding
+from engine import state as state_lib
+from engine.mesh import make_mesh
+from engine.train import resolve_vocab_size
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
+                                          lock_config=True)
+_PARAM = flags.DEFINE_string('param', 'tok_embed_VD', "Parameter to draw, path joined by '/'.")
+
+
+def layout_from_config(config) -> state_lib.StateLayout:
+  config_lib.validate(config, jax.device_count(), jax.process_count())
+  mesh = make_mesh(config.mesh)
+  rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
+  corpus = data.load_corpus(config.data, config.seed)
+  vocab_size = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
+  tx = state_lib.make_optimizer(config.optim, config.train.num_steps)
+  return state_lib.make_layout(models.MODELS[config.model.name](config.model, vocab_size), tx,
+                               mesh, rules)
+
+
+def visualize(shape, named_sharding: NamedSharding) -> None:
+  """Draws the sharding of an array of any rank as a 2-D picture of its sharded dimensions.
+
+  jax.debug.visualize_sharding draws 1-D and 2-D arrays only, so higher-rank arrays are shown
+  through the (up to) two dimensions that are split, or their last two."""
+  spec = tuple(named_sharding.spec) + (None,) * (len(shape) - len(named_sharding.spec))
+  split = [i for i, s in enumerate(spec) if s is not None][:2]
+  rest = [i for i in reversed(range(len(shape))) if i not in split]
+  dims = sorted(split + rest[:max(0, 2 - len(split))])
+  jax.debug.visualize_sharding(tuple(shape[i] for i in dims),
+                               NamedSharding(named_sharding.mesh, P(*(spec[i] for i in dims))))
+
+
+def parameter_table(layout: state_lib.StateLayout) -> list[tuple[str, tuple, tuple, P, int]]:
+  """(path, shape, logical axes, spec, bytes per device) for every parameter."""
+  graph_state = nnx.state(nnx.merge(layout.graphdef, layout.abstract_params))
+  rows = []
+  for path, variable in nnx.to_flat_state(graph_state):
+    value = variable.get_value()
+    spec = layout.rules.spec(sharding.logical_axes_of(variable))
+    shard = NamedSharding(layout.mesh, spec).shard_shape(value.shape)
+    rows.append(('/'.join(map(str, path)), tuple(value.shape), sharding.logical_axes_of(variable),
+                 spec, math.prod(shard) * np.dtype(value.dtype).itemsize))
+  return rows
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  layout = layout_from_config(config)
+  rows = parameter_table(layout)
+  print(f'mesh {dict(layout.mesh.shape)}')
+  for path, shape, axes, spec, nbytes in rows:
+    print(f'{path:28s} {str(shape):22s} {str(axes):44s} {str(spec):38s} {nbytes:>10,d} B')
+  print(f'parameters per device: {sum(r[-1] for r in rows):,d} B')
+  by_path = {r[0]: r for r in rows}
+  if _PARAM.value not in by_path:
+    raise app.UsageError(f'--param={_PARAM.value} is not a parameter; choose one of '
+                         f'{sorted(by_path)}.')
+  _, shape, _, spec, _ = by_path[_PARAM.value]
+  print(f'\n{_PARAM.value} {shape} {spec}:')
+  visualize(shape, NamedSharding(layout.mesh, spec))
+  batch = state_lib.batch_sharding(layout.mesh, layout.rules)
+  shape = (config.data.global_batch_size, config.data.seq_len + 1)
+  print(f'\ninput batch {shape} {batch.spec}:')
+  visualize(shape, batch)
+
+
+if __name__ == '__main__':
+  app.run(main)

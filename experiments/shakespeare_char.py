@@ -1,0 +1,55 @@
+"""Character-level GPT on Tiny Shakespeare: the well-known small CPU configuration.
+
+  python -m engine.main --config=experiments/shakespeare_char.py \
+      --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/shakespeare
+
+Hardware: 1 CPU device (2 cores): about 6 minutes (around 6 steps/s). 4 layers, 4 heads, width
+128, context 64, batch 12, 2000 steps, AdamW lr 1e-3 (100 warmup steps, cosine decay to 1e-4),
+beta2 0.99, weight decay 0.1, clipping at 1.0, no dropout. Expect a validation loss of about
+1.88 after 2000 steps (nanoGPT's CPU run of the same configuration reaches 1.88).
+
+Arguments (comma separated): mode=auto, mesh=DxFxT (data x fsdp x tensor, e.g. mesh=2x2x2 with
+8 devices), steps=2000. Example on 8 simulated CPU devices:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.main \
+      --config=experiments/shakespeare_char.py:mesh=2x2x2 \
+      --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/shakespeare_222
+"""
+
+from engine.config import default_config, parse_arg, set_mesh_shape
+
+
+def get_config(arg=None):
+  args = parse_arg(arg, mode='auto', mesh='', steps=2000)
+  config = default_config()
+
+  config.model.num_layers = 4
+  config.model.num_heads = 4
+  config.model.embed_dim = 128
+  config.model.mlp_dim = 512
+  config.model.max_len = 64
+  config.model.vocab_multiple = 8  # 65 characters -> 72 rows, splittable over tensor <= 8.
+  config.model.tie_embeddings = True
+
+  config.data.source = 'file'
+  config.data.path = ''  # --config.data.path=../shared/data/tinyshakespeare.txt
+  config.data.tokenizer = 'char'
+  config.data.seq_len = 64
+  config.data.global_batch_size = 12
+
+  config.optim.learning_rate = 1e-3
+  config.optim.end_learning_rate = 1e-4
+  config.optim.warmup_steps = 100
+  config.optim.b2 = 0.99
+  config.optim.weight_decay = 0.1
+  config.optim.grad_clip_norm = 1.0
+
+  config.parallelism.mode = args.mode
+  if args.mesh:
+    set_mesh_shape(config, args.mesh)
+  config.train.num_steps = args.steps
+  config.train.log_every = 100
+  config.train.eval_every = 250
+  config.train.eval_batches = 20
+  config.train.checkpoint_every = 500
+  return config

@@ -1,0 +1,20 @@
+"""Every test process gets 8 simulated CPU devices, requested before JAX starts its backend."""
+
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import jax  # noqa: E402  (must follow the flags)
+import pytest  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+@pytest.fixture(scope='session', autouse=True)
+def eight_devices():
+  # Fail, never skip: a mesh test on fewer devices would prove nothing.
+  assert jax.device_count() == NUM_DEVICES, (
+      f'tests need {NUM_DEVICES} CPU devices, got {jax.device_count()}; XLA_FLAGS was set too '
+      'late (JAX initialised before tests/conftest.py ran).')

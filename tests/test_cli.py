@@ -1,0 +1,43 @@
+"""The command line: `python -m engine.main` runs an experiment; bad input stops it early."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_OVERRIDES = ['--config.model.embed_dim=32', '--config.model.mlp_dim=64',
+                  '--config.model.num_layers=1', '--config.data.embedded_max_bytes=100000',
+                  '--config.train.log_every=1', '--config.train.eval_batches=1']
+
+
+def _run(*args, devices=1):
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
+             JAX_PLATFORMS='cpu')
+  return subprocess.run([sys.executable, '-m', 'engine.main', *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_main_runs_an_experiment_with_overrides(tmp_path):
+  proc = _run('--config=experiments/tiny.py:steps=3,mesh=2x1x2', f'--workdir={tmp_path}',
+              *TINY_OVERRIDES, devices=4)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'step 3/3' in proc.stderr and 'per-device memory' in proc.stderr
+  saved = json.load(open(tmp_path / 'config.json'))
+  assert saved['model']['embed_dim'] == 32 and saved['mesh'] == {'data': 2, 'fsdp': 1,
+                                                                   'tensor': 2}
+  assert os.listdir(tmp_path / 'checkpoints') == ['3']
+
+
+@pytest.mark.parametrize('override, message', [
+    ('--config.model.num_layerz=3', 'num_layerz'),
+    ('--config.mesh.data=3', 'mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 1 devices'),
+    ('--config.data.source=file', "data.path='' is not a file"),
+])
+def test_bad_override_fails_before_anything_runs(override, message, tmp_path):
+  proc = _run('--config=experiments/tiny.py', f'--workdir={tmp_path}', override)
+  assert proc.returncode != 0
+  assert message in proc.stderr, proc.stderr[-3000:]
+  assert not (tmp_path / 'checkpoints').exists()

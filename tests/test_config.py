@@ -1,0 +1,118 @@
+"""Config validation: every bad value is refused early with a message naming the key and fix."""
+
+import pytest
+
+from engine.config import ConfigError, default_config, parse_arg, resolve_mesh_shape, validate
+from tests.helpers import tiny_config
+
+
+def _expect(config, *fragments, devices=8, processes=1):
+  with pytest.raises(ConfigError) as error:
+    validate(config, devices, processes)
+  for fragment in fragments:
+    assert fragment in str(error.value), str(error.value)
+
+
+def test_default_and_tiny_configs_validate():
+  validate(default_config(), 1)
+  validate(tiny_config(mesh=(2, 2, 2)), 8)
+  validate(tiny_config(mesh=(-1, 1, 2)), 8)
+
+
+def test_unknown_key():
+  c = default_config()
+  c.unlock()
+  c.model.num_layerz = 3
+  _expect(c, 'model.num_layerz', 'default_config')
+
+
+def test_mesh_product_must_equal_device_count():
+  c = tiny_config(mesh=(2, 2, 1))
+  _expect(c, 'data*fsdp*tensor = 2*2*1 = 4', '8 devices')
+
+
+def test_mesh_minus_one_fills_the_rest():
+  assert resolve_mesh_shape({'data': -1, 'fsdp': 2, 'tensor': 1}, 8) == {
+      'data': 4, 'fsdp': 2, 'tensor': 1}
+  _expect(tiny_config(mesh=(-1, 3, 1)), 'does not divide', 'mesh.data=-1')
+  _expect(tiny_config(mesh=(-1, -1, 1)), 'only one axis may be -1')
+  _expect(tiny_config(mesh=(0, 8, 1)), 'mesh.data=0')
+
+
+def test_global_batch_must_split_over_batch_axes():
+  c = tiny_config(mesh=(4, 2, 1))
+  c.data.global_batch_size = 12
+  _expect(c, 'data.global_batch_size=12', 'data*fsdp=8')
+
+
+def test_global_batch_must_split_over_processes():
+  c = tiny_config(mesh=(1, 1, 8))
+  c.model.num_heads = 8
+  c.model.embed_dim = 64
+  c.model.mlp_dim = 64
+  c.data.global_batch_size = 6
+  _expect(c, 'data.global_batch_size=6', 'number of processes=4', processes=4)
+
+
+@pytest.mark.parametrize('key, value, fragment', [
+    ('num_heads', 6, 'model.num_heads=6'),
+    ('mlp_dim', 62, 'model.mlp_dim=62'),
+    ('vocab_size', 66, 'model.vocab_size=66'),
+])
+def test_tensor_axis_must_divide_model_dims(key, value, fragment):
+  c = tiny_config(mesh=(2, 1, 4))
+  c.model[key] = value
+  if key == 'num_heads':
+    c.model.embed_dim = 48
+  _expect(c, fragment, 'mesh.tensor=4')
+
+
+def test_fsdp_axis_must_divide_embed():
+  c = tiny_config(mesh=(1, 8, 1))
+  c.model.embed_dim = 36
+  c.model.num_heads = 4
+  _expect(c, 'model.embed_dim=36', 'mesh.fsdp=8')
+
+
+def test_unknown_mode_model_source_tokenizer():
+  for section, key in [('parallelism', 'mode'), ('model', 'name'), ('data', 'source'),
+                       ('data', 'tokenizer')]:
+    c = tiny_config()
+    c[section][key] = 'nope'
+    _expect(c, f"{section}.{key}='nope'", 'choose', devices=1)
+
+
+def test_missing_data_file():
+  c = tiny_config()
+  c.data.source = 'file'
+  c.data.path = '/no/such/file.txt'
+  _expect(c, "data.path='/no/such/file.txt'", '--config.data.path', devices=1)
+
+
+@pytest.mark.parametrize('key', ['model.num_layers', 'model.embed_dim', 'data.seq_len',
+                                 'data.global_batch_size', 'train.num_steps',
+                                 'optim.learning_rate'])
+def test_non_positive_sizes(key):
+  c = tiny_config()
+  section, name = key.split('.')
+  c[section][name] = 0
+  _expect(c, f'{key}=0', 'positive', devices=1)
+
+
+def test_rules_that_leave_a_mesh_axis_unused():
+  c = tiny_config(mesh=(4, 2, 1))
+  c.parallelism.rules = 'data_parallel'
+  _expect(c, "parallelism.rules='data_parallel'", "['fsdp']")
+
+
+def test_sequence_longer_than_positions():
+  c = tiny_config()
+  c.data.seq_len = 32
+  _expect(c, 'data.seq_len=32', 'model.max_len=16', devices=1)
+
+
+def test_parse_arg_types_values_by_defaults():
+  args = parse_arg('mode=manual,mesh=2x2x2,steps=7', mode='auto', mesh='', steps=1)
+  assert (args.mode, args.mesh, args.steps) == ('manual', '2x2x2', 7)
+  with pytest.raises(ConfigError, match="Unknown experiment argument 'stpes'"):
+    parse_arg('stpes=3', steps=1)
