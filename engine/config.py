@@ -12,7 +12,6 @@ import os
 import ml_collections
 from ml_collections import ConfigDict
 
-MODES = ('auto',)  # Extended by the manual shard_map mode (engine.parallel registry).
 MODELS = ('gpt',)
 SOURCES = ('embedded', 'file', 'synthetic')
 TOKENIZERS = ('byte', 'char')

@@ -19,10 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from engine import config as config_lib
-from engine import data, models, sharding
+from engine import data, sharding
 from engine import state as state_lib
-from engine.mesh import make_mesh
-from engine.train import resolve_vocab_size
+from engine.train import build_layout
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=True)
@@ -31,13 +30,8 @@ _PARAM = flags.DEFINE_string('param', 'tok_embed_VD', "Parameter to draw, path j
 
 def layout_from_config(config) -> state_lib.StateLayout:
   config_lib.validate(config, jax.device_count(), jax.process_count())
-  mesh = make_mesh(config.mesh)
-  rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
   corpus = data.load_corpus(config.data, config.seed)
-  vocab_size = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
-  tx = state_lib.make_optimizer(config.optim, config.train.num_steps)
-  return state_lib.make_layout(models.MODELS[config.model.name](config.model, vocab_size), tx,
-                               mesh, rules)
+  return build_layout(config, corpus.tokenizer.vocab_size)
 
 
 def visualize(shape, named_sharding: NamedSharding) -> None:

@@ -35,12 +35,22 @@ def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(optim_config, num_steps: int) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping; weight decay only on matrices (not norms or biases)."""
+  """AdamW; weight decay only on matrices (not norms or biases).
+
+  Global-norm clipping happens in the train step (`clip_by_global_norm`), not in this chain: in
+  manual mode the norm of sharded gradients needs collectives that only the step can write, and
+  keeping it out of the chain gives both modes the same optimizer state, so checkpoints move
+  between them.
+  """
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
-      optax.clip_by_global_norm(optim_config.grad_clip_norm),
-      optax.adamw(learning_rate_schedule(optim_config, num_steps), b1=optim_config.b1,
-                  b2=optim_config.b2, weight_decay=optim_config.weight_decay, mask=decay_mask))
+  return optax.adamw(learning_rate_schedule(optim_config, num_steps), b1=optim_config.b1,
+                     b2=optim_config.b2, weight_decay=optim_config.weight_decay, mask=decay_mask)
+
+
+def clip_by_global_norm(grads, global_norm: jax.Array, max_norm: float):
+  """Scales gradients down to `max_norm` when their global norm exceeds it (optax's formula)."""
+  scale = jnp.where(global_norm < max_norm, 1.0, max_norm / global_norm)
+  return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
 
 
 def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) -> jax.Array:
@@ -58,6 +68,7 @@ class StateLayout:
   abstract_params: Any  # nested dict of ShapeDtypeStruct
   param_specs: Any  # nested dict of PartitionSpec, same structure
   tx: optax.GradientTransformation
+  max_grad_norm: float
   mesh: jax.sharding.Mesh
   rules: Rules
 
@@ -91,13 +102,14 @@ class StateLayout:
         self.state_shardings())
 
 
-def make_layout(model_factory: Callable[[nnx.Rngs], nnx.Module], tx, mesh, rules) -> StateLayout:
+def make_layout(model_factory: Callable[[nnx.Rngs], nnx.Module], tx, max_grad_norm: float, mesh,
+                rules) -> StateLayout:
   graphdef, abstract = sharding.abstract_model(model_factory)
   specs = sharding.state_specs(abstract, rules)
   return StateLayout(
       model_factory=model_factory, graphdef=graphdef,
       abstract_params=nnx.to_pure_dict(abstract), param_specs=nnx.to_pure_dict(specs),
-      tx=tx, mesh=mesh, rules=rules)
+      tx=tx, max_grad_norm=max_grad_norm, mesh=mesh, rules=rules)
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules) -> NamedSharding:

@@ -40,6 +40,16 @@ def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
   return model_config.vocab_size
 
 
+def build_layout(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> state_lib.StateLayout:
+  """Mesh, rules, model and optimizer of a validated config: everything but the data."""
+  mesh = make_mesh(config.mesh)
+  rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
+  vocab_size = resolve_vocab_size(config.model, tokenizer_vocab)
+  model_factory = models.MODELS[config.model.name](config.model, vocab_size)
+  tx = state_lib.make_optimizer(config.optim, config.train.num_steps)
+  return state_lib.make_layout(model_factory, tx, config.optim.grad_clip_norm, mesh, rules)
+
+
 def _check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuses to resume a workdir whose model or data differ: the checkpoint would not fit, or
   the run would silently change. Mesh, mode and schedule may change between runs."""
@@ -63,20 +73,15 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   os.makedirs(workdir, exist_ok=True)
   _check_workdir_config(config, workdir)
 
-  mesh = make_mesh(config.mesh)
-  rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
   corpus = data.load_corpus(config.data, config.seed)
-  vocab_size = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
+  layout = build_layout(config, corpus.tokenizer.vocab_size)
+  mesh, rules = layout.mesh, layout.rules
   logging.info('Mesh %s, mode %s, rules %s; %s tokenizer, vocab %d (model %d), %d train tokens',
                dict(mesh.shape), config.parallelism.mode, config.parallelism.rules,
-               config.data.tokenizer, corpus.tokenizer.vocab_size, vocab_size,
-               len(corpus.train_tokens))
-
+               config.data.tokenizer, corpus.tokenizer.vocab_size,
+               layout.abstract_params['tok_embed_VD'].shape[0], len(corpus.train_tokens))
   num_steps = config.train.num_steps
-  tx = state_lib.make_optimizer(config.optim, num_steps)
   schedule = state_lib.learning_rate_schedule(config.optim, num_steps)
-  layout = state_lib.make_layout(models.MODELS[config.model.name](config.model, vocab_size), tx,
-                                 mesh, rules)
   steps = parallel.STEP_BUILDERS[config.parallelism.mode](layout)
   batch_sharding = state_lib.batch_sharding(mesh, rules)
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract_params))
@@ -120,6 +125,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
     writer.log_train(step, loss, float(schedule(step - 1)), float(metrics['grad_norm']))
     result.train_losses[step] = loss
 
+  if start_step >= num_steps:
+    logging.info('The checkpoint in %s is at step %d, train.num_steps=%d: nothing to train.',
+                 workdir, start_step, num_steps)
   writer.start_clock(start_step)
   for step in range(start_step + 1, num_steps + 1):
     batch = data.to_global(next(train_iterator), batch_sharding, global_batch)

@@ -48,7 +48,8 @@ def single_device_run(config, num_steps):
     model = factory(nnx.Rngs(params=jax.random.key(config.seed)))
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
-    tx = state_lib.make_optimizer(config.optim, config.train.num_steps)
+    tx = optax.chain(optax.clip_by_global_norm(config.optim.grad_clip_norm),
+                     state_lib.make_optimizer(config.optim, config.train.num_steps))
     opt_state = tx.init(params)
 
     @jax.jit

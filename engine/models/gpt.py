@@ -140,7 +140,7 @@ class GPT(nnx.Module):
     @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS,
               unroll=1 if self.cfg.scan_layers else self.cfg.num_layers)
     def run_blocks(block, x_BLD):
-      return block(x_BLD, ops)
+      return ops.layer(lambda block, x_BLD: block(x_BLD, ops))(block, x_BLD)
 
     x_BLD = self.ln_final(run_blocks(self.blocks, x_BLD), ops)
     if self.cfg.tie_embeddings:

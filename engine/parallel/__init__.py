@@ -3,6 +3,6 @@
 Each builder takes an engine.state.StateLayout and returns engine.parallel.steps.Steps.
 """
 
-from engine.parallel import auto
+from engine.parallel import auto, manual
 
-STEP_BUILDERS = {'auto': auto.build_steps}
+STEP_BUILDERS = {'auto': auto.build_steps, 'manual': manual.build_steps}

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine.parallel.ops import AutoOps
 from engine.parallel.steps import Steps
-from engine.state import StateLayout, batch_sharding, next_token_loss
+from engine.state import StateLayout, batch_sharding, clip_by_global_norm, next_token_loss
 
 
 def build_steps(layout: StateLayout) -> Steps:
@@ -23,9 +23,11 @@ def build_steps(layout: StateLayout) -> Steps:
 
   def train_step(state, tokens_BL1):
     loss, grads = jax.value_and_grad(loss_fn)(state['params'], tokens_BL1)
+    grad_norm = optax.tree.norm(grads)
+    grads = clip_by_global_norm(grads, grad_norm, layout.max_grad_norm)
     updates, opt_state = layout.tx.update(grads, state['opt_state'], state['params'])
     params = optax.apply_updates(state['params'], updates)
-    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
+    metrics = {'loss': loss, 'grad_norm': grad_norm}
     return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
 
   return Steps(

@@ -28,6 +28,10 @@ class LocalOps:
   def param(self, variable: nnx.Variable) -> jax.Array:
     return variable[...]
 
+  def layer(self, fn):
+    """Wraps the function that applies one stacked layer (a layout may rematerialise it)."""
+    return fn
+
   def finish_contraction(self, y: jax.Array, contracted: str) -> jax.Array:
     """Called after a matmul that summed over the logical dimension `contracted`."""
     del contracted
