@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from engine.train import train
 from tests.helpers import tiny_config
@@ -44,12 +45,23 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     np.testing.assert_allclose(split[step], full.train_losses[step], rtol=0, atol=1e-6)
 
 
-def test_resume_on_another_mesh(tmp_path):
-  full = train(_resumable_config((2, 2, 2), 6), str(tmp_path / 'full'))
-  train(_resumable_config((2, 2, 2), 4), str(tmp_path / 'split'))
-  second = train(_resumable_config((8, 1, 1), 6), str(tmp_path / 'split'))
+@pytest.fixture(scope='module')
+def uninterrupted_6_steps(tmp_path_factory):
+  return train(_resumable_config((2, 2, 2), 6), str(tmp_path_factory.mktemp('full')))
+
+
+@pytest.mark.parametrize('first, second', [('auto', 'manual'), ('manual', 'auto')])
+def test_resume_in_the_other_mode_on_another_mesh(first, second, uninterrupted_6_steps, tmp_path):
+  full = uninterrupted_6_steps
+  config = _resumable_config((2, 2, 2), 4)
+  config.parallelism.mode = first
+  train(config, str(tmp_path / 'split'))
+  config = _resumable_config((4, 1, 2), 6)
+  config.parallelism.mode = second
+  resumed = train(config, str(tmp_path / 'split'))
+  assert sorted(resumed.train_losses) == [5, 6]
   for step in (5, 6):
-    np.testing.assert_allclose(second.train_losses[step], full.train_losses[step], atol=2e-5)
+    np.testing.assert_allclose(resumed.train_losses[step], full.train_losses[step], atol=2e-5)
 
 
 def test_resume_refuses_a_different_model(tmp_path):

@@ -1,0 +1,153 @@
+"""Counts the collectives in a compiled step's HLO: kind, mesh axes, executions per step, bytes.
+
+    text = jax.jit(step).lower(*args).compile().as_text()
+    table = count_collectives(text, mesh)
+
+Each collective's replica groups (explicit `{{0,1},...}`, iota `[4,2]<=[2,2,2]T(0,2,1)`, or
+Shardy's `mesh['axis_0'=2,...] {'axis_0'}`) are turned into the names of the mesh axes the group
+spans. Collectives inside `while` bodies (the layer scan) count once per iteration, using XLA's
+known trip count. Bytes are per device and per execution: the size of the collective's result.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
+                'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
+_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) \(.*\{$')
+_INSTRUCTION = re.compile(
+    r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (' + '|'.join(KINDS) + r'|while|call|conditional)'
+    r'(-start)?\((.*)$')
+_SHAPE = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\]')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of the compiled program."""
+  kind: str
+  axes: tuple[str, ...]  # Mesh axes its groups span, in mesh order.
+  shapes: tuple[tuple[int, ...], ...]  # Result buffers (several when XLA combined them).
+  bytes: int  # Per device, per execution.
+  executions: int  # Per step: 1, or the trip count of the loops it sits in.
+  name: str
+  computation: str  # The HLO computation it sits in (a loop body, or the entry).
+
+  @property
+  def buffers(self) -> int:
+    return len(self.shapes)
+
+
+def _shapes(type_text: str) -> list[tuple[tuple[int, ...], int]]:
+  """[(dims, bytes)] of every array in an HLO type, in order."""
+  out = []
+  for dtype, dims in _SHAPE.findall(type_text):
+    shape = tuple(int(d) for d in dims.split(',') if d)
+    out.append((shape, math.prod(shape) * _DTYPE_BYTES[dtype]))
+  return out
+
+
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return ids.transpose(perm) if perm else ids
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(',') if x.strip()]
+
+
+def replica_groups(attrs: str) -> list[list[int]]:
+  """The device groups of one collective, from any of XLA's three spellings."""
+  if m := re.search(r'replica_groups=\{(\{[\d,\{\}]*\})\}', attrs):
+    return [_ints(g) for g in re.findall(r'\{([\d,]*)\}', m.group(1))]
+  if m := re.search(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', attrs):
+    group_shape = _ints(m.group(1))
+    ids = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+    return ids.reshape(group_shape).tolist()
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+                    r"(?:T\(([\d,]+)\))?\))?(?: \{([^}]*)\})?", attrs):
+    names = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+    sizes = [int(size) for _, size in names]
+    grouped = set(re.findall(r"'(\w+)'", m.group(4) or ''))
+    ids = (_iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+           if m.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
+    inner = [i for i, (name, _) in enumerate(names) if name in grouped]
+    outer = [i for i in range(len(names)) if i not in inner]
+    ids = ids.transpose(outer + inner)
+    return ids.reshape(-1, math.prod(sizes[i] for i in inner)).tolist()
+  if m := re.search(r'source_target_pairs=\{(\{[\d,\{\}]*\})\}', attrs):
+    return [_ints(g) for g in re.findall(r'\{([\d,]*)\}', m.group(1))]
+  return []
+
+
+def group_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+  """Mesh axes along which the members of the groups differ (device id = position in the
+  mesh's flattened device order, as in the compiled program's device assignment)."""
+  names, sizes = list(mesh_shape), list(mesh_shape.values())
+  varying = set()
+  for group in groups:
+    coords = np.array(np.unravel_index(np.array(group), sizes)).T
+    varying.update(names[i] for i in range(len(names)) if len(set(coords[:, i])) > 1)
+  return tuple(n for n in names if n in varying)
+
+
+def _parse(hlo_text: str):
+  """computation -> [(name, type, op, is_start, rest of line)] for the ops we follow."""
+  computations, current, entry = collections.defaultdict(list), None, None
+  for line in hlo_text.splitlines():
+    if m := _COMPUTATION.match(line):
+      current = m.group(1)
+      if line.startswith('ENTRY'):
+        entry = current
+    elif current and (m := _INSTRUCTION.match(line)):
+      computations[current].append(m.groups())
+  return computations, entry
+
+
+def count_collectives(hlo_text: str, mesh) -> list[Collective]:
+  """Every collective the compiled program runs per step, with the mesh axes it spans."""
+  mesh_shape = dict(mesh.shape)
+  computations, entry = _parse(hlo_text)
+  found: list[Collective] = []
+
+  def visit(computation: str, executions: int, depth: int = 0):
+    if depth > 32:
+      return
+    for name, type_text, op, is_start, rest in computations.get(computation, ()):
+      if op == 'while':
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+        body = re.search(r'body=%?([\w.\-]+)', rest)
+        if body:
+          visit(body.group(1), executions * (int(trip.group(1)) if trip else 1), depth + 1)
+      elif op in ('call', 'conditional'):
+        for callee in re.findall(r'(?:to_apply|calls|branch_computations)=\{?%?([\w.\-]+)', rest):
+          visit(callee, executions, depth + 1)
+      else:
+        shapes = _shapes(type_text)
+        if is_start and op in ('all-gather', 'collective-permute', 'all-to-all'):
+          shapes = shapes[len(shapes) // 2:]  # (operands, results): keep the results.
+        found.append(Collective(
+            kind=op, axes=group_axes(replica_groups(rest), mesh_shape),
+            shapes=tuple(s for s, _ in shapes), bytes=sum(b for _, b in shapes),
+            executions=executions, name=name, computation=computation))
+
+  visit(entry, 1)
+  return found
+
+
+def summarize(collectives: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
+  """(kind, axes) -> {'ops', 'executions', 'buffers', 'bytes'} per step."""
+  table = collections.defaultdict(lambda: {'ops': 0, 'executions': 0, 'buffers': 0, 'bytes': 0})
+  for c in collectives:
+    row = table[(c.kind, c.axes)]
+    row['ops'] += 1
+    row['executions'] += c.executions
+    row['buffers'] += c.buffers * c.executions
+    row['bytes'] += c.bytes * c.executions
+  return dict(sorted(table.items()))

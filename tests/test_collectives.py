@@ -1,0 +1,125 @@
+"""The collective counter, on hand-written HLO and on the compiled manual steps."""
+
+import jax
+import numpy as np
+import pytest
+
+from engine import collectives, parallel
+from engine.mesh import make_mesh
+from engine.metrics import log_memory
+from engine import state as state_lib
+from engine.train import build_layout
+from tests.helpers import tiny_config
+
+MESH_222 = {'data': 2, 'fsdp': 2, 'tensor': 2}
+
+
+class _Mesh:
+  def __init__(self, shape):
+    self.shape = shape
+
+
+@pytest.mark.parametrize('groups, axes', [
+    ('replica_groups={{0,1},{2,3},{4,5},{6,7}}', ('tensor',)),
+    ('replica_groups={{0,2},{1,3},{4,6},{5,7}}', ('fsdp',)),
+    ('replica_groups={{0,2,4,6},{1,3,5,7}}', ('data', 'fsdp')),
+    ('replica_groups=[4,2]<=[8]', ('tensor',)),
+    ('replica_groups=[4,2]<=[2,2,2]T(1,2,0)', ('data',)),
+    ('replica_groups=[2,4]<=[2,2,2]T(2,0,1)', ('data', 'fsdp')),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}",
+     ('fsdp',)),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", ('data', 'fsdp')),
+])
+def test_replica_group_spellings_map_to_mesh_axes(groups, axes):
+  line = f'  %ar = f32[4,8]{{1,0}} all-reduce(%x), channel_id=1, {groups}, to_apply=%add'
+  found = collectives.count_collectives(f'ENTRY %main (x: f32[4,8]) -> f32[4,8] {{\n{line}\n}}',
+                                        _Mesh(MESH_222))
+  assert [(c.kind, c.axes, c.bytes) for c in found] == [('all-reduce', axes, 128)]
+
+
+def test_loop_bodies_count_once_per_iteration_and_tuples_per_buffer():
+  hlo = '\n'.join([
+      '%body.1 (p: (s32[], f32[8])) -> (s32[], f32[8]) {',
+      '  %ag = f32[16]{0} all-gather(%x), replica_groups=[4,2]<=[8], dimensions={0}',
+      '}',
+      'ENTRY %main.2 (a: f32[8]) -> f32[8] {',
+      '  %w = (s32[], f32[8]) while(%t), condition=%cond.1, body=%body.1, '
+      'backend_config={"known_trip_count":{"n":"6"}}',
+      '  %ar = (f32[8]{0}, f32[2,3]{1,0}, f32[]) all-reduce(%a, %b, %c), '
+      'replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add',
+      '}'])
+  table = collectives.summarize(collectives.count_collectives(hlo, _Mesh(MESH_222)))
+  assert table[('all-gather', ('tensor',))] == {'ops': 1, 'executions': 6, 'buffers': 6,
+                                                'bytes': 6 * 64}
+  assert table[('all-reduce', ('data',))] == {'ops': 1, 'executions': 1, 'buffers': 3,
+                                              'bytes': 32 + 24 + 4}
+
+
+def _compiled_manual_step(mesh, **model):
+  config = tiny_config(mesh=mesh)
+  config.model.update(model)
+  layout = build_layout(config, 256)
+  steps = parallel.STEP_BUILDERS['manual'](layout)
+  batch = jax.ShapeDtypeStruct((config.data.global_batch_size, config.data.seq_len + 1),
+                               np.int32, sharding=state_lib.batch_sharding(layout.mesh,
+                                                                           layout.rules))
+  compiled = steps.train.lower(layout.abstract_state(), batch).compile()
+  return compiled, collectives.count_collectives(compiled.as_text(), layout.mesh), layout
+
+
+def _param_shapes(layout):
+  return sorted(tuple(p.shape) for p in jax.tree.leaves(layout.abstract_params))
+
+
+def test_data_parallel_step_all_reduces_each_gradient_once():
+  _, found, layout = _compiled_manual_step((8, 1, 1))
+  assert {c.kind for c in found} == {'all-reduce'}
+  assert all(c.axes == ('data',) and c.executions == 1 for c in found)
+  gradient_buffers = sorted(s for c in found for s in c.shapes if s != ())
+  assert gradient_buffers == _param_shapes(layout)  # Each gradient exactly once, never twice.
+
+
+def test_tensor_parallel_step_has_two_all_reduces_per_block_each_way():
+  config_layers = 2
+  _, found, _ = _compiled_manual_step((1, 1, 8), num_heads=8, num_layers=config_layers)
+  assert {(c.kind, c.axes) for c in found} == {('all-reduce', ('tensor',))}
+  activation = (16, 16, 32)  # [batch, length, embed]: the batch is not split over tensor.
+  per_loop = {}
+  for c in found:
+    if c.executions == config_layers:
+      assert c.shapes == (activation,)
+      per_loop[c.computation] = per_loop.get(c.computation, 0) + 1
+  assert sorted(per_loop.values()) == [2, 2]  # Forward scan body and backward scan body.
+  assert not any(s == (256, 32) for c in found for s in c.shapes)  # Logits never gathered.
+
+
+def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
+  _, found, layout = _compiled_manual_step((1, 8, 1))
+  kinds = {c.kind for c in found}
+  assert kinds == {'all-gather', 'reduce-scatter', 'all-reduce'}
+  assert all(c.axes == ('fsdp',) for c in found)
+  specs = jax.tree.leaves(layout.param_specs, is_leaf=lambda x: isinstance(x, jax.P))
+  shapes = jax.tree.leaves(layout.abstract_params)
+  sharded = {tuple(s.shape) for s, p in zip(shapes, specs) if 'fsdp' in str(p)}
+  replicated = sorted(tuple(s.shape) for s, p in zip(shapes, specs) if 'fsdp' not in str(p))
+  # Exactly the replicated parameters' gradients (norms, biases) are all-reduced, each once; a
+  # full gradient of a sharded parameter would be one buffer too many.
+  all_reduced = sorted(s for c in found if c.kind == 'all-reduce' for s in c.shapes if s != ())
+  assert all_reduced == replicated
+  assert sharded
+  # Layer weights are gathered once per layer in the forward pass and again in the backward one.
+  layers = tiny_config().model.num_layers
+  w_up = (32, 64)  # Full per-layer shape of blocks/w_up_DF.
+  assert sum(c.executions for c in found
+             if c.kind == 'all-gather' and c.shapes == (w_up,)) == 2 * layers
+  assert any(c.kind == 'reduce-scatter' and c.shapes == ((4, 64),) for c in found)
+
+
+def test_fsdp_memory_falls_with_the_fsdp_axis():
+  arguments = []
+  for fsdp in (1, 2, 4, 8):
+    compiled, _, _ = _compiled_manual_step((8 // fsdp, fsdp, 1), embed_dim=64, mlp_dim=256)
+    memory = log_memory(f'fsdp={fsdp}', compiled)
+    arguments.append(memory['argument_size_in_bytes'])
+  assert arguments == sorted(arguments, reverse=True) and len(set(arguments)) == 4
+  assert arguments[-1] < arguments[0] / 4
