@@ -50,20 +50,25 @@ def build_layout(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> sta
   return state_lib.make_layout(model_factory, tx, config.optim.grad_clip_norm, mesh, rules)
 
 
-def _check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Refuses to resume a workdir whose model or data differ: the checkpoint would not fit, or
-  the run would silently change. Mesh, mode and schedule may change between runs."""
+def _check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Refuses to resume a checkpoint whose model or data config differ from this one: the state
+  would not fit, or the run would silently change. Mesh, mode and schedule may change."""
   path = os.path.join(workdir, 'config.json')
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    for section in ('model', 'data'):
-      if saved.get(section) != json.loads(config[section].to_json()):
-        raise config_lib.ConfigError(
-            f'--workdir={workdir} holds a run with a different {section} config than this one; '
-            f'use a new --workdir, or the {section} settings of {path}.')
-  elif jax.process_index() == 0:
-    with open(path, 'w') as f:
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    saved = json.load(f)
+  for section in ('model', 'data'):
+    if saved.get(section) != json.loads(config[section].to_json()):
+      raise config_lib.ConfigError(
+          f'--workdir={workdir} holds checkpoints of a run with a different {section} config; '
+          f'use a new --workdir, or the {section} settings of {path}.')
+
+
+def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Records the config once the run is known to start (never for a run that failed early)."""
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config.to_json(indent=2))
 
 
@@ -71,7 +76,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains (or resumes) the experiment `config` in `workdir`."""
   config_lib.validate(config, jax.device_count(), jax.process_count())
   os.makedirs(workdir, exist_ok=True)
-  _check_workdir_config(config, workdir)
 
   corpus = data.load_corpus(config.data, config.seed)
   layout = build_layout(config, corpus.tokenizer.vocab_size)
@@ -97,6 +101,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
     memory['init'] = log_memory('init', init_compiled)
     start_step = 0
   else:
+    _check_resumable(config, workdir)
     state = checkpointer.restore(start_step, layout.abstract_state(), train_iterator)
   logging.info('Parameters per device: %.2f MiB',
                sharding.bytes_per_device(state['params']) / 2**20)
@@ -111,6 +116,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
                for b in data.eval_batches(corpus, config.data, config.seed,
                                           config.train.eval_batches)]
 
+  _write_config(config, workdir)
   writer = MetricsWriter(workdir, num_steps, global_batch * config.data.seq_len)
   result = TrainResult({}, {}, start_step, memory)
   pending = None  # Metrics of the last step to log, fetched once the next step is dispatched.

@@ -8,7 +8,7 @@ Hardware: 1 CPU device (2 cores): about 6 minutes (around 6 steps/s). 4 layers, 
 beta2 0.99, weight decay 0.1, clipping at 1.0, no dropout. Expect a validation loss of about
 1.88 after 2000 steps (nanoGPT's CPU run of the same configuration reaches 1.88).
 
-Arguments (comma separated): mode=auto, mesh=DxFxT (data x fsdp x tensor, e.g. mesh=2x2x2 with
+Arguments (comma separated): mode=auto|manual, mesh=DxFxT (data x fsdp x tensor, e.g. mesh=2x2x2 with
 8 devices), steps=2000. Example on 8 simulated CPU devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.main \

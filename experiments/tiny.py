@@ -6,7 +6,7 @@ Hardware: 1 CPU device (2 cores), about a minute. Byte-level, 2 layers, width 64
 batch 16, 300 steps. Expect the train loss to fall from ln(256) = 5.5 to about 2.3 and the eval
 loss to land near 2.4.
 
-Arguments (comma separated): mode=auto, mesh=DxFxT (e.g. mesh=2x2x2 on 8 devices),
+Arguments (comma separated): mode=auto|manual, mesh=DxFxT (e.g. mesh=2x2x2 on 8 devices),
 steps=N. Any key can be overridden: --config.train.num_steps=50.
 """
 
