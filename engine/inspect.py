@@ -9,17 +9,13 @@ every parameter's shape, logical axes, PartitionSpec and bytes per device, then
 
 from __future__ import annotations
 
-import math
-
 import jax
-import numpy as np
 from absl import app, flags
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
 from engine import config as config_lib
-from engine import data, sharding
+from engine import data
 from engine import state as state_lib
 from engine.train import build_layout
 
@@ -47,35 +43,24 @@ def visualize(shape, named_sharding: NamedSharding) -> None:
                                NamedSharding(named_sharding.mesh, P(*(spec[i] for i in dims))))
 
 
-def parameter_table(layout: state_lib.StateLayout) -> list[tuple[str, tuple, tuple, P, int]]:
-  """(path, shape, logical axes, spec, bytes per device) for every parameter."""
-  graph_state = nnx.state(nnx.merge(layout.graphdef, layout.abstract_params))
-  rows = []
-  for path, variable in nnx.to_flat_state(graph_state):
-    value = variable.get_value()
-    spec = layout.rules.spec(sharding.logical_axes_of(variable))
-    shard = NamedSharding(layout.mesh, spec).shard_shape(value.shape)
-    rows.append(('/'.join(map(str, path)), tuple(value.shape), sharding.logical_axes_of(variable),
-                 spec, math.prod(shard) * np.dtype(value.dtype).itemsize))
-  return rows
-
-
 def main(argv):
   del argv
   config = _CONFIG.value
   layout = layout_from_config(config)
-  rows = parameter_table(layout)
+  params = layout.parameters()
   print(f'mesh {dict(layout.mesh.shape)}')
-  for path, shape, axes, spec, nbytes in rows:
-    print(f'{path:28s} {str(shape):22s} {str(axes):44s} {str(spec):38s} {nbytes:>10,d} B')
-  print(f'parameters per device: {sum(r[-1] for r in rows):,d} B')
-  by_path = {r[0]: r for r in rows}
+  for p in params:
+    print(f'{p.path:28s} {str(p.shape):22s} {str(p.logical_axes):46s} {str(p.spec):38s} '
+          f'{p.bytes_per_device:>10,d} B')
+  total = sum(p.bytes_per_device for p in params)
+  print(f'parameters per device: {total:,d} B; with AdamW moments: {3 * total:,d} B')
+  by_path = {p.path: p for p in params}
   if _PARAM.value not in by_path:
     raise app.UsageError(f'--param={_PARAM.value} is not a parameter; choose one of '
                          f'{sorted(by_path)}.')
-  _, shape, _, spec, _ = by_path[_PARAM.value]
-  print(f'\n{_PARAM.value} {shape} {spec}:')
-  visualize(shape, NamedSharding(layout.mesh, spec))
+  chosen = by_path[_PARAM.value]
+  print(f'\n{chosen.path} {chosen.shape} {chosen.spec}:')
+  visualize(chosen.shape, NamedSharding(layout.mesh, chosen.spec))
   batch = state_lib.batch_sharding(layout.mesh, layout.rules)
   shape = (config.data.global_batch_size, config.data.seq_len + 1)
   print(f'\ninput batch {shape} {batch.spec}:')

@@ -39,6 +39,12 @@ class Rules:
       dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*dims)
 
+  def gather_axes(self, logical: str | None) -> MeshAxes:
+    """Mesh axes over which a parameter dimension is stored split but computed whole (FSDP):
+    manual mode all-gathers the dimension over them before use."""
+    kept = self.mesh_axes(logical, activation=True)
+    return tuple(a for a in self.mesh_axes(logical) if a not in kept)
+
   def mesh_axes_used(self) -> set[str]:
     used = set()
     for table in (self.params, self.activations):

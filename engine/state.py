@@ -8,6 +8,7 @@ graph definition (structure + logical-axis metadata) stays outside, in `StateLay
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,16 @@ def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) 
 
 
 @dataclasses.dataclass(frozen=True)
+class ParameterInfo:
+  path: str  # '/'-joined, e.g. 'blocks/w_up_DF'.
+  shape: tuple[int, ...]
+  logical_axes: tuple[str | None, ...]
+  spec: P
+  shard_shape: tuple[int, ...]
+  bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StateLayout:
   """Everything needed to build, shard and apply the train state, derived without allocating."""
   model_factory: Callable[[nnx.Rngs], nnx.Module]
@@ -71,6 +82,19 @@ class StateLayout:
   max_grad_norm: float
   mesh: jax.sharding.Mesh
   rules: Rules
+
+  def parameters(self) -> list[ParameterInfo]:
+    """Every parameter with its logical axes, PartitionSpec and per-device size, by path."""
+    graph_state = nnx.state(nnx.merge(self.graphdef, self.abstract_params))
+    infos = []
+    for path, variable in nnx.to_flat_state(graph_state):
+      value = variable.get_value()
+      axes = sharding.logical_axes_of(variable)
+      spec = self.rules.spec(axes)
+      shard = NamedSharding(self.mesh, spec).shard_shape(value.shape)
+      infos.append(ParameterInfo('/'.join(map(str, path)), tuple(value.shape), axes, spec,
+                                 tuple(shard), math.prod(shard) * value.dtype.itemsize))
+    return infos
 
   def state_specs(self):
     """PartitionSpecs of the whole train state; optimizer moments follow their parameters."""

@@ -1,13 +1,10 @@
-"""Tiny configs and the independent single-device reference that parallel runs must match."""
+"""Tiny configs and the single-device reference runs that parallel runs must match."""
 
-import jax
 import numpy as np
-import optax
-from flax import nnx
 
 from engine import data, models
-from engine import state as state_lib
 from engine.config import default_config
+from engine.reference import ReferenceRun
 from engine.train import resolve_vocab_size
 
 
@@ -35,36 +32,12 @@ def tiny_config(mesh=(1, 1, 1), steps=4, source='synthetic'):
 
 
 def single_device_run(config, num_steps):
-  """The plain computation on one device: no mesh, no shardings, no ops layer.
-
-  Same model definition, initial key, optimizer and batch stream as the engine; returns the
-  per-step losses and final parameters.
-  """
+  """`num_steps` steps of engine.reference on the engine's batch stream: (losses, params)."""
   corpus = data.load_corpus(config.data, config.seed)
   vocab = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
-  factory = models.MODELS[config.model.name](config.model, vocab)
-  device = jax.devices()[0]
-  with jax.default_device(device):
-    model = factory(nnx.Rngs(params=jax.random.key(config.seed)))
-    graphdef, params = nnx.split(model)
-    params = nnx.to_pure_dict(params)
-    tx = optax.chain(optax.clip_by_global_norm(config.optim.grad_clip_norm),
-                     state_lib.make_optimizer(config.optim, config.train.num_steps))
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, tokens):
-      def loss_fn(params):
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-      loss, grads = jax.value_and_grad(loss_fn)(params)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
-    batches = data.windows_dataset(corpus.train_tokens, config.data.seq_len,
-                                   config.data.global_batch_size, config.seed, 0, 1)
-    losses = []
-    for i in range(num_steps):
-      params, opt_state, loss = step(params, opt_state, jax.device_put(batches[i], device))
-      losses.append(float(loss))
-  return np.array(losses), params
+  run = ReferenceRun(models.MODELS[config.model.name](config.model, vocab), config.optim,
+                     config.train.num_steps, config.seed)
+  batches = data.windows_dataset(corpus.train_tokens, config.data.seq_len,
+                                 config.data.global_batch_size, config.seed, 0, 1)
+  losses = [run.step(batches[i]) for i in range(num_steps)]
+  return np.array(losses), run.params

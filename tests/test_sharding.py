@@ -50,7 +50,7 @@ def test_rules_to_specs_for_every_preset(preset):
   config = tiny_config(mesh=_MESH_FOR[preset])
   config.parallelism.rules = preset
   layout = inspect_lib.layout_from_config(config)
-  specs = {row[0]: row[3] for row in inspect_lib.parameter_table(layout)}
+  specs = {p.path: p.spec for p in layout.parameters()}
   for name, expected in _EXPECTED[preset].items():
     if name == 'batch':
       assert layout.rules.spec(('batch', None), activation=True) == expected

@@ -54,15 +54,10 @@ class ManualOps(LocalOps):
     self.rules = rules
     self.mesh_shape = mesh_shape
 
-  def gather_axes(self, logical: str | None) -> tuple[str, ...]:
-    """Mesh axes over which a parameter dimension is stored split but computed whole."""
-    kept = self.rules.mesh_axes(logical, activation=True)
-    return tuple(a for a in self.rules.mesh_axes(logical) if a not in kept)
-
   def param(self, variable: nnx.Variable) -> jax.Array:
     value = variable[...]
     for dim, logical in enumerate(logical_axes_of(variable)):
-      axes = self.gather_axes(logical)
+      axes = self.rules.gather_axes(logical)
       if axes:
         value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
     return value
