@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -37,6 +38,7 @@ class ModeRun:
   collectives: list[collectives.Collective]
   step_seconds: list[float] = dataclasses.field(default_factory=list)
   losses: list[float] = dataclasses.field(default_factory=list)
+  grad_norms: list[float] = dataclasses.field(default_factory=list)
 
   def median_ms(self) -> float:
     return 1e3 * float(np.median(self.step_seconds))
@@ -51,8 +53,13 @@ def compile_mode(layout: state_lib.StateLayout, mode: str, abstract_batch) -> Mo
                  collectives.count_collectives(compiled.as_text(), layout.mesh))
 
 
-def run_interleaved(config, modes: list[str], num_steps: int, warmup: int = 2):
-  """Compiles every mode, then runs their steps interleaved on the same batches."""
+def run_interleaved(config, modes: list[str], num_steps: int, warmup: int = 2,
+                    observe: Callable | None = None):
+  """Compiles every mode, then runs their steps interleaved on the same batches.
+
+  `observe(step, run, state, host_batch)` is called after each mode's step, outside the timed
+  region (step counts from 1, warm-up included).
+  """
   config_lib.validate(config, jax.device_count(), jax.process_count())
   corpus = data.load_corpus(config.data, config.seed)
   layout = build_layout(config, corpus.tokenizer.vocab_size)
@@ -73,6 +80,9 @@ def run_interleaved(config, modes: list[str], num_steps: int, warmup: int = 2):
       if i >= warmup:
         run.step_seconds.append(time.perf_counter() - start)
       run.losses.append(float(metrics['loss']))
+      run.grad_norms.append(float(metrics['grad_norm']))
+      if observe:
+        observe(i + 1, run, states[k], batches[i])
   return layout, runs
 
 
@@ -98,29 +108,31 @@ def report(runs: list[ModeRun], tokens_per_step: int) -> str:
   return '\n'.join(lines)
 
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
-                                          lock_config=True)
-_MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compare, in order.')
-_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps per mode (after 2 warm-up steps).')
-_JSON = flags.DEFINE_string('json', None, 'Also write the measurements to this JSON file.')
+def main():
+  """Command line; flags are defined here, not at import, so other tools can import this."""
+  config_flag = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
+                                                lock_config=True)
+  modes = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compare, in order.')
+  steps = flags.DEFINE_integer('steps', 20, 'Timed steps per mode (after 2 warm-up steps).')
+  json_path = flags.DEFINE_string('json', None, 'Also write the measurements to this JSON file.')
 
+  def run(argv):
+    del argv
+    quiet_library_logs()
+    config = config_flag.value
+    _, runs = run_interleaved(config, modes.value, steps.value)
+    print(report(runs, config.data.global_batch_size * config.data.seq_len))
+    if json_path.value:
+      with open(json_path.value, 'w') as f:
+        json.dump({run.mode: {
+            'step_ms': [s * 1e3 for s in run.step_seconds], 'median_ms': run.median_ms(),
+            'compile_s': run.compile_seconds, 'memory': run.memory, 'losses': run.losses,
+            'collectives': {f'{k}|{",".join(a)}': v
+                            for (k, a), v in collectives.summarize(run.collectives).items()}}
+            for run in runs}, f, indent=1)
 
-def main(argv):
-  del argv
-  quiet_library_logs()
-  config = _CONFIG.value
-  _, runs = run_interleaved(config, _MODES.value, _STEPS.value)
-  tokens = config.data.global_batch_size * config.data.seq_len
-  print(report(runs, tokens))
-  if _JSON.value:
-    with open(_JSON.value, 'w') as f:
-      json.dump({run.mode: {
-          'step_ms': [s * 1e3 for s in run.step_seconds], 'median_ms': run.median_ms(),
-          'compile_s': run.compile_seconds, 'memory': run.memory, 'losses': run.losses,
-          'collectives': {f'{k}|{",".join(a)}': v
-                          for (k, a), v in collectives.summarize(run.collectives).items()}}
-          for run in runs}, f, indent=1)
+  app.run(run)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  main()

@@ -34,7 +34,7 @@ class Collective:
   kind: str
   axes: tuple[str, ...]  # Mesh axes its groups span, in mesh order.
   shapes: tuple[tuple[int, ...], ...]  # Result buffers (several when XLA combined them).
-  bytes: int  # Per device, per execution.
+  buffer_bytes: tuple[int, ...]  # Per device, per execution, one entry per buffer.
   executions: int  # Per step: 1, or the trip count of the loops it sits in.
   name: str
   computation: str  # The HLO computation it sits in (a loop body, or the entry).
@@ -42,6 +42,15 @@ class Collective:
   @property
   def buffers(self) -> int:
     return len(self.shapes)
+
+  @property
+  def bytes(self) -> int:
+    return sum(self.buffer_bytes)
+
+  @property
+  def array_bytes(self) -> int:
+    """Bytes of the non-scalar buffers: what matters for bandwidth."""
+    return sum(b for s, b in zip(self.shapes, self.buffer_bytes) if s)
 
 
 def _shapes(type_text: str) -> list[tuple[tuple[int, ...], int]]:
@@ -134,7 +143,7 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
           shapes = shapes[len(shapes) // 2:]  # (operands, results): keep the results.
         found.append(Collective(
             kind=op, axes=group_axes(replica_groups(rest), mesh_shape),
-            shapes=tuple(s for s, _ in shapes), bytes=sum(b for _, b in shapes),
+            shapes=tuple(s for s, _ in shapes), buffer_bytes=tuple(b for _, b in shapes),
             executions=executions, name=name, computation=computation))
 
   visit(entry, 1)
@@ -142,12 +151,15 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
 
 
 def summarize(collectives: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
-  """(kind, axes) -> {'ops', 'executions', 'buffers', 'bytes'} per step."""
-  table = collections.defaultdict(lambda: {'ops': 0, 'executions': 0, 'buffers': 0, 'bytes': 0})
+  """(kind, axes) -> {'ops', 'executions', 'buffers', 'bytes', 'array_bytes'} per step
+  (`array_bytes` leaves out scalar buffers such as losses and norms)."""
+  table = collections.defaultdict(
+      lambda: {'ops': 0, 'executions': 0, 'buffers': 0, 'bytes': 0, 'array_bytes': 0})
   for c in collectives:
     row = table[(c.kind, c.axes)]
     row['ops'] += 1
     row['executions'] += c.executions
     row['buffers'] += c.buffers * c.executions
     row['bytes'] += c.bytes * c.executions
+    row['array_bytes'] += c.array_bytes * c.executions
   return dict(sorted(table.items()))

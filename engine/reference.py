@@ -36,10 +36,12 @@ class ReferenceRun:
           logits_BLV.astype('float32'), tokens_BL1[:, 1:]).mean()
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = self.tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
+    return optax.apply_updates(params, updates), opt_state, metrics
 
-  def step(self, tokens_BL1) -> float:
-    """One optimizer step on a host batch; returns the loss before the update."""
-    self.params, self.opt_state, loss = self._step(
+  def step(self, tokens_BL1) -> dict[str, float]:
+    """One optimizer step on a host batch; returns the loss (before the update) and the
+    gradient's global norm (before clipping)."""
+    self.params, self.opt_state, metrics = self._step(
         self.params, self.opt_state, jax.device_put(tokens_BL1, self.device))
-    return float(loss)
+    return {k: float(v) for k, v in metrics.items()}

@@ -39,5 +39,5 @@ def single_device_run(config, num_steps):
                      config.train.num_steps, config.seed)
   batches = data.windows_dataset(corpus.train_tokens, config.data.seq_len,
                                  config.data.global_batch_size, config.seed, 0, 1)
-  losses = [run.step(batches[i]) for i in range(num_steps)]
+  losses = [run.step(batches[i])['loss'] for i in range(num_steps)]
   return np.array(losses), run.params

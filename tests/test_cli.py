@@ -41,3 +41,16 @@ def test_bad_override_fails_before_anything_runs(override, message, tmp_path):
   assert proc.returncode != 0
   assert message in proc.stderr, proc.stderr[-3000:]
   assert not (tmp_path / 'checkpoints').exists()
+
+
+def test_inspect_prints_every_parameter_and_draws_the_layout():
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
+             JAX_PLATFORMS='cpu')
+  proc = subprocess.run(
+      [sys.executable, '-m', 'engine.inspect', '--config=experiments/tiny.py:mesh=2x2x2',
+       '--param=blocks/w_up_DF'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "blocks/w_up_DF" in out and "P(None, 'fsdp', 'tensor')" in out
+  assert 'parameters per device:' in out and 'input batch (16, 65)' in out
+  assert all(f'CPU {d}' in out or f',{d}' in out for d in range(8))

@@ -50,9 +50,9 @@ def test_loop_bodies_count_once_per_iteration_and_tuples_per_buffer():
       '}'])
   table = collectives.summarize(collectives.count_collectives(hlo, _Mesh(MESH_222)))
   assert table[('all-gather', ('tensor',))] == {'ops': 1, 'executions': 6, 'buffers': 6,
-                                                'bytes': 6 * 64}
+                                                'bytes': 6 * 64, 'array_bytes': 6 * 64}
   assert table[('all-reduce', ('data',))] == {'ops': 1, 'executions': 1, 'buffers': 3,
-                                              'bytes': 32 + 24 + 4}
+                                              'bytes': 32 + 24 + 4, 'array_bytes': 32 + 24}
 
 
 def _compiled_manual_step(mesh, **model):
