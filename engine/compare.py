@@ -170,27 +170,30 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
   return report
 
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Where report.md, report.json and plots go.')
-_MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compare, in order.')
-_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps per mode, after --warmup steps.')
-_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps (their numerics still count).')
-_ATOL = flags.DEFINE_float('atol', 1e-4, 'Largest difference from the single-device reference '
-                           'that still agrees: absolute for parameters and the loss, relative for '
-                           'gradient norms above 1.')
-flags.mark_flags_as_required(['config', 'workdir'])
+def main():
+  """Command line; flags are defined here, not at import, so tests and tools can import this."""
+  config = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
+                                           lock_config=True)
+  workdir = flags.DEFINE_string('workdir', None, 'Where report.md, report.json and plots go.')
+  modes = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compare, in order.')
+  steps = flags.DEFINE_integer('steps', 10, 'Timed steps per mode, after --warmup steps.')
+  warmup = flags.DEFINE_integer('warmup', 2, 'Untimed first steps (their numerics still count).')
+  atol = flags.DEFINE_float(
+      'atol', 1e-4, 'Largest difference from the single-device reference that still agrees: '
+      'absolute for parameters and the loss, relative for gradient norms above 1.')
+  flags.mark_flags_as_required(['config', 'workdir'])
 
+  def run(argv):
+    del argv
+    quiet_library_logs()
+    if steps.value < 1 or warmup.value < 0 or not math.isfinite(atol.value):
+      raise app.UsageError('--steps must be >= 1, --warmup >= 0 and --atol finite.')
+    report = compare(config.value, workdir.value, modes.value, steps.value, warmup.value,
+                     atol.value)
+    print(compare_report.markdown(report))
 
-def main(argv):
-  del argv
-  quiet_library_logs()
-  if _STEPS.value < 1 or _WARMUP.value < 0 or not math.isfinite(_ATOL.value):
-    raise app.UsageError('--steps must be >= 1, --warmup >= 0 and --atol finite.')
-  report = compare(_CONFIG.value, _WORKDIR.value, _MODES.value, _STEPS.value, _WARMUP.value,
-                   _ATOL.value)
-  print(compare_report.markdown(report))
+  app.run(run)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  main()

@@ -19,11 +19,6 @@ from engine import data
 from engine import state as state_lib
 from engine.train import build_layout
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
-                                          lock_config=True)
-_PARAM = flags.DEFINE_string('param', 'tok_embed_VD', "Parameter to draw, path joined by '/'.")
-
-
 def layout_from_config(config) -> state_lib.StateLayout:
   config_lib.validate(config, jax.device_count(), jax.process_count())
   corpus = data.load_corpus(config.data, config.seed)
@@ -43,29 +38,38 @@ def visualize(shape, named_sharding: NamedSharding) -> None:
                                NamedSharding(named_sharding.mesh, P(*(spec[i] for i in dims))))
 
 
-def main(argv):
-  del argv
-  config = _CONFIG.value
-  layout = layout_from_config(config)
-  params = layout.parameters()
-  print(f'mesh {dict(layout.mesh.shape)}')
-  for p in params:
-    print(f'{p.path:28s} {str(p.shape):22s} {str(p.logical_axes):46s} {str(p.spec):38s} '
-          f'{p.bytes_per_device:>10,d} B')
-  total = sum(p.bytes_per_device for p in params)
-  print(f'parameters per device: {total:,d} B; with AdamW moments: {3 * total:,d} B')
-  by_path = {p.path: p for p in params}
-  if _PARAM.value not in by_path:
-    raise app.UsageError(f'--param={_PARAM.value} is not a parameter; choose one of '
-                         f'{sorted(by_path)}.')
-  chosen = by_path[_PARAM.value]
-  print(f'\n{chosen.path} {chosen.shape} {chosen.spec}:')
-  visualize(chosen.shape, NamedSharding(layout.mesh, chosen.spec))
-  batch = state_lib.batch_sharding(layout.mesh, layout.rules)
-  shape = (config.data.global_batch_size, config.data.seq_len + 1)
-  print(f'\ninput batch {shape} {batch.spec}:')
-  visualize(shape, batch)
+def main():
+  """Command line; flags are defined here, not at import, so tests can import this module."""
+  config_flag = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
+                                                lock_config=True)
+  param_flag = flags.DEFINE_string('param', 'tok_embed_VD',
+                                   "Parameter to draw, path joined by '/'.")
+
+  def run(argv):
+    del argv
+    config = config_flag.value
+    layout = layout_from_config(config)
+    params = layout.parameters()
+    print(f'mesh {dict(layout.mesh.shape)}')
+    for p in params:
+      print(f'{p.path:28s} {str(p.shape):22s} {str(p.logical_axes):46s} {str(p.spec):38s} '
+            f'{p.bytes_per_device:>10,d} B')
+    total = sum(p.bytes_per_device for p in params)
+    print(f'parameters per device: {total:,d} B; with AdamW moments: {3 * total:,d} B')
+    by_path = {p.path: p for p in params}
+    if param_flag.value not in by_path:
+      raise app.UsageError(f'--param={param_flag.value} is not a parameter; choose one of '
+                           f'{sorted(by_path)}.')
+    chosen = by_path[param_flag.value]
+    print(f'\n{chosen.path} {chosen.shape} {chosen.spec}:')
+    visualize(chosen.shape, NamedSharding(layout.mesh, chosen.spec))
+    batch = state_lib.batch_sharding(layout.mesh, layout.rules)
+    shape = (config.data.global_batch_size, config.data.seq_len + 1)
+    print(f'\ninput batch {shape} {batch.spec}:')
+    visualize(shape, batch)
+
+  app.run(run)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  main()
