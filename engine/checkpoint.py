@@ -1,7 +1,9 @@
 """Orbax checkpoints of the train state and the data iterator position, and resume.
 
 Each checkpoint holds two items: 'state' (the sharded train state, restored straight into its
-target shardings) and 'data' (the grain iterator state of every process). Orbax writes into a
+target shardings) and 'data' (the grain iterator's state, as JSON). Every process's iterator is at
+the same index (local batch k of every process belongs to global step k), so one record serves
+any number of processes: a checkpoint from 2 processes resumes on 1 and vice versa. Orbax writes into a
 temporary directory and renames it when complete, so an interrupted save never leaves a
 checkpoint that looks valid; `latest_step` only ever sees finished ones.
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-import grain
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -23,7 +24,7 @@ class Checkpointer:
         self.directory,
         item_names=('state', 'data'),
         item_handlers={'state': ocp.StandardCheckpointHandler(),
-                       'data': grain.checkpoint.CheckpointHandler()},
+                       'data': ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True))
     self.save_every = save_every
@@ -41,7 +42,7 @@ class Checkpointer:
       return False
     saved = self.manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                      data=grain.checkpoint.CheckpointSave(data_iterator)),
+                                      data=ocp.args.JsonSave(data_iterator.get_state())),
         force=True)
     if saved:
       logging.info('Saving checkpoint of step %d to %s', step, self.directory)
@@ -52,7 +53,8 @@ class Checkpointer:
     `data_iterator` in place to where it was at `step`."""
     restored = self.manager.restore(
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                      data=grain.checkpoint.CheckpointRestore(data_iterator)))
+                                      data=ocp.args.JsonRestore()))
+    data_iterator.set_state(restored['data'])
     logging.info('Restored checkpoint of step %d from %s', step, self.directory)
     return restored['state']
 

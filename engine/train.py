@@ -11,6 +11,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from engine import config as config_lib
 from engine import data, models, parallel, sharding
@@ -95,7 +96,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
                               config.train.checkpoint_every, config.train.keep_checkpoints)
   memory = {}
-  start_step = checkpointer.latest_step()
+  # Every process must resume from the same step; process 0's view decides.
+  start_step = int(multihost_utils.broadcast_one_to_all(
+      np.int32(-1 if checkpointer.latest_step() is None else checkpointer.latest_step())))
+  start_step = None if start_step < 0 else start_step
   if start_step is None:
     state, init_compiled = layout.init(config.seed)
     memory['init'] = log_memory('init', init_compiled)

@@ -1,0 +1,78 @@
+"""Multi-process start-up: jax.distributed from flags, environment, or cluster auto-detection.
+
+One program runs on every process (JAX's multi-controller model). Where the coordinates come
+from, in order:
+  1. explicit values (the --coordinator_address / --num_processes / --process_id flags);
+  2. the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (what
+     launch/local.py sets);
+  3. a cluster JAX detects by itself: a multi-host TPU VM, or a SLURM job of several tasks.
+Otherwise the run is single-process and nothing is initialised. On CPU the cross-process
+collectives use gloo. A process that stops sending heartbeats for `heartbeat_timeout_s` is
+declared dead and the others stop with an error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+from absl import logging
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedOptions:
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  heartbeat_timeout_s: int = 30
+  initialization_timeout_s: int = 120
+
+
+def _from_environment(options: DistributedOptions) -> DistributedOptions:
+  env = os.environ
+  return dataclasses.replace(
+      options,
+      coordinator_address=options.coordinator_address or env.get('JAX_COORDINATOR_ADDRESS'),
+      num_processes=options.num_processes if options.num_processes is not None else (
+          int(env['JAX_NUM_PROCESSES']) if 'JAX_NUM_PROCESSES' in env else None),
+      process_id=options.process_id if options.process_id is not None else (
+          int(env['JAX_PROCESS_ID']) if 'JAX_PROCESS_ID' in env else None))
+
+
+def detected_cluster() -> str | None:
+  """The kind of multi-process cluster this process runs in, if JAX can set itself up there."""
+  env = os.environ
+  if int(env.get('SLURM_NTASKS', '1')) > 1 and 'SLURM_PROCID' in env:
+    return 'slurm'
+  if len(env.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1:
+    return 'tpu'
+  return None
+
+
+def initialize(options: DistributedOptions = DistributedOptions()) -> None:
+  """Starts jax.distributed when there is more than one process; a no-op otherwise."""
+  options = _from_environment(options)
+  explicit = options.coordinator_address is not None
+  if explicit and (options.num_processes is None or options.process_id is None):
+    raise ValueError('--coordinator_address needs --num_processes and --process_id too (or '
+                     'JAX_NUM_PROCESSES and JAX_PROCESS_ID).')
+  if explicit and options.num_processes == 1:
+    return
+  cluster = None if explicit else detected_cluster()
+  if not explicit and cluster is None:
+    return
+  # Harmless where the backend is not the CPU; required for CPU collectives across processes.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(
+      coordinator_address=options.coordinator_address,
+      num_processes=options.num_processes,
+      process_id=options.process_id,
+      heartbeat_timeout_seconds=options.heartbeat_timeout_s,
+      initialization_timeout=options.initialization_timeout_s)
+  logging.info('jax.distributed: process %d of %d (%s), %d local / %d global devices',
+               jax.process_index(), jax.process_count(), cluster or 'explicit',
+               jax.local_device_count(), jax.device_count())
+  if jax.process_index() != 0:
+    # One log, one set of metrics: the other processes report only warnings and errors.
+    logging.set_verbosity(logging.WARNING)

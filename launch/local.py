@@ -1,0 +1,127 @@
+"""Runs one command as N cooperating JAX processes on this machine, each with K CPU devices.
+
+  python -m launch.local --num_processes=2 --devices_per_process=4 -- \
+      python -m engine.main --config=experiments/tiny.py:mesh=2x2x2 --workdir=/tmp/tiny_2x4
+
+Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (read by
+engine.distributed) and XLA_FLAGS for K simulated devices. Their output is streamed with a
+`[pI]` prefix. If any process fails, the others are stopped (SIGTERM, then SIGKILL after
+--grace_s) and the launcher exits with that process's status, naming it; Ctrl-C stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def process_env(base: dict, index: int, num_processes: int, devices: int, port: int) -> dict:
+  env = dict(base)
+  env.update(JAX_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', JAX_NUM_PROCESSES=str(num_processes),
+             JAX_PROCESS_ID=str(index), JAX_PLATFORMS='cpu')
+  flags = [f for f in env.get('XLA_FLAGS', '').split()
+           if not f.startswith('--xla_force_host_platform_device_count')]
+  env['XLA_FLAGS'] = ' '.join(flags + [f'--xla_force_host_platform_device_count={devices}'])
+  return env
+
+
+def _stream(index: int, pipe) -> None:
+  for line in iter(pipe.readline, ''):
+    sys.stdout.write(f'[p{index}] {line}')
+    sys.stdout.flush()
+
+
+def _describe(code: int) -> str:
+  return f'was killed by signal {-code}' if code < 0 else f'exited with status {code}'
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+  """SIGTERM to every live process group, then SIGKILL to what is left after `grace_s`."""
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    for p in procs:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, sig)
+        except ProcessLookupError:
+          pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+      time.sleep(0.05)
+
+
+def launch(command: list[str], num_processes: int, devices_per_process: int,
+           grace_s: float = 5.0, port: int | None = None) -> int:
+  """Runs the processes to completion; returns 0, or the failing process's status."""
+  port = port or free_port()
+  procs, threads = [], []
+  for i in range(num_processes):
+    proc = subprocess.Popen(
+        command, env=process_env(os.environ, i, num_processes, devices_per_process, port),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # Its own process group, so stopping it stops its children.
+    procs.append(proc)
+    threads.append(threading.Thread(target=_stream, args=(i, proc.stdout), daemon=True))
+    threads[-1].start()
+
+  def interrupted(signum, frame):
+    del frame
+    print(f'[launch] signal {signum}: stopping all {num_processes} processes', flush=True)
+    _stop(procs, grace_s)
+    sys.exit(128 + signum)
+
+  previous = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    while True:
+      failed = [(i, p.returncode) for i, p in enumerate(procs)
+                if p.poll() is not None and p.returncode != 0]
+      if failed:
+        index, code = failed[0]
+        print(f'[launch] process {index} {_describe(code)}; stopping the other processes',
+              flush=True)
+        _stop(procs, grace_s)
+        for t in threads:
+          t.join(timeout=1)
+        return code if code > 0 else 128 - code
+      if all(p.poll() is not None for p in procs):
+        for t in threads:
+          t.join(timeout=1)
+        return 0
+      time.sleep(0.05)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--num_processes', type=int, required=True)
+  parser.add_argument('--devices_per_process', type=int, default=1)
+  parser.add_argument('--grace_s', type=float, default=5.0,
+                      help='Seconds between SIGTERM and SIGKILL when stopping processes.')
+  parser.add_argument('--port', type=int, default=None, help='Coordinator port (default: free).')
+  parser.add_argument('command', nargs=argparse.REMAINDER,
+                      help='The command every process runs, after --.')
+  args = parser.parse_args(argv)
+  command = args.command[1:] if args.command[:1] == ['--'] else args.command
+  if not command:
+    parser.error('give the command to run after --, e.g. -- python -m engine.main ...')
+  if args.num_processes < 1 or args.devices_per_process < 1:
+    parser.error('--num_processes and --devices_per_process must be >= 1')
+  return launch(command, args.num_processes, args.devices_per_process, args.grace_s, args.port)
+
+
+if __name__ == '__main__':
+  sys.exit(main())
