@@ -66,6 +66,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # -1: all devices the other axes leave.
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  # How many hosts (or TPU slices) the data / fsdp axes span: those axes are laid out across the
+  # slow inter-host network and everything else within a host. 1 = no preference.
+  c.mesh.dcn_data = 1
+  c.mesh.dcn_fsdp = 1
 
   c.parallelism = ml_collections.ConfigDict()
   c.parallelism.mode = 'auto'
@@ -116,7 +120,7 @@ def _unknown_keys(config: ConfigDict, schema: ConfigDict, prefix: str = '') -> l
 
 def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
   """Mesh axis sizes with the single -1 filled in; raises if they cannot cover the devices."""
-  sizes = {axis: int(mesh_config[axis]) for axis in MESH_AXES}
+  sizes = {axis: int(mesh_config[axis]) for axis in MESH_AXES}  # dcn_* are checked separately.
   free = [axis for axis, size in sizes.items() if size == -1]
   for axis, size in sizes.items():
     if size == 0 or size < -1:
@@ -205,6 +209,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   if config.parallelism.rules not in sharding.RULE_PRESETS and config.parallelism.rules != 'auto':
     raise ConfigError(f'parallelism.rules={config.parallelism.rules!r} is unknown; choose '
                       f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")
+  for axis in ('data', 'fsdp'):
+    dcn = config.mesh[f'dcn_{axis}']
+    if dcn < 1 or mesh[axis] % dcn:
+      raise ConfigError(f'mesh.dcn_{axis}={dcn} must be >= 1 and divide mesh.{axis}={mesh[axis]} '
+                        f'(the {axis} axis is split into dcn_{axis} groups across hosts).')
+  hosts = config.mesh.dcn_data * config.mesh.dcn_fsdp
+  if hosts > 1 and hosts != num_processes:
+    raise ConfigError(
+        f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of processes '
+        f'({num_processes}), one group of devices per host; set them to 1 to let the mesh follow '
+        'the device order.')
   rules = sharding.rules_for(config.parallelism.rules, mesh)
   unused = [a for a, size in mesh.items() if size > 1 and a not in rules.mesh_axes_used()]
   if unused:

@@ -5,7 +5,7 @@ from, in order:
   1. explicit values (the --coordinator_address / --num_processes / --process_id flags);
   2. the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (what
      launch/local.py sets);
-  3. a cluster JAX detects by itself: a multi-host TPU VM, or a SLURM job of several tasks.
+  3. a cluster JAX detects by itself: a Cloud TPU VM (single or multi-host), a SLURM job, ...
 Otherwise the run is single-process and nothing is initialised. On CPU the cross-process
 collectives use gloo. A process that stops sending heartbeats for `heartbeat_timeout_s` is
 declared dead and the others stop with an error instead of waiting forever.
@@ -41,12 +41,17 @@ def _from_environment(options: DistributedOptions) -> DistributedOptions:
 
 
 def detected_cluster() -> str | None:
-  """The kind of multi-process cluster this process runs in, if JAX can set itself up there."""
-  env = os.environ
-  if int(env.get('SLURM_NTASKS', '1')) > 1 and 'SLURM_PROCID' in env:
-    return 'slurm'
-  if len(env.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1:
-    return 'tpu'
+  """The cluster JAX can set itself up in (a Cloud TPU VM, a SLURM job, GKE, ...), if any.
+
+  Uses JAX's own cluster detectors, the ones `jax.distributed.initialize()` consults; they are
+  not public API, so any failure to reach them means "no cluster"."""
+  try:
+    from jax._src.clusters import ClusterEnv
+    for env in ClusterEnv._cluster_types:  # pylint: disable=protected-access
+      if not env.opt_in_only_method and env.is_env_present():
+        return env.name
+  except Exception:  # noqa: BLE001  (private API: absent or changed means no detection)
+    return None
   return None
 
 

@@ -6,7 +6,9 @@
 Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (read by
 engine.distributed) and XLA_FLAGS for K simulated devices. Their output is streamed with a
 `[pI]` prefix. If any process fails, the others are stopped (SIGTERM, then SIGKILL after
---grace_s) and the launcher exits with that process's status, naming it; Ctrl-C stops them all.
+--grace_s: JAX traps SIGTERM as a preemption notice, so a process blocked in a collective only
+goes at the SIGKILL) and the launcher exits with that process's status, naming it; Ctrl-C stops
+them all the same way.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def launch(command: list[str], num_processes: int, devices_per_process: int,
-           grace_s: float = 5.0, port: int | None = None) -> int:
+           grace_s: float = 3.0, port: int | None = None) -> int:
   """Runs the processes to completion; returns 0, or the failing process's status."""
   port = port or free_port()
   procs, threads = [], []
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--num_processes', type=int, required=True)
   parser.add_argument('--devices_per_process', type=int, default=1)
-  parser.add_argument('--grace_s', type=float, default=5.0,
+  parser.add_argument('--grace_s', type=float, default=3.0,
                       help='Seconds between SIGTERM and SIGKILL when stopping processes.')
   parser.add_argument('--port', type=int, default=None, help='Coordinator port (default: free).')
   parser.add_argument('command', nargs=argparse.REMAINDER,

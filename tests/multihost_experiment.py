@@ -9,10 +9,12 @@ from tests.helpers import tiny_config
 
 
 def get_config(arg=None):
-  args = parse_arg(arg, mesh='2x2x2', mode='auto', steps=4, checkpoint_every=2, decay_steps=8)
+  args = parse_arg(arg, mesh='2x2x2', mode='auto', steps=4, checkpoint_every=2, decay_steps=8,
+                   dcn_data=1)
   config = tiny_config(steps=args.steps)
   set_mesh_shape(config, args.mesh)
   config.parallelism.mode = args.mode
   config.train.checkpoint_every = args.checkpoint_every
+  config.mesh.dcn_data = args.dcn_data
   config.optim.decay_steps = args.decay_steps  # Independent of where a run stops, for resumes.
   return config

@@ -1,0 +1,79 @@
+"""Submits one command as a SLURM batch job on a GPU cluster: one task per GPU or per host.
+
+  python -m launch.slurm --nodes=4 --gpus_per_node=8 --time=02:00:00 --partition=gpu -- \
+      python -m engine.main --config=experiments/shakespeare_char.py:mesh=-1x1x1 \
+      --config.data.path=/shared/tinyshakespeare.txt --workdir=/shared/runs/shakespeare
+
+It writes a batch script (`--script`, default ./engine_job.sbatch) and runs `sbatch` on it;
+`--dry_run` prints the script and the sbatch command instead. Inside the job, `srun` starts the
+tasks and engine.distributed lets JAX's SLURM detection find the coordinator, the process count
+and each process's index. `--kill-on-bad-exit=1` makes srun stop every task when one fails.
+
+--tasks=per_gpu (default) runs one process per GPU (each sees its own GPU); --tasks=per_host runs
+one process per node that drives all of its GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+
+
+def batch_script(command: list[str], nodes: int, gpus_per_node: int, tasks: str,
+                 time_limit: str, partition: str | None, job_name: str, setup: str) -> str:
+  per_gpu = tasks == 'per_gpu'
+  lines = [
+      '#!/bin/bash',
+      f'#SBATCH --job-name={job_name}',
+      f'#SBATCH --nodes={nodes}',
+      f'#SBATCH --ntasks-per-node={gpus_per_node if per_gpu else 1}',
+      f'#SBATCH --gpus-per-node={gpus_per_node}',
+  ]
+  if per_gpu:
+    lines.append('#SBATCH --gpus-per-task=1')  # Each process sees only its own GPU.
+  lines += [f'#SBATCH --time={time_limit}', f'#SBATCH --output={job_name}-%j.out']
+  if partition:
+    lines.append(f'#SBATCH --partition={partition}')
+  lines += ['', 'set -euo pipefail']
+  if setup:
+    lines.append(setup)
+  lines += ['srun --kill-on-bad-exit=1 ' + shlex.join(command), '']
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--nodes', type=int, required=True)
+  parser.add_argument('--gpus_per_node', type=int, default=8)
+  parser.add_argument('--tasks', choices=('per_gpu', 'per_host'), default='per_gpu')
+  parser.add_argument('--time', default='01:00:00', help='Time limit, HH:MM:SS.')
+  parser.add_argument('--partition', default=None)
+  parser.add_argument('--job_name', default='engine')
+  parser.add_argument('--setup', default='',
+                      help='Shell line run before srun, e.g. "source .venv/bin/activate".')
+  parser.add_argument('--script', default='engine_job.sbatch', help='Where to write the script.')
+  parser.add_argument('--dry_run', action='store_true', help='Print; write and submit nothing.')
+  parser.add_argument('command', nargs=argparse.REMAINDER, help='The command, after --.')
+  args = parser.parse_args(argv)
+  command = args.command[1:] if args.command[:1] == ['--'] else args.command
+  if not command:
+    parser.error('give the command to run after --, e.g. -- python -m engine.main ...')
+  if args.nodes < 1 or args.gpus_per_node < 1:
+    parser.error('--nodes and --gpus_per_node must be >= 1')
+  script = batch_script(command, args.nodes, args.gpus_per_node, args.tasks, args.time,
+                        args.partition, args.job_name, args.setup)
+  submit = ['sbatch', args.script]
+  if args.dry_run:
+    print(f'# {args.script}\n{script}')
+    print(shlex.join(submit))
+    return 0
+  with open(args.script, 'w') as f:
+    f.write(script)
+  print(shlex.join(submit), flush=True)
+  return subprocess.run(submit).returncode
+
+
+if __name__ == '__main__':
+  sys.exit(main())

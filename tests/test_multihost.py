@@ -1,0 +1,123 @@
+"""Real multi-process runs on this machine (jax.distributed over gloo), through launch/local.py.
+
+Every run trains tests/multihost_experiment.py (the tiny model) and is checked against the
+single-device reference, step by step, to fp32 tolerance (see test_manual_parity.py).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine.checkpoint import Checkpointer
+from engine.train import train
+from tests import multihost_experiment
+from tests.helpers import single_device_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ATOL = 1e-5
+
+
+@pytest.fixture(scope='module')
+def reference():
+  losses, _ = single_device_run(multihost_experiment.get_config('steps=6'), 6)
+  return losses
+
+
+def _launch(processes, devices, arg, workdir, background=False):
+  command = [sys.executable, '-m', 'launch.local', f'--num_processes={processes}',
+             f'--devices_per_process={devices}', '--', sys.executable, '-m', 'engine.main',
+             f'--config=tests/multihost_experiment.py:{arg}', f'--workdir={workdir}']
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  if background:
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+  return proc
+
+
+def _logged_losses(workdir):
+  lines = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  return {l['step']: l['train/loss'] for l in lines if 'train/loss' in l}
+
+
+def test_2_processes_auto_match_and_resume_in_1_process(reference, tmp_path):
+  proc = _launch(2, 4, 'mode=auto,steps=4', tmp_path)
+  assert '[p0]' in proc.stdout and 'process 1 of 2' in proc.stdout
+  losses = _logged_losses(tmp_path)
+  np.testing.assert_allclose([losses[s] for s in range(1, 5)], reference[:4], atol=ATOL)
+  # Only process 0 writes metrics: one line per step, not two.
+  assert sorted(losses) == [1, 2, 3, 4]
+  # The 2-process checkpoint resumes in this single process (8 devices), in the other mode.
+  resumed = train(multihost_experiment.get_config('mode=manual,steps=6'), str(tmp_path))
+  assert sorted(resumed.train_losses) == [5, 6]
+  np.testing.assert_allclose([resumed.train_losses[s] for s in (5, 6)], reference[4:6],
+                             atol=ATOL)
+
+
+def test_4_processes_manual_resume_a_1_process_checkpoint(reference, tmp_path):
+  first = train(multihost_experiment.get_config('mode=manual,steps=2'), str(tmp_path))
+  np.testing.assert_allclose([first.train_losses[s] for s in (1, 2)], reference[:2], atol=ATOL)
+  _launch(4, 2, 'mode=manual,steps=4', tmp_path)
+  losses = _logged_losses(tmp_path)
+  np.testing.assert_allclose([losses[s] for s in (3, 4)], reference[2:4], atol=ATOL)
+
+
+@pytest.mark.parametrize('processes, devices, arg', [
+    (2, 4, 'mode=manual,steps=3,dcn_data=2'),  # The data axis laid out across the 2 hosts.
+    (4, 2, 'mode=auto,steps=3'),
+])
+def test_multi_process_runs_match_single_device(processes, devices, arg, reference, tmp_path):
+  _launch(processes, devices, arg, tmp_path)
+  losses = _logged_losses(tmp_path)
+  np.testing.assert_allclose([losses[s] for s in (1, 2, 3)], reference[:3], atol=ATOL)
+
+
+def _worker_pids(launcher_pid):
+  """{process index: pid} of the launcher's children, from their environment."""
+  found = {}
+  children = open(f'/proc/{launcher_pid}/task/{launcher_pid}/children').read().split()
+  for pid in map(int, children):
+    try:
+      env = open(f'/proc/{pid}/environ', 'rb').read().split(b'\0')
+    except FileNotFoundError:
+      continue
+    for entry in env:
+      if entry.startswith(b'JAX_PROCESS_ID='):
+        found[int(entry.split(b'=')[1])] = pid
+  return found
+
+
+def test_killing_a_process_stops_the_launcher_and_keeps_checkpoints(tmp_path):
+  launcher = _launch(2, 4, 'mode=auto,steps=100000,checkpoint_every=2', tmp_path,
+                     background=True)
+  checkpoints = tmp_path / 'checkpoints'
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline:
+    done = [int(d) for d in os.listdir(checkpoints) if d.isdigit()] if checkpoints.exists() else []
+    if max(done, default=0) >= 4:
+      break
+    assert launcher.poll() is None, launcher.stdout.read()[-4000:]
+    time.sleep(0.2)
+  else:
+    raise AssertionError('no checkpoint within 300 s')
+  victim = _worker_pids(launcher.pid)[1]
+  killed_at = time.monotonic()
+  os.kill(victim, signal.SIGKILL)
+  output, _ = launcher.communicate(timeout=120)
+  stop_seconds = time.monotonic() - killed_at
+  assert launcher.returncode != 0
+  assert 'process 1 was killed by signal 9' in output
+  assert stop_seconds < 30, stop_seconds  # Measured: well under a second.
+  print(f'launcher exited {stop_seconds:.2f} s after the kill')
+  # The last complete checkpoint is intact: a new run resumes from it.
+  latest = Checkpointer(str(checkpoints), 2, 3).latest_step()
+  assert latest >= 4
+  resumed = train(multihost_experiment.get_config(f'steps={latest + 1}'), str(tmp_path))
+  assert sorted(resumed.train_losses) == [latest + 1]
