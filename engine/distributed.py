@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import jax
 from absl import logging
@@ -55,6 +56,9 @@ def detected_cluster() -> str | None:
   return None
 
 
+_ACTIVE: DistributedOptions | None = None  # Set once jax.distributed is up.
+
+
 def initialize(options: DistributedOptions = DistributedOptions()) -> None:
   """Starts jax.distributed when there is more than one process; a no-op otherwise."""
   options = _from_environment(options)
@@ -75,9 +79,23 @@ def initialize(options: DistributedOptions = DistributedOptions()) -> None:
       process_id=options.process_id,
       heartbeat_timeout_seconds=options.heartbeat_timeout_s,
       initialization_timeout=options.initialization_timeout_s)
+  global _ACTIVE
+  _ACTIVE = options
   logging.info('jax.distributed: process %d of %d (%s), %d local / %d global devices',
                jax.process_index(), jax.process_count(), cluster or 'explicit',
                jax.local_device_count(), jax.device_count())
   if jax.process_index() != 0:
     # One log, one set of metrics: the other processes report only warnings and errors.
     logging.set_verbosity(logging.WARNING)
+
+
+def await_failure_report() -> None:
+  """After a collective failed (a peer's connection closed), give the distributed runtime the
+  time to notice which process stopped sending heartbeats: it then ends this process with an
+  error naming that process. Returns at once in single-process runs."""
+  if _ACTIVE is None:
+    return
+  logging.error('A cross-process collective failed: another process has probably stopped. '
+                'Waiting up to %d s for the distributed runtime to name it.',
+                _ACTIVE.heartbeat_timeout_s)
+  time.sleep(_ACTIVE.heartbeat_timeout_s + 5)

@@ -14,7 +14,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from engine import config as config_lib
-from engine import data, models, parallel, sharding
+from engine import data, distributed, models, parallel, sharding
 from engine import state as state_lib
 from engine.checkpoint import Checkpointer
 from engine.mesh import make_mesh
@@ -139,22 +139,26 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
     logging.info('The checkpoint in %s is at step %d, train.num_steps=%d: nothing to train.',
                  workdir, start_step, num_steps)
   writer.start_clock(start_step)
-  for step in range(start_step + 1, num_steps + 1):
-    batch = data.to_global(next(train_iterator), batch_sharding, global_batch)
-    state, metrics = train_step(state, batch)
+  try:
+    for step in range(start_step + 1, num_steps + 1):
+      batch = data.to_global(next(train_iterator), batch_sharding, global_batch)
+      state, metrics = train_step(state, batch)
+      if pending is not None:
+        flush(pending)
+        pending = None
+      if step % config.train.log_every == 0 or step == num_steps:
+        pending = (step, metrics)
+      if step % config.train.eval_every == 0 or step == num_steps:
+        eval_loss = float(np.mean([eval_step(state['params'], b) for b in eval_data]))
+        writer.log_eval(step, eval_loss)
+        result.eval_losses[step] = eval_loss
+      checkpointer.save(step, state, train_iterator, force=step == num_steps)
+      result.final_step = step
     if pending is not None:
       flush(pending)
-      pending = None
-    if step % config.train.log_every == 0 or step == num_steps:
-      pending = (step, metrics)
-    if step % config.train.eval_every == 0 or step == num_steps:
-      eval_loss = float(np.mean([eval_step(state['params'], b) for b in eval_data]))
-      writer.log_eval(step, eval_loss)
-      result.eval_losses[step] = eval_loss
-    checkpointer.save(step, state, train_iterator, force=step == num_steps)
-    result.final_step = step
-  if pending is not None:
-    flush(pending)
+  except jax.errors.JaxRuntimeError:
+    distributed.await_failure_report()
+    raise
   checkpointer.close()
   writer.close()
   return result

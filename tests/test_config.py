@@ -116,3 +116,12 @@ def test_parse_arg_types_values_by_defaults():
   assert (args.mode, args.mesh, args.steps) == ('manual', '2x2x2', 7)
   with pytest.raises(ConfigError, match="Unknown experiment argument 'stpes'"):
     parse_arg('stpes=3', steps=1)
+
+
+def test_cross_host_axes_must_divide_and_match_the_processes():
+  c = tiny_config(mesh=(4, 2, 1))
+  c.mesh.dcn_data = 3
+  _expect(c, 'mesh.dcn_data=3', 'divide mesh.data=4')
+  c.mesh.dcn_data = 2
+  _expect(c, 'mesh.dcn_data*mesh.dcn_fsdp=2', 'number of processes (1)')
+  validate(c, 8, num_processes=2)

@@ -6,6 +6,7 @@ single-device reference, step by step, to fp32 tolerance (see test_manual_parity
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,3 +122,33 @@ def test_killing_a_process_stops_the_launcher_and_keeps_checkpoints(tmp_path):
   assert latest >= 4
   resumed = train(multihost_experiment.get_config(f'steps={latest + 1}'), str(tmp_path))
   assert sorted(resumed.train_losses) == [latest + 1]
+
+
+def test_without_a_launcher_the_survivor_stops_naming_the_lost_process(tmp_path):
+  """The distributed runtime's heartbeat: process 0 stops by itself, bounded by the timeout."""
+  from launch.local import free_port, process_env
+  port = free_port()
+  base = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  procs = [subprocess.Popen(
+      [sys.executable, '-m', 'engine.main', '--heartbeat_timeout_s=5',
+       '--config=tests/multihost_experiment.py:steps=100000,checkpoint_every=2',
+       f'--workdir={tmp_path}'], cwd=ROOT, env=process_env(base, i, 2, 4, port),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    deadline = time.monotonic() + 300
+    while not (tmp_path / 'checkpoints' / '2').exists():
+      assert time.monotonic() < deadline and procs[0].poll() is None
+      time.sleep(0.2)
+    procs[1].kill()
+    killed_at = time.monotonic()
+    output, _ = procs[0].communicate(timeout=120)
+    stop_seconds = time.monotonic() - killed_at
+  finally:
+    for p in procs:
+      p.kill()
+  assert procs[0].returncode != 0
+  # The runtime names the silent process: 'Task 1 heartbeat timeout', or 'The following tasks
+  # are unhealthy (stopped sending heartbeats):' followed by the list, depending on timing.
+  assert re.search(r'Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1\b', output)
+  assert stop_seconds < 60, stop_seconds  # Heartbeat timeout 5 s; measured about 10 s.
+  print(f'process 0 stopped {stop_seconds:.2f} s after process 1 was killed')

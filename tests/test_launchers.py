@@ -1,0 +1,71 @@
+"""The launchers' dry runs print exactly what they would run; the local launcher's plumbing."""
+
+import io
+import contextlib
+import shlex
+
+from launch import local, slurm, tpu_pod
+
+
+def _output(main, argv):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    code = main(argv)
+  return code, out.getvalue()
+
+
+COMMAND = ['python', '-m', 'engine.main', '--config=experiments/shakespeare_char.py:mesh=-1x1x1',
+           '--workdir=gs://bucket/run']
+
+
+def test_tpu_pod_dry_run_prints_sync_then_run_on_all_workers():
+  code, out = _output(tpu_pod.main, ['--tpu=pod-1', '--zone=us-west4-a', '--project=proj',
+                                     '--dry_run', '--', *COMMAND])
+  assert code == 0
+  lines = out.strip().splitlines()
+  assert len(lines) == 3
+  assert lines[0] == "bash -c 'git ls-files -z | xargs -0 tar czf /tmp/engine_code.tgz'"
+  assert shlex.split(lines[1]) == [
+      'gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', '/tmp/engine_code.tgz',
+      'pod-1:~/engine_code.tgz', '--zone', 'us-west4-a', '--worker=all', '--project', 'proj']
+  ssh = shlex.split(lines[2])
+  assert ssh[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod-1']
+  assert '--worker=all' in ssh and ssh[-2] == '--command'
+  remote = ssh[-1]
+  assert remote.startswith('mkdir -p ~/engine && tar xzf ~/engine_code.tgz -C ~/engine && '
+                           'cd ~/engine && python3 -m pip install')
+  assert remote.endswith(shlex.join(COMMAND))
+
+
+def test_slurm_dry_run_prints_the_batch_script_and_sbatch(tmp_path):
+  script = tmp_path / 'job.sbatch'
+  code, out = _output(slurm.main, ['--nodes=4', '--gpus_per_node=8', '--partition=gpu',
+                                   '--time=02:00:00', f'--script={script}', '--dry_run', '--',
+                                   *COMMAND])
+  assert code == 0
+  assert not script.exists()  # A dry run writes nothing.
+  for line in ['#SBATCH --nodes=4', '#SBATCH --ntasks-per-node=8', '#SBATCH --gpus-per-node=8',
+               '#SBATCH --gpus-per-task=1', '#SBATCH --time=02:00:00',
+               '#SBATCH --partition=gpu', 'srun --kill-on-bad-exit=1 ' + shlex.join(COMMAND),
+               f'sbatch {script}']:
+    assert line in out.splitlines(), line
+
+
+def test_slurm_one_task_per_host():
+  _, out = _output(slurm.main, ['--nodes=2', '--tasks=per_host', '--dry_run', '--', *COMMAND])
+  assert '#SBATCH --ntasks-per-node=1' in out and '--gpus-per-task' not in out
+
+
+def test_local_launcher_environment_per_process():
+  env = local.process_env({'XLA_FLAGS': '--xla_force_host_platform_device_count=8 --foo'}, 1, 4,
+                          2, 1234)
+  assert env['JAX_COORDINATOR_ADDRESS'] == '127.0.0.1:1234'
+  assert (env['JAX_NUM_PROCESSES'], env['JAX_PROCESS_ID']) == ('4', '1')
+  assert env['XLA_FLAGS'] == '--foo --xla_force_host_platform_device_count=2'
+
+
+def test_local_launcher_propagates_a_failure():
+  code = local.launch(['python', '-c', 'import os, sys, time; '
+                       'sys.exit(3) if os.environ["JAX_PROCESS_ID"] == "1" else time.sleep(60)'],
+                      num_processes=2, devices_per_process=1, grace_s=1)
+  assert code == 3
