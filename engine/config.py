@@ -100,6 +100,20 @@ def parse_arg(arg: str | None, **defaults):
   return ml_collections.ConfigDict(parsed)
 
 
+def parse_run_arg(arg: str | None, steps: int, **extra):
+  """The experiment arguments every experiment takes: mode=, mesh=DxFxT, steps=N (+ extra)."""
+  return parse_arg(arg, mode='auto', mesh='', steps=steps, **extra)
+
+
+def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.ConfigDict:
+  """Sets parallelism.mode, the mesh shape (if given) and train.num_steps from parse_run_arg."""
+  config.parallelism.mode = args.mode
+  if args.mesh:
+    set_mesh_shape(config, args.mesh)
+  config.train.num_steps = args.steps
+  return config
+
+
 def set_mesh_shape(config: ml_collections.ConfigDict, shape: str) -> None:
   """Applies a 'DxFxT' mesh string (data x fsdp x tensor) from an experiment argument."""
   sizes = shape.split('x')

@@ -96,26 +96,26 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
                               config.train.checkpoint_every, config.train.keep_checkpoints)
   memory = {}
+  abstract_state = layout.abstract_state()
   # Every process must resume from the same step; process 0's view decides.
-  start_step = int(multihost_utils.broadcast_one_to_all(
-      np.int32(-1 if checkpointer.latest_step() is None else checkpointer.latest_step())))
-  start_step = None if start_step < 0 else start_step
-  if start_step is None:
+  latest = checkpointer.latest_step()
+  start_step = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if latest is None else latest)))
+  if start_step < 0:
     state, init_compiled = layout.init(config.seed)
     memory['init'] = log_memory('init', init_compiled)
     start_step = 0
   else:
     _check_resumable(config, workdir)
-    state = checkpointer.restore(start_step, layout.abstract_state(), train_iterator)
+    state = checkpointer.restore(start_step, abstract_state, train_iterator)
   logging.info('Parameters per device: %.2f MiB',
                sharding.bytes_per_device(state['params']) / 2**20)
 
   global_batch = config.data.global_batch_size
   abstract_batch = jax.ShapeDtypeStruct((global_batch, config.data.seq_len + 1), np.int32,
                                         sharding=batch_sharding)
-  train_step = steps.train.lower(layout.abstract_state(), abstract_batch).compile()
+  train_step = steps.train.lower(abstract_state, abstract_batch).compile()
   memory['train_step'] = log_memory('train step', train_step)
-  eval_step = steps.eval.lower(layout.abstract_state()['params'], abstract_batch).compile()
+  eval_step = steps.eval.lower(abstract_state['params'], abstract_batch).compile()
   eval_data = [data.to_global(b, batch_sharding, global_batch)
                for b in data.eval_batches(corpus, config.data, config.seed,
                                           config.train.eval_batches)]
@@ -138,11 +138,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   if start_step >= num_steps:
     logging.info('The checkpoint in %s is at step %d, train.num_steps=%d: nothing to train.',
                  workdir, start_step, num_steps)
+  # Gloo's CPU collectives across processes hang with two steps in flight (seen with 2
+  # processes x 4 devices, within the first 50 steps); there, the next step is dispatched only
+  # once this one is done. Accelerators keep the overlap.
+  lockstep = jax.process_count() > 1 and jax.default_backend() == 'cpu'
   writer.start_clock(start_step)
   try:
     for step in range(start_step + 1, num_steps + 1):
       batch = data.to_global(next(train_iterator), batch_sharding, global_batch)
       state, metrics = train_step(state, batch)
+      if lockstep:
+        jax.block_until_ready(state)
       if pending is not None:
         flush(pending)
         pending = None

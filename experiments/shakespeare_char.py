@@ -16,11 +16,10 @@ Arguments (comma separated): mode=auto|manual, mesh=DxFxT (data x fsdp x tensor,
       --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/shakespeare_222
 """
 
-from engine.config import default_config, parse_arg, set_mesh_shape
+from engine.config import apply_run_args, default_config, parse_run_arg
 
 
 def get_config(arg=None):
-  args = parse_arg(arg, mode='auto', mesh='', steps=2000)
   config = default_config()
 
   config.model.num_layers = 4
@@ -44,12 +43,8 @@ def get_config(arg=None):
   config.optim.weight_decay = 0.1
   config.optim.grad_clip_norm = 1.0
 
-  config.parallelism.mode = args.mode
-  if args.mesh:
-    set_mesh_shape(config, args.mesh)
-  config.train.num_steps = args.steps
   config.train.log_every = 100
   config.train.eval_every = 250
   config.train.eval_batches = 20
   config.train.checkpoint_every = 500
-  return config
+  return apply_run_args(config, parse_run_arg(arg, steps=2000))

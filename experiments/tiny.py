@@ -10,18 +10,13 @@ Arguments (comma separated): mode=auto|manual, mesh=DxFxT (e.g. mesh=2x2x2 on 8 
 steps=N. Any key can be overridden: --config.train.num_steps=50.
 """
 
-from engine.config import default_config, parse_arg, set_mesh_shape
+from engine.config import apply_run_args, default_config, parse_run_arg
 
 
 def get_config(arg=None):
-  args = parse_arg(arg, mode='auto', mesh='', steps=600)
   config = default_config()
   config.model.num_layers = 4
   config.train.eval_every = 200
   config.train.checkpoint_every = 200
   config.train.log_every = 50
-  config.parallelism.mode = args.mode
-  if args.mesh:
-    set_mesh_shape(config, args.mesh)
-  config.train.num_steps = args.steps
-  return config
+  return apply_run_args(config, parse_run_arg(arg, steps=600))

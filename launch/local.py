@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+from launch.command import add_command_argument, command_after_dashes
+
 
 def free_port() -> int:
   with socket.socket() as s:
@@ -114,12 +116,9 @@ def main(argv=None) -> int:
   parser.add_argument('--grace_s', type=float, default=3.0,
                       help='Seconds between SIGTERM and SIGKILL when stopping processes.')
   parser.add_argument('--port', type=int, default=None, help='Coordinator port (default: free).')
-  parser.add_argument('command', nargs=argparse.REMAINDER,
-                      help='The command every process runs, after --.')
+  add_command_argument(parser)
   args = parser.parse_args(argv)
-  command = args.command[1:] if args.command[:1] == ['--'] else args.command
-  if not command:
-    parser.error('give the command to run after --, e.g. -- python -m engine.main ...')
+  command = command_after_dashes(parser, args)
   if args.num_processes < 1 or args.devices_per_process < 1:
     parser.error('--num_processes and --devices_per_process must be >= 1')
   return launch(command, args.num_processes, args.devices_per_process, args.grace_s, args.port)

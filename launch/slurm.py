@@ -20,6 +20,8 @@ import shlex
 import subprocess
 import sys
 
+from launch.command import add_command_argument, command_after_dashes
+
 
 def batch_script(command: list[str], nodes: int, gpus_per_node: int, tasks: str,
                  time_limit: str, partition: str | None, job_name: str, setup: str) -> str:
@@ -55,11 +57,9 @@ def main(argv=None) -> int:
                       help='Shell line run before srun, e.g. "source .venv/bin/activate".')
   parser.add_argument('--script', default='engine_job.sbatch', help='Where to write the script.')
   parser.add_argument('--dry_run', action='store_true', help='Print; write and submit nothing.')
-  parser.add_argument('command', nargs=argparse.REMAINDER, help='The command, after --.')
+  add_command_argument(parser)
   args = parser.parse_args(argv)
-  command = args.command[1:] if args.command[:1] == ['--'] else args.command
-  if not command:
-    parser.error('give the command to run after --, e.g. -- python -m engine.main ...')
+  command = command_after_dashes(parser, args)
   if args.nodes < 1 or args.gpus_per_node < 1:
     parser.error('--nodes and --gpus_per_node must be >= 1')
   script = batch_script(command, args.nodes, args.gpus_per_node, args.tasks, args.time,

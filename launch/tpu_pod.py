@@ -20,6 +20,8 @@ import shlex
 import subprocess
 import sys
 
+from launch.command import add_command_argument, command_after_dashes
+
 DEFAULT_SETUP = 'python3 -m pip install -q -e . "jax[tpu]>=0.10,<0.11"'
 ARCHIVE = '/tmp/engine_code.tgz'
 
@@ -47,11 +49,9 @@ def main(argv=None) -> int:
   parser.add_argument('--setup', default=DEFAULT_SETUP,
                       help='Shell command run in remote_dir before the command.')
   parser.add_argument('--dry_run', action='store_true', help='Print the commands; run nothing.')
-  parser.add_argument('command', nargs=argparse.REMAINDER, help='The command, after --.')
+  add_command_argument(parser)
   args = parser.parse_args(argv)
-  command = args.command[1:] if args.command[:1] == ['--'] else args.command
-  if not command:
-    parser.error('give the command to run after --, e.g. -- python -m engine.main ...')
+  command = command_after_dashes(parser, args)
   for step in plan(args.tpu, args.zone, args.project, args.remote_dir, args.setup, command):
     print(shlex.join(step), flush=True)
     if not args.dry_run:
