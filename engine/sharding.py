@@ -90,7 +90,7 @@ def logical_axes_of(variable: nnx.Variable) -> tuple[str | None, ...]:
   return tuple(axes)
 
 
-def state_specs(abstract_state: nnx.State, rules: Rules) -> nnx.State:
+def variable_specs(abstract_state: nnx.State, rules: Rules) -> nnx.State:
   """PartitionSpecs for every Variable of an (abstract) model state, from its logical axes."""
   return jax.tree.map(lambda v: v.replace(rules.spec(logical_axes_of(v))), abstract_state,
                       is_leaf=is_variable)

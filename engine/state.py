@@ -129,7 +129,7 @@ class StateLayout:
 def make_layout(model_factory: Callable[[nnx.Rngs], nnx.Module], tx, max_grad_norm: float, mesh,
                 rules) -> StateLayout:
   graphdef, abstract = sharding.abstract_model(model_factory)
-  specs = sharding.state_specs(abstract, rules)
+  specs = sharding.variable_specs(abstract, rules)
   return StateLayout(
       model_factory=model_factory, graphdef=graphdef,
       abstract_params=nnx.to_pure_dict(abstract), param_specs=nnx.to_pure_dict(specs),
