@@ -101,7 +101,7 @@ def report(runs: list[ModeRun], tokens_per_step: int) -> str:
     lines.append(f'ratio {runs[1].mode}/{runs[0].mode} of median step time: '
                  f'{runs[1].median_ms() / runs[0].median_ms():.3f}')
   for run in runs:
-    lines.append(f'collectives per step, {run.mode}: (kind, axes): ops / executions / buffers / KiB')
+    lines.append(f'collectives per step, {run.mode}: kind, axes, ops, executions, buffers, KiB')
     for (kind, axes), row in collectives.summarize(run.collectives).items():
       lines.append(f'  {kind:18s} {",".join(axes) or "-":14s} {row["ops"]:4d} '
                    f'{row["executions"]:5d} {row["buffers"]:5d} {row["bytes"] / 1024:10.1f}')

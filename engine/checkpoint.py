@@ -1,10 +1,10 @@
 """Orbax checkpoints of the train state and the data iterator position, and resume.
 
 Each checkpoint holds two items: 'state' (the sharded train state, restored straight into its
-target shardings) and 'data' (the grain iterator's state, as JSON). Every process's iterator is at
-the same index (local batch k of every process belongs to global step k), so one record serves
-any number of processes: a checkpoint from 2 processes resumes on 1 and vice versa. Orbax writes into a
-temporary directory and renames it when complete, so an interrupted save never leaves a
+target shardings) and 'data' (the grain iterator's state, as JSON). Every process's iterator is
+at the same index (local batch k of every process belongs to global step k), so one record serves
+any number of processes: a checkpoint from 2 processes resumes on 1 and vice versa. Orbax writes
+into a temporary directory and renames it when complete, so an interrupted save never leaves a
 checkpoint that looks valid; `latest_step` only ever sees finished ones.
 """
 
@@ -25,8 +25,7 @@ class Checkpointer:
         item_names=('state', 'data'),
         item_handlers={'state': ocp.StandardCheckpointHandler(),
                        'data': ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True))
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
     self.save_every = save_every
 
   def latest_step(self) -> int | None:

@@ -64,7 +64,8 @@ class MetricsWriter:
       scalars['train/steps_per_s'] = steps_per_s
       self.steps_per_s.append(steps_per_s)
       scalars['train/tokens_per_s'] = steps_per_s * self.tokens_per_step
-      eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s | eta {_duration((self.num_steps - step) / steps_per_s)}'
+      time_left = _duration((self.num_steps - step) / steps_per_s)
+      eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s | eta {time_left}'
     self._last_time, self._last_step = now, step
     logging.info('step %d/%d | loss %.4f | lr %.2e | grad norm %.3f%s', step, self.num_steps,
                  loss, learning_rate, grad_norm, eta)
