@@ -132,7 +132,10 @@ class GPT(nnx.Module):
   def __call__(self, tokens_BL: jax.Array, ops=LocalOps()) -> jax.Array:
     """Logits for every position of `tokens_BL`."""
     length = tokens_BL.shape[1]
-    x_BLD = ops.embed_lookup(ops.param(self.tok_embed_VD), tokens_BL)
+    # Read once: with tied embeddings both uses share one gathered table (manual FSDP), so their
+    # gradients add up before a single reduce-scatter.
+    tok_embed_VD = ops.param(self.tok_embed_VD)
+    x_BLD = ops.embed_lookup(tok_embed_VD, tokens_BL)
     x_BLD = x_BLD + ops.param(self.pos_embed_LD)[:length]
     x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
 
@@ -144,7 +147,7 @@ class GPT(nnx.Module):
 
     x_BLD = self.ln_final(run_blocks(self.blocks, x_BLD), ops)
     if self.cfg.tie_embeddings:
-      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, ops.param(self.tok_embed_VD))
+      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, tok_embed_VD)
     else:
       logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, ops.param(self.head_DV))
     return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
