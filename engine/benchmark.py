@@ -22,10 +22,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from engine import collectives, data, parallel
-from engine import config as config_lib
 from engine import state as state_lib
 from engine.metrics import log_memory, quiet_library_logs
-from engine.train import build_layout
+from engine.train import setup
 
 
 @dataclasses.dataclass
@@ -53,16 +52,15 @@ def compile_mode(layout: state_lib.StateLayout, mode: str, abstract_batch) -> Mo
                  collectives.count_collectives(compiled.as_text(), layout.mesh))
 
 
-def run_interleaved(config, modes: list[str], num_steps: int, warmup: int = 2,
-                    observe: Callable | None = None):
+def run_interleaved(config, corpus: data.Corpus, layout: state_lib.StateLayout,
+                    modes: list[str], num_steps: int, warmup: int = 2,
+                    observe: Callable | None = None) -> list[ModeRun]:
   """Compiles every mode, then runs their steps interleaved on the same batches.
 
-  `observe(step, run, state, host_batch)` is called after each mode's step, outside the timed
-  region (step counts from 1, warm-up included).
+  `corpus` and `layout` come from engine.train.setup(config). `observe(step, run, state,
+  host_batch)` is called after each mode's step, outside the timed region (step counts from 1,
+  warm-up included).
   """
-  config_lib.validate(config, jax.device_count(), jax.process_count())
-  corpus = data.load_corpus(config.data, config.seed)
-  layout = build_layout(config, corpus.tokenizer.vocab_size)
   batch_sharding = state_lib.batch_sharding(layout.mesh, layout.rules)
   global_batch = config.data.global_batch_size
   abstract_batch = jax.ShapeDtypeStruct((global_batch, config.data.seq_len + 1), np.int32,
@@ -83,7 +81,7 @@ def run_interleaved(config, modes: list[str], num_steps: int, warmup: int = 2,
       run.grad_norms.append(float(metrics['grad_norm']))
       if observe:
         observe(i + 1, run, states[k], batches[i])
-  return layout, runs
+  return runs
 
 
 def report(runs: list[ModeRun], tokens_per_step: int) -> str:
@@ -120,7 +118,8 @@ def main():
     del argv
     quiet_library_logs()
     config = config_flag.value
-    _, runs = run_interleaved(config, modes.value, steps.value)
+    corpus, layout = setup(config)
+    runs = run_interleaved(config, corpus, layout, modes.value, steps.value)
     print(report(runs, config.data.global_batch_size * config.data.seq_len))
     if json_path.value:
       with open(json_path.value, 'w') as f:

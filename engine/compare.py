@@ -21,11 +21,11 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from engine import benchmark, collectives, comm_theory, compare_report, data, models, parallel
+from engine import benchmark, collectives, comm_theory, compare_report, parallel
 from engine import config as config_lib
 from engine.metrics import quiet_library_logs
 from engine.reference import ReferenceRun
-from engine.train import resolve_vocab_size
+from engine.train import setup
 
 
 def flat_params(params) -> dict[str, np.ndarray]:
@@ -127,7 +127,7 @@ def communication_table(runs, theory: dict) -> list[dict]:
 def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
             atol: float = 1e-4) -> dict:
   """Runs the comparison and writes the report; returns the report's data."""
-  config_lib.validate(config, jax.device_count(), jax.process_count())
+  corpus, layout = setup(config)
   unknown = [m for m in modes if m not in parallel.STEP_BUILDERS]
   if unknown:
     raise config_lib.ConfigError(f'--modes: {unknown} unknown; choose from '
@@ -135,14 +135,12 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
   os.makedirs(workdir, exist_ok=True)
   observer = None
   if jax.process_count() == 1:
-    vocab = resolve_vocab_size(config.model,
-                               data.load_corpus(config.data, config.seed).tokenizer.vocab_size)
-    reference = ReferenceRun(models.MODELS[config.model.name](config.model, vocab), config.optim,
-                             config.train.num_steps, config.seed)
+    reference = ReferenceRun(layout.model_factory, config.optim, config.train.num_steps,
+                             config.seed)
     observer = NumericsObserver(reference, atol)
   else:
     logging.warning('Several processes: the single-device reference is skipped.')
-  layout, runs = benchmark.run_interleaved(config, modes, steps, warmup, observer)
+  runs = benchmark.run_interleaved(config, corpus, layout, modes, steps, warmup, observer)
   tokens = config.data.global_batch_size * config.data.seq_len
   theory = comm_theory.expected_bytes(layout, config.data.global_batch_size, config.data.seq_len)
   report = {

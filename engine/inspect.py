@@ -14,16 +14,8 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
-from engine import config as config_lib
-from engine import data
 from engine import state as state_lib
-from engine.train import build_layout
-
-def layout_from_config(config) -> state_lib.StateLayout:
-  config_lib.validate(config, jax.device_count(), jax.process_count())
-  corpus = data.load_corpus(config.data, config.seed)
-  return build_layout(config, corpus.tokenizer.vocab_size)
-
+from engine.train import setup
 
 def visualize(shape, named_sharding: NamedSharding) -> None:
   """Draws the sharding of an array of any rank as a 2-D picture of its sharded dimensions.
@@ -48,7 +40,7 @@ def main():
   def run(argv):
     del argv
     config = config_flag.value
-    layout = layout_from_config(config)
+    _, layout = setup(config)
     params = layout.parameters()
     print(f'mesh {dict(layout.mesh.shape)}')
     for p in params:

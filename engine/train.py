@@ -51,6 +51,13 @@ def build_layout(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> sta
   return state_lib.make_layout(model_factory, tx, config.optim.grad_clip_norm, mesh, rules)
 
 
+def setup(config: ml_collections.ConfigDict) -> tuple[data.Corpus, state_lib.StateLayout]:
+  """Validates the config (before anything compiles), reads the data, derives the layout."""
+  config_lib.validate(config, jax.device_count(), jax.process_count())
+  corpus = data.load_corpus(config.data, config.seed)
+  return corpus, build_layout(config, corpus.tokenizer.vocab_size)
+
+
 def _check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuses to resume a checkpoint whose model or data config differ from this one: the state
   would not fit, or the run would silently change. Mesh, mode and schedule may change."""
@@ -75,11 +82,8 @@ def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains (or resumes) the experiment `config` in `workdir`."""
-  config_lib.validate(config, jax.device_count(), jax.process_count())
+  corpus, layout = setup(config)
   os.makedirs(workdir, exist_ok=True)
-
-  corpus = data.load_corpus(config.data, config.seed)
-  layout = build_layout(config, corpus.tokenizer.vocab_size)
   mesh, rules = layout.mesh, layout.rules
   logging.info('Mesh %s, mode %s, rules %s; %s tokenizer, vocab %d (model %d), %d train tokens',
                dict(mesh.shape), config.parallelism.mode, config.parallelism.rules,

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from engine import collectives, parallel
-from engine.mesh import make_mesh
 from engine.metrics import log_memory
 from engine import state as state_lib
 from engine.train import build_layout

@@ -12,7 +12,12 @@ from jax.sharding import PartitionSpec as P
 from engine import inspect as inspect_lib
 from engine import sharding
 from engine.mesh import make_mesh
+from engine.train import setup
 from tests.helpers import tiny_config
+
+
+def _layout(config):
+  return setup(config)[1]
 
 
 def test_make_mesh_named_axes_and_minus_one():
@@ -49,7 +54,7 @@ _MESH_FOR = {'data_parallel': (8, 1, 1), 'fsdp': (2, 4, 1), 'tensor': (2, 1, 4),
 def test_rules_to_specs_for_every_preset(preset):
   config = tiny_config(mesh=_MESH_FOR[preset])
   config.parallelism.rules = preset
-  layout = inspect_lib.layout_from_config(config)
+  layout = _layout(config)
   specs = {p.path: p.spec for p in layout.parameters()}
   for name, expected in _EXPECTED[preset].items():
     if name == 'batch':
@@ -70,7 +75,7 @@ def test_auto_rules_follow_the_mesh_shape():
 
 
 def test_sharded_init_places_each_parameter_by_its_spec():
-  layout = inspect_lib.layout_from_config(tiny_config(mesh=(2, 2, 2)))
+  layout = _layout(tiny_config(mesh=(2, 2, 2)))
   state, _ = layout.init(seed=0)
   specs = layout.state_specs()
   for array, spec in zip(jax.tree.leaves(state['params']),
@@ -86,7 +91,7 @@ def test_sharded_init_never_holds_the_whole_model_on_one_device():
   config = tiny_config(mesh=(1, 8, 1))
   config.model.embed_dim = 64
   config.model.mlp_dim = 256
-  layout = inspect_lib.layout_from_config(config)
+  layout = _layout(config)
   state, compiled = layout.init(seed=0)
   total = sum(x.nbytes for x in jax.tree.leaves(state))
   per_device_output = compiled.memory_analysis().output_size_in_bytes
@@ -99,8 +104,8 @@ def test_sharded_init_never_holds_the_whole_model_on_one_device():
 
 
 def test_sharded_init_equals_unsharded_init():
-  layout8 = inspect_lib.layout_from_config(tiny_config(mesh=(2, 2, 2)))
-  layout1 = inspect_lib.layout_from_config(tiny_config(mesh=(8, 1, 1)))
+  layout8 = _layout(tiny_config(mesh=(2, 2, 2)))
+  layout1 = _layout(tiny_config(mesh=(8, 1, 1)))
   sharded, _ = layout8.init(seed=3)
   replicated, _ = layout1.init(seed=3)
   for a, b in zip(jax.tree.leaves(sharded['params']), jax.tree.leaves(replicated['params'])):
@@ -108,7 +113,7 @@ def test_sharded_init_equals_unsharded_init():
 
 
 def test_visualize_draws_every_device():
-  layout = inspect_lib.layout_from_config(tiny_config(mesh=(2, 2, 2)))
+  layout = _layout(tiny_config(mesh=(2, 2, 2)))
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     spec = layout.rules.spec(('layers', None, 'embed', 'heads', 'head_dim'))
