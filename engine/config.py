@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+
 import ml_collections
+from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-MODELS = ('gpt',)
+from engine import models, parallel, sharding
+
 SOURCES = ('embedded', 'file', 'synthetic')
 TOKENIZERS = ('byte', 'char')
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -179,7 +182,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(
         f'Unknown config keys {unknown}; see engine/config.py default_config() for the schema '
         '(a typo in an override?).')
-  from engine import models, parallel, sharding  # Registries; imported late to avoid cycles.
   if config.model.name not in models.MODELS:
     raise ConfigError(f'model.name={config.model.name!r} is unknown; choose one of '
                       f'{sorted(models.MODELS)}.')
@@ -257,3 +259,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   fsdp = mesh['fsdp']
   _require_divisible(config.model.embed_dim, 'model.embed_dim', fsdp, 'mesh.fsdp')
   return config
+
+
+def check_parameter_splits(parameters, mesh_shape: dict[str, int]) -> None:
+  """Every split dimension of every parameter (engine.state.ParameterInfo) must divide evenly
+  over its mesh axes; any model's sizes are checked here, before anything compiles."""
+  for p in parameters:
+    for dim, (size, name, entry) in enumerate(zip(p.shape, p.logical_axes, p.spec)):
+      axes = sharding.spec_axes(P(entry))
+      ways = math.prod(mesh_shape[a] for a in axes)
+      if size % ways:
+        raise ConfigError(
+            f'Parameter {p.path} {p.shape}: dimension {dim} ({name!r}, size {size}) is split '
+            f'{ways} ways over mesh axes {axes}, which does not divide it; choose model sizes '
+            f'that the mesh divides, or rules (parallelism.rules) that do not split {name!r}.')

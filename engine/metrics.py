@@ -30,10 +30,12 @@ def quiet_library_logs() -> None:
 
 class MetricsWriter:
 
-  def __init__(self, workdir: str, num_steps: int, tokens_per_step: int):
+  def __init__(self, workdir: str, num_steps: int, tokens_per_step: int,
+               flops_per_token: float = 0.0):
     self.is_writer = jax.process_index() == 0
     self.num_steps = num_steps
     self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token  # The model's training FLOPs, for achieved FLOP/s.
     self._last_time = None
     self._last_step = None
     self.steps_per_s: list[float] = []  # One entry per log interval, for the closing summary.
@@ -64,6 +66,7 @@ class MetricsWriter:
       scalars['train/steps_per_s'] = steps_per_s
       self.steps_per_s.append(steps_per_s)
       scalars['train/tokens_per_s'] = steps_per_s * self.tokens_per_step
+      scalars['train/model_flops_per_s'] = scalars['train/tokens_per_s'] * self.flops_per_token
       time_left = _duration((self.num_steps - step) / steps_per_s)
       eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s | eta {time_left}'
     self._last_time, self._last_step = now, step
@@ -78,8 +81,9 @@ class MetricsWriter:
   def close(self) -> None:
     if self.steps_per_s:
       median = float(np.median(self.steps_per_s))
-      logging.info(f'Throughput: median {median:.2f} steps/s, '
-                   f'{median * self.tokens_per_step:,.0f} tokens/s over '
+      tokens_per_s = median * self.tokens_per_step
+      logging.info(f'Throughput: median {median:.2f} steps/s, {tokens_per_s:,.0f} tokens/s, '
+                   f'{tokens_per_s * self.flops_per_token / 1e9:,.2f} model GFLOP/s over '
                    f'{len(self.steps_per_s)} log intervals')
     if self.is_writer:
       self.tensorboard.close()

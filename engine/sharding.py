@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes (rule presets), state shardings, and sharded initialisation.
 
-Parameters carry logical axis names in their `logical_axes` metadata; activations are annotated
-with logical names in the model. A `Rules` object maps both to mesh axes. Parameters and
+Parameters carry logical axis names in Flax's own sharding metadata (`out_sharding`, as
+`nnx.with_partitioning` writes it); activations are annotated with logical names in the model. A `Rules` object maps both to mesh axes. Parameters and
 activations have separate tables because FSDP shards a parameter's `embed` dimension while the
 activations' `embed` dimension stays whole: that difference is exactly what manual mode gathers.
 """
@@ -18,7 +18,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 MeshAxes = tuple[str, ...]
-LOGICAL_AXES = 'logical_axes'  # The Variable metadata key the model writes.
+# Flax's metadata key for a Variable's dimension names (nnx.with_partitioning writes it). The
+# engine reads the names as logical axes and maps them through its rules.
+LOGICAL_AXES = 'out_sharding'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +86,17 @@ def is_variable(x) -> bool:
 
 
 def logical_axes_of(variable: nnx.Variable) -> tuple[str | None, ...]:
-  axes = variable.get_metadata().get(LOGICAL_AXES)
-  if axes is None:
-    return (None,) * len(variable.get_value().shape)
+  """The logical name of each dimension of a parameter (None where it has none)."""
+  ndim = len(variable.get_value().shape)
+  axes = tuple(variable.get_metadata().get(LOGICAL_AXES) or ())
+  return axes + (None,) * (ndim - len(axes))
+
+
+def spec_axes(spec: P) -> MeshAxes:
+  """The mesh axes a PartitionSpec splits over, in the order they appear."""
+  axes = []
+  for entry in spec:
+    axes += [entry] if isinstance(entry, str) else list(entry or ())
   return tuple(axes)
 
 
@@ -101,9 +111,9 @@ def named(mesh: jax.sharding.Mesh, specs):
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def abstract_model(model_factory: Callable[[nnx.Rngs], nnx.Module]):
+def abstract_model(create: Callable[[nnx.Rngs], nnx.Module]):
   """(graphdef, abstract state) of a model, without allocating it."""
-  model = nnx.eval_shape(lambda: model_factory(nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: create(nnx.Rngs(0)))
   return nnx.split(model)
 
 

@@ -1,64 +1,27 @@
-"""The train state: optimizer, objective, abstract state and its shardings, sharded creation.
+"""The train state on the mesh: what it holds, where each part lives, and its sharded creation.
 
 The state is a plain pytree `{'step', 'params', 'opt_state'}` with params as a nested dict of
 arrays, so Orbax saves and restores it and both parallel modes share it unchanged. The model's
-graph definition (structure + logical-axis metadata) stays outside, in `StateLayout`.
+graph definition (structure + logical-axis metadata) stays outside, in `TrainSetup`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine import sharding
+from engine.models.spec import ModelSpec
+from engine.optimizer import Optimizer
 from engine.sharding import Rules
-
-
-def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
-  """Linear warmup to the peak, then cosine decay to `end_learning_rate`.
-
-  The decay ends at `decay_steps` (warmup included), by default the end of training; a run
-  shorter than its warmup simply never leaves it."""
-  decay_steps = optim_config.decay_steps if optim_config.decay_steps > 0 else num_steps
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=optim_config.learning_rate,
-      warmup_steps=optim_config.warmup_steps,
-      decay_steps=max(decay_steps, optim_config.warmup_steps + 1),
-      end_value=optim_config.end_learning_rate)
-
-
-def make_optimizer(optim_config, num_steps: int) -> optax.GradientTransformation:
-  """AdamW; weight decay only on matrices (not norms or biases).
-
-  Global-norm clipping happens in the train step (`clip_by_global_norm`), not in this chain: in
-  manual mode the norm of sharded gradients needs collectives that only the step can write, and
-  keeping it out of the chain gives both modes the same optimizer state, so checkpoints move
-  between them.
-  """
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.adamw(learning_rate_schedule(optim_config, num_steps), b1=optim_config.b1,
-                     b2=optim_config.b2, weight_decay=optim_config.weight_decay, mask=decay_mask)
-
-
-def clip_by_global_norm(grads, global_norm: jax.Array, max_norm: float):
-  """Scales gradients down to `max_norm` when their global norm exceeds it (optax's formula)."""
-  scale = jnp.where(global_norm < max_norm, 1.0, max_norm / global_norm)
-  return jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-
-
-def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) -> jax.Array:
-  """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
-  model = nnx.merge(graphdef, params)
-  logits_BLV = model(tokens_BL1[:, :-1], ops)
-  return ops.cross_entropy(logits_BLV, tokens_BL1[:, 1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +35,14 @@ class ParameterInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class StateLayout:
-  """Everything needed to build, shard and apply the train state, derived without allocating."""
-  model_factory: Callable[[nnx.Rngs], nnx.Module]
+class TrainSetup:
+  """A model and its optimizer laid out on a mesh by rules: everything a step builder needs,
+  derived without allocating anything."""
+  model: ModelSpec
   graphdef: nnx.GraphDef
   abstract_params: Any  # nested dict of ShapeDtypeStruct
   param_specs: Any  # nested dict of PartitionSpec, same structure
-  tx: optax.GradientTransformation
-  max_grad_norm: float
+  optimizer: Optimizer
   mesh: jax.sharding.Mesh
   rules: Rules
 
@@ -98,9 +61,9 @@ class StateLayout:
 
   def state_specs(self):
     """PartitionSpecs of the whole train state; optimizer moments follow their parameters."""
-    abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+    abstract_opt = jax.eval_shape(self.optimizer.tx.init, self.abstract_params)
     opt_specs = optax.tree_map_params(
-        self.tx, lambda _, spec: spec, abstract_opt, self.param_specs,
+        self.optimizer.tx, lambda _, spec: spec, abstract_opt, self.param_specs,
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     return {'step': P(), 'params': self.param_specs, 'opt_state': opt_specs}
 
@@ -113,11 +76,20 @@ class StateLayout:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, self.state_shardings())
 
+  def batch_sharding(self) -> NamedSharding:
+    """Token batches [batch, length + 1] are split over the batch axes of the rules."""
+    return NamedSharding(self.mesh, self.rules.spec(('batch', None), activation=True))
+
+  def abstract_batch(self, global_batch: int, seq_len: int) -> jax.ShapeDtypeStruct:
+    """The token batch a step is compiled for: [global_batch, seq_len + 1] int32, sharded."""
+    return jax.ShapeDtypeStruct((global_batch, seq_len + 1), np.int32,
+                                sharding=self.batch_sharding())
+
   def _fresh_state(self, key):
-    model = self.model_factory(nnx.Rngs(params=key))
+    model = self.model.create(nnx.Rngs(params=key))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return {'step': jnp.zeros((), jnp.int32), 'params': params,
-            'opt_state': self.tx.init(params)}
+            'opt_state': self.optimizer.tx.init(params)}
 
   def init(self, seed: int):
     """Creates the state already sharded; returns (state, compiled init) for its memory stats."""
@@ -126,16 +98,11 @@ class StateLayout:
         self.state_shardings())
 
 
-def make_layout(model_factory: Callable[[nnx.Rngs], nnx.Module], tx, max_grad_norm: float, mesh,
-                rules) -> StateLayout:
-  graphdef, abstract = sharding.abstract_model(model_factory)
+def make_setup(model: ModelSpec, optimizer: Optimizer, mesh: jax.sharding.Mesh,
+               rules: Rules) -> TrainSetup:
+  """Lays the model out by the rules."""
+  graphdef, abstract = sharding.abstract_model(model.create)
   specs = sharding.variable_specs(abstract, rules)
-  return StateLayout(
-      model_factory=model_factory, graphdef=graphdef,
-      abstract_params=nnx.to_pure_dict(abstract), param_specs=nnx.to_pure_dict(specs),
-      tx=tx, max_grad_norm=max_grad_norm, mesh=mesh, rules=rules)
-
-
-def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules) -> NamedSharding:
-  """Token batches [batch, length+1] are split over the batch axes of the rules."""
-  return NamedSharding(mesh, rules.spec(('batch', None), activation=True))
+  return TrainSetup(
+      model=model, graphdef=graphdef, abstract_params=nnx.to_pure_dict(abstract),
+      param_specs=nnx.to_pure_dict(specs), optimizer=optimizer, mesh=mesh, rules=rules)

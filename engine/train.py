@@ -15,16 +15,19 @@ from jax.experimental import multihost_utils
 
 from engine import config as config_lib
 from engine import data, distributed, models, parallel, sharding
-from engine import state as state_lib
 from engine.checkpoint import Checkpointer
 from engine.mesh import make_mesh
 from engine.metrics import MetricsWriter, log_memory
+from engine.optimizer import make_optimizer
+from engine.state import TrainSetup, make_setup
 
 
 @dataclasses.dataclass
 class TrainResult:
-  """What a run reports back: per-step train losses that were logged, eval losses, last step."""
+  """What a run reports back: the logged steps' train losses and gradient norms (before
+  clipping), eval losses, the last step, compiled memory."""
   train_losses: dict[int, float]
+  train_grad_norms: dict[int, float]
   eval_losses: dict[int, float]
   final_step: int
   memory: dict[str, dict[str, int]]
@@ -41,21 +44,23 @@ def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
   return model_config.vocab_size
 
 
-def build_layout(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> state_lib.StateLayout:
+def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> TrainSetup:
   """Mesh, rules, model and optimizer of a validated config: everything but the data."""
   mesh = make_mesh(config.mesh)
   rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
-  vocab_size = resolve_vocab_size(config.model, tokenizer_vocab)
-  model_factory = models.MODELS[config.model.name](config.model, vocab_size)
-  tx = state_lib.make_optimizer(config.optim, config.train.num_steps)
-  return state_lib.make_layout(model_factory, tx, config.optim.grad_clip_norm, mesh, rules)
+  model = models.build(config.model, resolve_vocab_size(config.model, tokenizer_vocab))
+  train_setup = make_setup(model, make_optimizer(config.optim, config.train.num_steps), mesh,
+                           rules)
+  config_lib.check_parameter_splits(train_setup.parameters(), dict(mesh.shape))
+  return train_setup
 
 
-def setup(config: ml_collections.ConfigDict) -> tuple[data.Corpus, state_lib.StateLayout]:
-  """Validates the config (before anything compiles), reads the data, derives the layout."""
+def setup(config: ml_collections.ConfigDict) -> tuple[data.Corpus, TrainSetup]:
+  """Validates the config (before anything compiles), reads the data, lays out model and
+  optimizer."""
   config_lib.validate(config, jax.device_count(), jax.process_count())
   corpus = data.load_corpus(config.data, config.seed)
-  return corpus, build_layout(config, corpus.tokenizer.vocab_size)
+  return corpus, build_setup(config, corpus.tokenizer.vocab_size)
 
 
 def _check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -82,30 +87,31 @@ def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains (or resumes) the experiment `config` in `workdir`."""
-  corpus, layout = setup(config)
+  corpus, train_setup = setup(config)
   os.makedirs(workdir, exist_ok=True)
-  mesh, rules = layout.mesh, layout.rules
+  model = train_setup.model
   logging.info('Mesh %s, mode %s, rules %s; %s tokenizer, vocab %d (model %d), %d train tokens',
-               dict(mesh.shape), config.parallelism.mode, config.parallelism.rules,
-               config.data.tokenizer, corpus.tokenizer.vocab_size,
-               layout.abstract_params['tok_embed_VD'].shape[0], len(corpus.train_tokens))
+               dict(train_setup.mesh.shape), config.parallelism.mode, config.parallelism.rules,
+               config.data.tokenizer, corpus.tokenizer.vocab_size, model.vocab_size,
+               len(corpus.train_tokens))
   num_steps = config.train.num_steps
-  schedule = state_lib.learning_rate_schedule(config.optim, num_steps)
-  steps = parallel.STEP_BUILDERS[config.parallelism.mode](layout)
-  batch_sharding = state_lib.batch_sharding(mesh, rules)
-  num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(layout.abstract_params))
-  logging.info('Model %s: %.3fM parameters', config.model.name, num_params / 1e6)
+  steps = parallel.STEP_BUILDERS[config.parallelism.mode](train_setup)
+  batch_sharding = train_setup.batch_sharding()
+  num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(train_setup.abstract_params))
+  flops_per_token = model.flops_per_token(config.data.seq_len)
+  logging.info('Model %s: %.3fM parameters, %.3f MFLOP per token (training)', model.name,
+               num_params / 1e6, flops_per_token / 1e6)
 
   train_iterator = data.train_iterator(corpus, config.data, config.seed)
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
                               config.train.checkpoint_every, config.train.keep_checkpoints)
   memory = {}
-  abstract_state = layout.abstract_state()
+  abstract_state = train_setup.abstract_state()
   # Every process must resume from the same step; process 0's view decides.
   latest = checkpointer.latest_step()
   start_step = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if latest is None else latest)))
   if start_step < 0:
-    state, init_compiled = layout.init(config.seed)
+    state, init_compiled = train_setup.init(config.seed)
     memory['init'] = log_memory('init', init_compiled)
     start_step = 0
   else:
@@ -115,8 +121,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
                sharding.bytes_per_device(state['params']) / 2**20)
 
   global_batch = config.data.global_batch_size
-  abstract_batch = jax.ShapeDtypeStruct((global_batch, config.data.seq_len + 1), np.int32,
-                                        sharding=batch_sharding)
+  abstract_batch = train_setup.abstract_batch(global_batch, config.data.seq_len)
   train_step = steps.train.lower(abstract_state, abstract_batch).compile()
   memory['train_step'] = log_memory('train step', train_step)
   eval_step = steps.eval.lower(abstract_state['params'], abstract_batch).compile()
@@ -125,8 +130,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
                                           config.train.eval_batches)]
 
   _write_config(config, workdir)
-  writer = MetricsWriter(workdir, num_steps, global_batch * config.data.seq_len)
-  result = TrainResult({}, {}, start_step, memory)
+  writer = MetricsWriter(workdir, num_steps, global_batch * config.data.seq_len,
+                         flops_per_token)
+  result = TrainResult({}, {}, {}, start_step, memory)
   pending = None  # Metrics of the last step to log, fetched once the next step is dispatched.
 
   def flush(pending):
@@ -136,8 +142,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
     if not math.isfinite(loss):
       raise FloatingPointError(f'Training loss is {loss} at step {step}; lower '
                                'optim.learning_rate or check the data.')
-    writer.log_train(step, loss, float(schedule(step - 1)), float(metrics['grad_norm']))
+    grad_norm = float(metrics['grad_norm'])
+    writer.log_train(step, loss, float(metrics['learning_rate']), grad_norm)
     result.train_losses[step] = loss
+    result.train_grad_norms[step] = grad_norm
 
   if start_step >= num_steps:
     logging.info('The checkpoint in %s is at step %d, train.num_steps=%d: nothing to train.',

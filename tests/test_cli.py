@@ -47,7 +47,7 @@ def test_inspect_prints_every_parameter_and_draws_the_layout():
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
              JAX_PLATFORMS='cpu')
   proc = subprocess.run(
-      [sys.executable, '-m', 'engine.inspect', '--config=experiments/tiny.py:mesh=2x2x2',
+      [sys.executable, '-m', 'engine.analysis.show_layout', '--config=experiments/tiny.py:mesh=2x2x2',
        '--param=blocks/w_up_DF'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout

@@ -1,13 +1,13 @@
 """The collective counter, on hand-written HLO and on the compiled manual steps."""
 
 import jax
-import numpy as np
 import pytest
 
-from engine import collectives, parallel
+from engine import parallel
+from engine.analysis import collectives
 from engine.metrics import log_memory
-from engine import state as state_lib
-from engine.train import build_layout
+from engine.sharding import spec_axes
+from engine.train import build_setup
 from tests.helpers import tiny_config
 
 MESH_222 = {'data': 2, 'fsdp': 2, 'tensor': 2}
@@ -57,25 +57,24 @@ def test_loop_bodies_count_once_per_iteration_and_tuples_per_buffer():
 def _compiled_manual_step(mesh, **model):
   config = tiny_config(mesh=mesh)
   config.model.update(model)
-  layout = build_layout(config, 256)
-  steps = parallel.STEP_BUILDERS['manual'](layout)
-  batch = jax.ShapeDtypeStruct((config.data.global_batch_size, config.data.seq_len + 1),
-                               np.int32, sharding=state_lib.batch_sharding(layout.mesh,
-                                                                           layout.rules))
-  compiled = steps.train.lower(layout.abstract_state(), batch).compile()
-  return compiled, collectives.count_collectives(compiled.as_text(), layout.mesh), layout
+  train_setup = build_setup(config, 256)
+  steps = parallel.STEP_BUILDERS['manual'](train_setup)
+  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
+  compiled = steps.train.lower(train_setup.abstract_state(), batch).compile()
+  return (compiled, collectives.count_collectives(compiled.as_text(), train_setup.mesh),
+          train_setup)
 
 
-def _param_shapes(layout):
-  return sorted(tuple(p.shape) for p in jax.tree.leaves(layout.abstract_params))
+def _param_shapes(train_setup):
+  return sorted(tuple(p.shape) for p in jax.tree.leaves(train_setup.abstract_params))
 
 
 def test_data_parallel_step_all_reduces_each_gradient_once():
-  _, found, layout = _compiled_manual_step((8, 1, 1))
+  _, found, train_setup = _compiled_manual_step((8, 1, 1))
   assert {c.kind for c in found} == {'all-reduce'}
   assert all(c.axes == ('data',) and c.executions == 1 for c in found)
   gradient_buffers = sorted(s for c in found for s in c.shapes if s != ())
-  assert gradient_buffers == _param_shapes(layout)  # Each gradient exactly once, never twice.
+  assert gradient_buffers == _param_shapes(train_setup)  # Each gradient exactly once, never twice.
 
 
 def test_tensor_parallel_step_has_two_all_reduces_per_block_each_way():
@@ -93,14 +92,13 @@ def test_tensor_parallel_step_has_two_all_reduces_per_block_each_way():
 
 
 def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
-  _, found, layout = _compiled_manual_step((1, 8, 1))
+  _, found, train_setup = _compiled_manual_step((1, 8, 1))
   kinds = {c.kind for c in found}
   assert kinds == {'all-gather', 'reduce-scatter', 'all-reduce'}
   assert all(c.axes == ('fsdp',) for c in found)
-  specs = jax.tree.leaves(layout.param_specs, is_leaf=lambda x: isinstance(x, jax.P))
-  shapes = jax.tree.leaves(layout.abstract_params)
-  sharded = {tuple(s.shape) for s, p in zip(shapes, specs) if 'fsdp' in str(p)}
-  replicated = sorted(tuple(s.shape) for s, p in zip(shapes, specs) if 'fsdp' not in str(p))
+  params = train_setup.parameters()
+  sharded = {p.shape for p in params if 'fsdp' in spec_axes(p.spec)}
+  replicated = sorted(p.shape for p in params if 'fsdp' not in spec_axes(p.spec))
   # Exactly the replicated parameters' gradients (norms, biases) are all-reduced, each once; a
   # full gradient of a sharded parameter would be one buffer too many.
   all_reduced = sorted(s for c in found if c.kind == 'all-reduce' for s in c.shapes if s != ())

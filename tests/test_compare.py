@@ -4,23 +4,21 @@ import json
 import os
 
 import jax
-import numpy as np
 import pytest
 
-from engine import collectives, comm_theory, compare, parallel
-from engine import state as state_lib
+from engine import parallel
+from engine.analysis import collectives, comm_theory, compare
 from engine.parallel import manual
-from engine.train import build_layout
+from engine.train import build_setup
 from tests.helpers import tiny_config
 
 
 def _counts_from_compiled(config, mode):
-  layout = build_layout(config, 256)
-  batch = jax.ShapeDtypeStruct((16, 17), np.int32,
-                               sharding=state_lib.batch_sharding(layout.mesh, layout.rules))
-  text = parallel.STEP_BUILDERS[mode](layout).train.lower(layout.abstract_state(),
-                                                          batch).compile().as_text()
-  return collectives.summarize(collectives.count_collectives(text, layout.mesh))
+  train_setup = build_setup(config, 256)
+  batch = train_setup.abstract_batch(16, 16)
+  text = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+      train_setup.abstract_state(), batch).compile().as_text()
+  return collectives.summarize(collectives.count_collectives(text, train_setup.mesh))
 
 
 def test_report_agrees_counts_collectives_and_writes_plots(tmp_path):
@@ -70,23 +68,25 @@ def test_summed_instead_of_averaged_gradients_are_reported_as_diverging(tmp_path
 # final norm 2*32 = 64; per layer: norms 4*32 = 128, qkv 3*32*32 = 3072, attention out 32*32 =
 # 1024, MLP up 32*64 = 2048, its bias 64, MLP down 64*32 = 2048, its bias 32 (8416 per layer).
 TOTAL_FLOATS = 8192 + 512 + 64 + 2 * 8416  # 25600
-FSDP_SHARDED_FLOATS = 8192 + 512 + 2 * (3072 + 1024 + 2048 + 2048 + 32)  # 25152: embed dims
+TOP_SHARDED_FLOATS = 8192 + 512  # Embeddings: gathered once, before the layers.
+LAYER_SHARDED_FLOATS = 2 * (3072 + 1024 + 2048 + 2048 + 32)  # Gathered again in the backward.
+FSDP_SHARDED_FLOATS = TOP_SHARDED_FLOATS + LAYER_SHARDED_FLOATS  # 25152: every embed dimension
 REPLICATED_FLOATS = TOTAL_FLOATS - FSDP_SHARDED_FLOATS  # 448: norms and the MLP-up bias
 
 
 def _theory(mesh, **model):
   config = tiny_config(mesh=mesh)
   config.model.update(model)
-  return comm_theory.expected_bytes(build_layout(config, 256), 16, 16)
+  return comm_theory.expected_bytes(build_setup(config, 256), 16, 16)
 
 
 def test_theory_data_parallel_is_one_all_reduce_of_all_gradients():
   assert _theory((8, 1, 1)) == {('all-reduce', ('data',)): 4 * TOTAL_FLOATS}
 
 
-def test_theory_fsdp_gathers_twice_and_scatters_once():
+def test_theory_fsdp_gathers_layers_twice_and_scatters_once():
   assert _theory((1, 8, 1)) == {
-      ('all-gather', ('fsdp',)): 2 * 4 * FSDP_SHARDED_FLOATS,
+      ('all-gather', ('fsdp',)): 4 * (TOP_SHARDED_FLOATS + 2 * LAYER_SHARDED_FLOATS),
       ('reduce-scatter', ('fsdp',)): 4 * FSDP_SHARDED_FLOATS // 8,
       ('all-reduce', ('fsdp',)): 4 * REPLICATED_FLOATS,
   }

@@ -1,7 +1,8 @@
 """Real multi-process runs on this machine (jax.distributed over gloo), through launch/local.py.
 
 Every run trains tests/multihost_experiment.py (the tiny model) and is checked against the
-single-device reference, step by step, to fp32 tolerance (see test_manual_parity.py).
+single-device reference, step by step (losses and gradient norms), to fp32 tolerance (see
+tests/helpers.py).
 """
 
 import json
@@ -18,16 +19,14 @@ import pytest
 from engine.checkpoint import Checkpointer
 from engine.train import train
 from tests import multihost_experiment
-from tests.helpers import single_device_run
+from tests.helpers import ATOL, single_device_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ATOL = 1e-5
 
 
 @pytest.fixture(scope='module')
 def reference():
-  losses, _ = single_device_run(multihost_experiment.get_config('steps=6'), 6)
-  return losses
+  return single_device_run(multihost_experiment.get_config('steps=6'), 6)
 
 
 def _launch(processes, devices, arg, workdir, background=False):
@@ -48,26 +47,36 @@ def _logged_losses(workdir):
   return {l['step']: l['train/loss'] for l in lines if 'train/loss' in l}
 
 
+def _assert_logged_match(workdir, steps, reference):
+  """The logged losses and gradient norms of `steps` equal the single-device run's."""
+  lines = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  logged = {l['step']: l for l in lines if 'train/loss' in l}
+  index = [s - 1 for s in steps]
+  np.testing.assert_allclose([logged[s]['train/loss'] for s in steps], reference.losses[index],
+                             atol=ATOL, rtol=0)
+  np.testing.assert_allclose([logged[s]['train/grad_norm'] for s in steps],
+                             reference.grad_norms[index], rtol=ATOL, atol=0)
+
+
 def test_2_processes_auto_match_and_resume_in_1_process(reference, tmp_path):
   proc = _launch(2, 4, 'mode=auto,steps=4', tmp_path)
   assert '[p0]' in proc.stdout and 'process 1 of 2' in proc.stdout
-  losses = _logged_losses(tmp_path)
-  np.testing.assert_allclose([losses[s] for s in range(1, 5)], reference[:4], atol=ATOL)
+  _assert_logged_match(tmp_path, [1, 2, 3, 4], reference)
   # Only process 0 writes metrics: one line per step, not two.
-  assert sorted(losses) == [1, 2, 3, 4]
+  assert sorted(_logged_losses(tmp_path)) == [1, 2, 3, 4]
   # The 2-process checkpoint resumes in this single process (8 devices), in the other mode.
   resumed = train(multihost_experiment.get_config('mode=manual,steps=6'), str(tmp_path))
   assert sorted(resumed.train_losses) == [5, 6]
-  np.testing.assert_allclose([resumed.train_losses[s] for s in (5, 6)], reference[4:6],
+  np.testing.assert_allclose([resumed.train_losses[s] for s in (5, 6)], reference.losses[4:6],
                              atol=ATOL)
 
 
 def test_4_processes_manual_resume_a_1_process_checkpoint(reference, tmp_path):
   first = train(multihost_experiment.get_config('mode=manual,steps=2'), str(tmp_path))
-  np.testing.assert_allclose([first.train_losses[s] for s in (1, 2)], reference[:2], atol=ATOL)
+  np.testing.assert_allclose([first.train_losses[s] for s in (1, 2)], reference.losses[:2],
+                             atol=ATOL)
   _launch(4, 2, 'mode=manual,steps=4', tmp_path)
-  losses = _logged_losses(tmp_path)
-  np.testing.assert_allclose([losses[s] for s in (3, 4)], reference[2:4], atol=ATOL)
+  _assert_logged_match(tmp_path, [3, 4], reference)
 
 
 @pytest.mark.parametrize('processes, devices, arg', [
@@ -76,8 +85,7 @@ def test_4_processes_manual_resume_a_1_process_checkpoint(reference, tmp_path):
 ])
 def test_multi_process_runs_match_single_device(processes, devices, arg, reference, tmp_path):
   _launch(processes, devices, arg, tmp_path)
-  losses = _logged_losses(tmp_path)
-  np.testing.assert_allclose([losses[s] for s in (1, 2, 3)], reference[:3], atol=ATOL)
+  _assert_logged_match(tmp_path, [1, 2, 3], reference)
 
 
 def _worker_pids(launcher_pid):

@@ -9,14 +9,14 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from engine import inspect as inspect_lib
 from engine import sharding
+from engine.analysis import show_layout
 from engine.mesh import make_mesh
 from engine.train import setup
 from tests.helpers import tiny_config
 
 
-def _layout(config):
+def _setup(config):
   return setup(config)[1]
 
 
@@ -54,11 +54,11 @@ _MESH_FOR = {'data_parallel': (8, 1, 1), 'fsdp': (2, 4, 1), 'tensor': (2, 1, 4),
 def test_rules_to_specs_for_every_preset(preset):
   config = tiny_config(mesh=_MESH_FOR[preset])
   config.parallelism.rules = preset
-  layout = _layout(config)
-  specs = {p.path: p.spec for p in layout.parameters()}
+  train_setup = _setup(config)
+  specs = {p.path: p.spec for p in train_setup.parameters()}
   for name, expected in _EXPECTED[preset].items():
     if name == 'batch':
-      assert layout.rules.spec(('batch', None), activation=True) == expected
+      assert train_setup.rules.spec(('batch', None), activation=True) == expected
     else:
       assert specs[name] == expected, name
   # Norm parameters are replicated under every preset.
@@ -75,9 +75,9 @@ def test_auto_rules_follow_the_mesh_shape():
 
 
 def test_sharded_init_places_each_parameter_by_its_spec():
-  layout = _layout(tiny_config(mesh=(2, 2, 2)))
-  state, _ = layout.init(seed=0)
-  specs = layout.state_specs()
+  train_setup = _setup(tiny_config(mesh=(2, 2, 2)))
+  state, _ = train_setup.init(seed=0)
+  specs = train_setup.state_specs()
   for array, spec in zip(jax.tree.leaves(state['params']),
                          jax.tree.leaves(specs['params'], is_leaf=lambda x: isinstance(x, P))):
     assert array.sharding.spec == spec
@@ -91,8 +91,8 @@ def test_sharded_init_never_holds_the_whole_model_on_one_device():
   config = tiny_config(mesh=(1, 8, 1))
   config.model.embed_dim = 64
   config.model.mlp_dim = 256
-  layout = _layout(config)
-  state, compiled = layout.init(seed=0)
+  train_setup = _setup(config)
+  state, compiled = train_setup.init(seed=0)
   total = sum(x.nbytes for x in jax.tree.leaves(state))
   per_device_output = compiled.memory_analysis().output_size_in_bytes
   per_device_peak = per_device_output + compiled.memory_analysis().temp_size_in_bytes
@@ -104,19 +104,20 @@ def test_sharded_init_never_holds_the_whole_model_on_one_device():
 
 
 def test_sharded_init_equals_unsharded_init():
-  layout8 = _layout(tiny_config(mesh=(2, 2, 2)))
-  layout1 = _layout(tiny_config(mesh=(8, 1, 1)))
-  sharded, _ = layout8.init(seed=3)
-  replicated, _ = layout1.init(seed=3)
+  setup8 = _setup(tiny_config(mesh=(2, 2, 2)))
+  setup1 = _setup(tiny_config(mesh=(8, 1, 1)))
+  sharded, _ = setup8.init(seed=3)
+  replicated, _ = setup1.init(seed=3)
   for a, b in zip(jax.tree.leaves(sharded['params']), jax.tree.leaves(replicated['params'])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_visualize_draws_every_device():
-  layout = _layout(tiny_config(mesh=(2, 2, 2)))
+  train_setup = _setup(tiny_config(mesh=(2, 2, 2)))
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    spec = layout.rules.spec(('layers', None, 'embed', 'heads', 'head_dim'))
-    inspect_lib.visualize((2, 3, 32, 4, 8), jax.sharding.NamedSharding(layout.mesh, spec))
+    spec = train_setup.rules.spec(('layers', None, 'embed', 'heads', 'head_dim'))
+    show_layout.visualize((2, 3, 32, 4, 8),
+                          jax.sharding.NamedSharding(train_setup.mesh, spec))
   for device in range(8):
     assert f'{device}' in out.getvalue()

@@ -1,16 +1,14 @@
-"""Model registry: name -> factory(model config subtree, vocab_size) -> (Rngs -> nnx.Module)."""
+"""Model registry: `model.name` -> build(model config subtree, vocab_size) -> ModelSpec.
 
-from engine.models.gpt import GPT, GPTConfig
+Adding a model is one module under engine/models/ and one line here (the interface is in
+engine/models/spec.py). Tests and experiments may also add entries to `MODELS` at run time.
+"""
 
+from engine.models import gpt
+from engine.models.spec import ModelSpec
 
-def _gpt(model_config, vocab_size: int):
-  cfg = GPTConfig(
-      vocab_size=vocab_size, num_layers=model_config.num_layers,
-      num_heads=model_config.num_heads, embed_dim=model_config.embed_dim,
-      mlp_dim=model_config.mlp_dim, max_len=model_config.max_len,
-      tie_embeddings=model_config.tie_embeddings, scan_layers=model_config.scan_layers,
-      init_std=model_config.init_std)
-  return lambda rngs: GPT(cfg, rngs)
+MODELS = {'gpt': gpt.build}
 
 
-MODELS = {'gpt': _gpt}
+def build(model_config, vocab_size: int) -> ModelSpec:
+  return MODELS[model_config.name](model_config, vocab_size)

@@ -3,8 +3,9 @@
 Token + learned position embeddings, pre-LayerNorm blocks (causal multi-head attention, GELU
 MLP), a final LayerNorm and an output projection (tied to the token embedding or not). Blocks are
 stacked along a leading `layers` axis and applied with `nnx.scan`, so compile time does not grow
-with depth. The model never decides how it is distributed: it names its dimensions and calls
-`ops` (engine.parallel.ops) where a layout may need to constrain or communicate.
+with depth. The model never decides how it is distributed: it names its dimensions in Flax's
+sharding metadata and calls `ops` (engine/models/ops.py) where a layout may need to constrain or
+communicate. It plugs into the engine through `build` (engine/models/spec.py).
 
 Shape suffixes: B batch, L length, D embed, H heads, K head_dim, F mlp hidden, V vocab, C=3 (qkv).
 """
@@ -17,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.parallel.ops import LocalOps
-from engine.sharding import LOGICAL_AXES
+from engine.models.ops import LAYERS, LocalOps
+from engine.models.spec import ModelSpec
 
-# Scanning over the stacked blocks removes / adds the leading `layers` logical axis.
-_LAYER_AXIS = {nnx.PARTITION_NAME: None, LOGICAL_AXES: 'layers'}
+# Stacking the blocks (vmap) adds the leading `layers` logical axis; scanning removes it.
+_LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _param(rngs: nnx.Rngs, shape, logical_axes, std: float | None) -> nnx.Param:
     value = jnp.zeros(shape, jnp.float32)
   else:
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value, **{LOGICAL_AXES: tuple(logical_axes)})
+  return nnx.Param(value, out_sharding=tuple(logical_axes))
 
 
 class LayerNorm(nnx.Module):
@@ -63,7 +64,7 @@ class LayerNorm(nnx.Module):
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
-    return y * ops.param(self.scale) + ops.param(self.bias)
+    return y * self.scale[...] + self.bias[...]
 
 
 class Block(nnx.Module):
@@ -85,7 +86,7 @@ class Block(nnx.Module):
     self.b_down_D = _param(rngs, (D,), ('embed',), 0)
 
   def attention(self, x_BLD, ops):
-    qkv_CBLHK = jnp.einsum('BLD,CDHK->CBLHK', x_BLD, ops.param(self.w_qkv_CDHK))
+    qkv_CBLHK = jnp.einsum('BLD,CDHK->CBLHK', x_BLD, self.w_qkv_CDHK[...])
     q_BLHK, k_BLHK, v_BLHK = (ops.constrain(t, ('batch', 'length', 'heads', 'head_dim'))
                               for t in qkv_CBLHK)
     scale = q_BLHK.shape[-1] ** -0.5
@@ -95,14 +96,14 @@ class Block(nnx.Module):
     logits_BHLL = jnp.where(causal_LL, logits_BHLL, jnp.finfo(jnp.float32).min)
     probs_BHLL = jax.nn.softmax(logits_BHLL, axis=-1)
     out_BLHK = jnp.einsum('BHQS,BSHK->BQHK', probs_BHLL, v_BLHK)
-    y_BLD = jnp.einsum('BLHK,HKD->BLD', out_BLHK, ops.param(self.w_out_HKD))
+    y_BLD = jnp.einsum('BLHK,HKD->BLD', out_BLHK, self.w_out_HKD[...])
     return ops.finish_contraction(y_BLD, 'heads')
 
   def mlp(self, x_BLD, ops):
-    h_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, ops.param(self.w_up_DF)) + ops.param(self.b_up_F)
+    h_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, self.w_up_DF[...]) + self.b_up_F[...]
     h_BLF = ops.constrain(jax.nn.gelu(h_BLF), ('batch', 'length', 'mlp'))
-    y_BLD = jnp.einsum('BLF,FD->BLD', h_BLF, ops.param(self.w_down_FD))
-    return ops.finish_contraction(y_BLD, 'mlp') + ops.param(self.b_down_D)
+    y_BLD = jnp.einsum('BLF,FD->BLD', h_BLF, self.w_down_FD[...])
+    return ops.finish_contraction(y_BLD, 'mlp') + self.b_down_D[...]
 
   def __call__(self, x_BLD, ops):
     x_BLD = x_BLD + self.attention(self.ln_attn(x_BLD, ops), ops)
@@ -134,9 +135,9 @@ class GPT(nnx.Module):
     length = tokens_BL.shape[1]
     # Read once: with tied embeddings both uses share one gathered table (manual FSDP), so their
     # gradients add up before a single reduce-scatter.
-    tok_embed_VD = ops.param(self.tok_embed_VD)
+    tok_embed_VD = self.tok_embed_VD[...]
     x_BLD = ops.embed_lookup(tok_embed_VD, tokens_BL)
-    x_BLD = x_BLD + ops.param(self.pos_embed_LD)[:length]
+    x_BLD = x_BLD + self.pos_embed_LD[:length]
     x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
 
     # scan_layers=False unrolls the loop completely: straight-line HLO, one copy per layer.
@@ -149,5 +150,28 @@ class GPT(nnx.Module):
     if self.cfg.tie_embeddings:
       logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, tok_embed_VD)
     else:
-      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, ops.param(self.head_DV))
+      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, self.head_DV[...])
     return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
+
+
+def build(model_config, vocab_size: int) -> ModelSpec:
+  """The registry entry: GPT from the `model` config subtree."""
+  cfg = GPTConfig(
+      vocab_size=vocab_size, num_layers=model_config.num_layers,
+      num_heads=model_config.num_heads, embed_dim=model_config.embed_dim,
+      mlp_dim=model_config.mlp_dim, max_len=model_config.max_len,
+      tie_embeddings=model_config.tie_embeddings, scan_layers=model_config.scan_layers,
+      init_std=model_config.init_std)
+  D, F, HK = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads * cfg.head_dim
+  # Weights that multiply activations: qkv, attention out, MLP up and down, the output head.
+  matmul_params = cfg.num_layers * (4 * D * HK + 2 * D * F) + vocab_size * D
+
+  def flops_per_token(seq_len: int) -> float:
+    # 6 per weight (forward multiply-add, two in the backward pass); attention scores and their
+    # weighted sum: 2 x 2 x seq_len x HK forward per layer, times 3 with the backward pass.
+    return 6.0 * matmul_params + 12.0 * cfg.num_layers * seq_len * HK
+
+  return ModelSpec(
+      name='gpt', factory=lambda rngs: GPT(cfg, rngs), vocab_size=vocab_size,
+      embed_dim=cfg.embed_dim, num_layers=cfg.num_layers,
+      row_parallel_per_layer=('heads', 'mlp'), flops_per_token=flops_per_token)

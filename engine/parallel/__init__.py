@@ -1,6 +1,6 @@
 """Train-step builders, one per parallelism mode: a plain dict registry.
 
-Each builder takes an engine.state.StateLayout and returns engine.parallel.steps.Steps.
+Each builder takes an engine.state.TrainSetup and returns engine.parallel.steps.Steps.
 """
 
 from engine.parallel import auto, manual

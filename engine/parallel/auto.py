@@ -7,31 +7,62 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from engine.parallel.ops import AutoOps
-from engine.parallel.steps import Steps
-from engine.state import StateLayout, batch_sharding, clip_by_global_norm, next_token_loss
+from engine.models.ops import LocalOps
+from engine.parallel.steps import Steps, apply_update, map_params, next_token_loss
+from engine.sharding import Rules
+from engine.state import TrainSetup
 
 
-def build_steps(layout: StateLayout) -> Steps:
-  ops = AutoOps(layout.mesh, layout.rules)
-  state_shardings = layout.state_shardings()
-  batch = batch_sharding(layout.mesh, layout.rules)
-  replicated = NamedSharding(layout.mesh, P())
+class AutoOps(LocalOps):
+  """Activations and parameters get sharding constraints from the rules; XLA does the rest."""
+
+  def __init__(self, mesh: jax.sharding.Mesh, rules: Rules):
+    self.mesh = mesh
+    self.rules = rules
+
+  def constrain(self, x, logical_axes, activation=True):
+    spec = self.rules.spec(logical_axes, activation=activation)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def prepare_params(self, module, skip_stacked=True):
+    # Pin parameters inside the step to their stored layout so that the compiler gathers them
+    # where they are used instead of re-laying-out whole tensors.
+    return map_params(module, lambda value, axes: self.constrain(value, axes, activation=False),
+                      skip_stacked)
+
+  def layer(self, fn):
+    return lambda layer, *args: fn(self.prepare_params(layer, skip_stacked=False), *args)
+
+  def embed_lookup(self, table_VD, tokens_BL):
+    if not self.rules.mesh_axes('vocab'):
+      return super().embed_lookup(table_VD, tokens_BL)
+    # A gather from a vocab-sharded table makes XLA replicate the table first; a one-hot matmul
+    # instead partitions like a row-parallel layer (local partial sums, one all-reduce).
+    one_hot_BLV = jax.nn.one_hot(tokens_BL, table_VD.shape[0], dtype=table_VD.dtype)
+    one_hot_BLV = self.constrain(one_hot_BLV, ('batch', 'length', 'vocab'))
+    return jax.numpy.einsum('BLV,VD->BLD', one_hot_BLV, table_VD)
+
+
+def build_steps(setup: TrainSetup) -> Steps:
+  ops = AutoOps(setup.mesh, setup.rules)
+  state_shardings = setup.state_shardings()
+  params_shardings = state_shardings['params']
+  batch = setup.batch_sharding()
+  replicated = NamedSharding(setup.mesh, P())
 
   def loss_fn(params, tokens_BL1):
-    return next_token_loss(params, layout.graphdef, tokens_BL1, ops)
+    return next_token_loss(params, setup.graphdef, tokens_BL1, ops)
+
+  def gradients(params, tokens_BL1):
+    return jax.value_and_grad(loss_fn)(params, tokens_BL1)
 
   def train_step(state, tokens_BL1):
-    loss, grads = jax.value_and_grad(loss_fn)(state['params'], tokens_BL1)
-    grad_norm = optax.tree.norm(grads)
-    grads = clip_by_global_norm(grads, grad_norm, layout.max_grad_norm)
-    updates, opt_state = layout.tx.update(grads, state['opt_state'], state['params'])
-    params = optax.apply_updates(state['params'], updates)
-    metrics = {'loss': loss, 'grad_norm': grad_norm}
-    return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+    loss, grads = gradients(state['params'], tokens_BL1)
+    return apply_update(setup, state, loss, grads, optax.tree.norm(grads))
 
   return Steps(
       train=jax.jit(train_step, in_shardings=(state_shardings, batch),
                     out_shardings=(state_shardings, replicated), donate_argnums=0),
-      eval=jax.jit(loss_fn, in_shardings=(state_shardings['params'], batch),
-                   out_shardings=replicated))
+      eval=jax.jit(loss_fn, in_shardings=(params_shardings, batch), out_shardings=replicated),
+      gradients=jax.jit(gradients, in_shardings=(params_shardings, batch),
+                        out_shardings=(replicated, params_shardings)))

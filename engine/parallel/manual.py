@@ -3,10 +3,11 @@
 The collectives come from the same rules that give auto mode its shardings:
 
 - A parameter dimension whose logical name maps to mesh axes in the parameter rules but not in
-  the activation rules (FSDP's `embed` -> fsdp) is `all_gather`ed just before use, inside the
-  layer scan and under remat, so only one layer's gathered weights are alive at a time and the
-  backward pass gathers again. The transpose of the gather is a `psum_scatter`: the gradient
-  arrives reduce-scattered.
+  the activation rules (FSDP's `embed` -> fsdp) is `all_gather`ed before use: a stacked layer's
+  parameters when that layer starts (`ops.layer`, inside the layer scan and under remat, so only
+  one layer's gathered weights are alive at a time and the backward pass gathers again), every
+  other parameter once before the model runs. The transpose of the gather is a `psum_scatter`:
+  the gradient arrives reduce-scattered. The model reads parameters the plain Flax way.
 - A contraction over a dimension that the activation rules shard (Megatron's row-parallel
   attention-out and MLP-down over `heads` / `mlp` -> tensor) ends with a `psum` over those axes.
   Its column-parallel partner needs nothing in the forward pass; JAX's varying-axes types turn the
@@ -24,22 +25,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine.parallel.ops import LocalOps
-from engine.parallel.steps import Steps
-from engine.sharding import Rules, logical_axes_of
-from engine.state import StateLayout, clip_by_global_norm, next_token_loss
-
-
-def _spec_axes(spec: P) -> tuple[str, ...]:
-  """Mesh axes that a PartitionSpec splits over, in order."""
-  axes = []
-  for entry in spec:
-    axes += [entry] if isinstance(entry, str) else list(entry or ())
-  return tuple(axes)
+from engine.models.ops import LocalOps
+from engine.parallel.steps import Steps, apply_update, map_params, next_token_loss
+from engine.sharding import Rules, named, spec_axes
+from engine.state import TrainSetup
 
 
 def _not_gathered(prim, *_, **__) -> bool:
@@ -54,19 +46,22 @@ class ManualOps(LocalOps):
     self.rules = rules
     self.mesh_shape = mesh_shape
 
-  def param(self, variable: nnx.Variable) -> jax.Array:
-    value = variable[...]
-    for dim, logical in enumerate(logical_axes_of(variable)):
+  def _gathered(self, value: jax.Array, logical_axes) -> jax.Array:
+    for dim, logical in enumerate(logical_axes):
       axes = self.rules.gather_axes(logical)
       if axes:
         value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
     return value
 
-  def layer(self, fn):
-    # Under remat the gathered weights are not saved for the backward pass: peak memory holds
-    # one layer's full parameters, and the backward pass gathers them again.
-    return nnx.remat(fn, policy=_not_gathered)
+  def prepare_params(self, module, skip_stacked=True):
+    return map_params(module, self._gathered, skip_stacked)
 
+  def layer(self, fn):
+    # The layer's weights are gathered inside remat and not saved for the backward pass: peak
+    # memory holds one layer's full parameters, and the backward pass gathers them again.
+    def gathered_layer(layer, *args):
+      return fn(self.prepare_params(layer, skip_stacked=False), *args)
+    return nnx.remat(gathered_layer, policy=_not_gathered)
   def finish_contraction(self, y, contracted):
     axes = self.rules.mesh_axes(contracted, activation=True)
     return jax.lax.psum(y, axes) if axes else y
@@ -104,25 +99,24 @@ class ManualOps(LocalOps):
     return (jnp.log(sum_exp_BL) + max_BL - target_logit_BL).mean()
 
 
-def build_steps(layout: StateLayout) -> Steps:
-  mesh_shape = dict(layout.mesh.shape)
-  ops = ManualOps(layout.rules, mesh_shape)
-  state_specs = layout.state_specs()
-  batch_spec = layout.rules.spec(('batch', None), activation=True)
-  batch_axes = layout.rules.mesh_axes('batch', activation=True)
+def build_steps(setup: TrainSetup) -> Steps:
+  mesh_shape = dict(setup.mesh.shape)
+  ops = ManualOps(setup.rules, mesh_shape)
+  state_specs = setup.state_specs()
+  param_specs = state_specs['params']
+  batch_spec = setup.batch_sharding().spec
+  batch_axes = setup.rules.mesh_axes('batch', activation=True)
 
   # Per parameter: the batch axes it is replicated over (cast to varying, then pmean), and the
   # factor that turns the psum_scatter of a gathered dimension into a mean over batch shards.
   def replicated_batch_axes(spec):
-    return tuple(a for a in batch_axes if a not in _spec_axes(spec))
+    return tuple(a for a in batch_axes if a not in spec_axes(spec))
 
   def scatter_mean_factor(spec):
-    return math.prod(mesh_shape[a] for a in batch_axes if a in _spec_axes(spec))
-
-  param_specs = layout.param_specs
+    return math.prod(mesh_shape[a] for a in batch_axes if a in spec_axes(spec))
 
   def local_loss(params, tokens_BL1):
-    return next_token_loss(params, layout.graphdef, tokens_BL1, ops)
+    return next_token_loss(params, setup.graphdef, tokens_BL1, ops)
 
   def gradients(params, tokens_BL1):
     local_params = jax.tree.map(
@@ -137,35 +131,29 @@ def build_steps(layout: StateLayout) -> Steps:
   def global_norm(grads):
     # Each shard's squared norm is summed over the axes that split that parameter.
     squares = jax.tree.map(
-        lambda g, spec: _psum_if(jnp.sum(jnp.square(g.astype(jnp.float32))), _spec_axes(spec)),
+        lambda g, spec: _psum_if(jnp.sum(jnp.square(g.astype(jnp.float32))), spec_axes(spec)),
         grads, param_specs)
     return jnp.sqrt(sum(jax.tree.leaves(squares)))
 
   def train_step(state, tokens_BL1):
     loss, grads = gradients(state['params'], tokens_BL1)
-    grad_norm = global_norm(grads)
-    grads = clip_by_global_norm(grads, grad_norm, layout.max_grad_norm)
-    updates, opt_state = layout.tx.update(grads, state['opt_state'], state['params'])
-    params = optax.apply_updates(state['params'], updates)
-    metrics = {'loss': loss, 'grad_norm': grad_norm}
-    return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+    return apply_update(setup, state, loss, grads, global_norm(grads))
 
   def eval_step(params, tokens_BL1):
     loss = local_loss(params, tokens_BL1)
     return jax.lax.pmean(loss, batch_axes) if batch_axes else loss
 
-  state_shardings = layout.state_shardings()
-  batch_sharding = jax.sharding.NamedSharding(layout.mesh, batch_spec)
-  replicated_sharding = jax.sharding.NamedSharding(layout.mesh, P())
-  train = jax.shard_map(train_step, mesh=layout.mesh, in_specs=(state_specs, batch_spec),
-                        out_specs=(state_specs, P()))
-  evaluate = jax.shard_map(eval_step, mesh=layout.mesh,
-                           in_specs=(state_specs['params'], batch_spec), out_specs=P())
+  def shard_mapped(fn, in_specs, out_specs, donate=False):
+    """fn on local shards inside shard_map, jitted with the matching global shardings."""
+    return jax.jit(jax.shard_map(fn, mesh=setup.mesh, in_specs=in_specs, out_specs=out_specs),
+                   in_shardings=named(setup.mesh, in_specs),
+                   out_shardings=named(setup.mesh, out_specs),
+                   donate_argnums=0 if donate else ())
+
   return Steps(
-      train=jax.jit(train, in_shardings=(state_shardings, batch_sharding),
-                    out_shardings=(state_shardings, replicated_sharding), donate_argnums=0),
-      eval=jax.jit(evaluate, in_shardings=(state_shardings['params'], batch_sharding),
-                   out_shardings=replicated_sharding))
+      train=shard_mapped(train_step, (state_specs, batch_spec), (state_specs, P()), donate=True),
+      eval=shard_mapped(eval_step, (param_specs, batch_spec), P()),
+      gradients=shard_mapped(gradients, (param_specs, batch_spec), (P(), param_specs)))
 
 
 def _average_over_batch(grad, replicated_axes, scatter_factor):

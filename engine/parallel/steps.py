@@ -1,17 +1,75 @@
-"""What every step builder returns."""
+"""What every step builder returns, and the pieces of a train step both modes share.
+
+Shape suffixes: B batch, L length, L1 = L + 1 (a token window: inputs are its first L tokens,
+targets its last L), V vocab.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 
+import jax
+import optax
+from flax import nnx
+
+from engine.models.ops import LAYERS
+from engine.optimizer import clip_by_global_norm
+from engine.sharding import logical_axes_of
+from engine.state import TrainSetup
+
 
 @dataclasses.dataclass(frozen=True)
 class Steps:
   """Jitted (or jit-wrapped shard_map) functions on the sharded train state.
 
-  train(state, tokens_BL1) -> (new state, {'loss', 'grad_norm'}); the state is donated.
+  train(state, tokens_BL1) -> (new state, {'loss', 'grad_norm', 'learning_rate'}); the state is
+    donated. The loss is the one before the update, the gradient norm the one before clipping.
   eval(params, tokens_BL1) -> mean loss.
+  gradients(params, tokens_BL1) -> (mean loss, gradients of the mean loss, sharded like params):
+    what `train` computes before it clips and updates, for checking a layout against a
+    reference.
   """
   train: Callable
   eval: Callable
+  gradients: Callable
+
+
+def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) -> jax.Array:
+  """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
+  model = ops.prepare_params(nnx.merge(graphdef, params))
+  logits_BLV = model(tokens_BL1[:, :-1], ops)
+  return ops.cross_entropy(logits_BLV, tokens_BL1[:, 1:])
+
+
+def apply_update(setup: TrainSetup, state, loss, grads, grad_norm):
+  """The end of every train step: clip to the global norm, apply the optimizer, count the step.
+
+  `grads` are the mean-loss gradients laid out like the parameters and `grad_norm` their global
+  norm, however the mode computed them."""
+  optimizer = setup.optimizer
+  grads = clip_by_global_norm(grads, grad_norm, optimizer.clip_norm)
+  updates, opt_state = optimizer.tx.update(grads, state['opt_state'], state['params'])
+  params = optax.apply_updates(state['params'], updates)
+  metrics = {'loss': loss, 'grad_norm': grad_norm,
+             'learning_rate': optimizer.schedule(state['step'])}
+  return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
+
+
+def map_params(module: nnx.Module, fn: Callable, skip_stacked: bool = False) -> nnx.Module:
+  """A copy of `module` whose parameter values are `fn(value, logical_axes)`.
+
+  With `skip_stacked`, parameters stacked along the LAYERS axis are left alone: those are
+  prepared one layer at a time, inside ops.layer."""
+  graphdef, state = nnx.split(module)
+
+  def visit(variable):
+    if not isinstance(variable, nnx.Param):
+      return variable
+    axes = logical_axes_of(variable)
+    if skip_stacked and LAYERS in axes:
+      return variable
+    return variable.replace(fn(variable[...], axes))
+
+  state = jax.tree.map(visit, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, state)

@@ -1,21 +1,25 @@
 """Shows how the state and a batch are laid out on the mesh.
 
-  python -m engine.inspect --config=experiments/tiny.py:mesh=2x2x2 --param=tok_embed_VD
+  python -m engine.analysis.show_layout --config=experiments/tiny.py:mesh=2x2x2 \
+      --param=blocks/w_up_DF
 
 (with XLA_FLAGS=--xla_force_host_platform_device_count=8 to simulate 8 devices on CPU). Prints
 every parameter's shape, logical axes, PartitionSpec and bytes per device, then
-`jax.debug.visualize_sharding` of the chosen parameter and of the input batch.
+`jax.debug.visualize_sharding` of the chosen parameter (by default the largest) and of the input
+batch.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
-from engine import state as state_lib
 from engine.train import setup
+
 
 def visualize(shape, named_sharding: NamedSharding) -> None:
   """Draws the sharding of an array of any rank as a 2-D picture of its sharded dimensions.
@@ -34,28 +38,28 @@ def main():
   """Command line; flags are defined here, not at import, so tests can import this module."""
   config_flag = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                                 lock_config=True)
-  param_flag = flags.DEFINE_string('param', 'tok_embed_VD',
-                                   "Parameter to draw, path joined by '/'.")
+  param_flag = flags.DEFINE_string('param', None, "Parameter to draw, path joined by '/' "
+                                   '(default: the largest).')
 
   def run(argv):
     del argv
     config = config_flag.value
-    _, layout = setup(config)
-    params = layout.parameters()
-    print(f'mesh {dict(layout.mesh.shape)}')
+    _, train_setup = setup(config)
+    params = train_setup.parameters()
+    print(f'mesh {dict(train_setup.mesh.shape)}')
     for p in params:
       print(f'{p.path:28s} {str(p.shape):22s} {str(p.logical_axes):46s} {str(p.spec):38s} '
             f'{p.bytes_per_device:>10,d} B')
     total = sum(p.bytes_per_device for p in params)
     print(f'parameters per device: {total:,d} B; with AdamW moments: {3 * total:,d} B')
     by_path = {p.path: p for p in params}
-    if param_flag.value not in by_path:
-      raise app.UsageError(f'--param={param_flag.value} is not a parameter; choose one of '
-                           f'{sorted(by_path)}.')
-    chosen = by_path[param_flag.value]
+    name = param_flag.value or max(params, key=lambda p: math.prod(p.shape)).path
+    if name not in by_path:
+      raise app.UsageError(f'--param={name} is not a parameter; choose one of {sorted(by_path)}.')
+    chosen = by_path[name]
     print(f'\n{chosen.path} {chosen.shape} {chosen.spec}:')
-    visualize(chosen.shape, NamedSharding(layout.mesh, chosen.spec))
-    batch = state_lib.batch_sharding(layout.mesh, layout.rules)
+    visualize(chosen.shape, NamedSharding(train_setup.mesh, chosen.spec))
+    batch = train_setup.batch_sharding()
     shape = (config.data.global_batch_size, config.data.seq_len + 1)
     print(f'\ninput batch {shape} {batch.spec}:')
     visualize(shape, batch)

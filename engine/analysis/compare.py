@@ -1,13 +1,14 @@
 """Auto against manual on the same model, data, seed and mesh: numerics, speed, memory, bytes.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.compare \
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.compare \
       --config=experiments/shakespeare_char.py:mesh=2x2x2 \
       --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/compare --steps=10
 
 Every mode starts from the same sharded initial state and sees the same batches; their steps are
 interleaved so that machine drift hits all alike. After each step the parameters of each mode are
-compared with the single-device reference (engine.reference) on the same batch. The report is
-printed and written to WORKDIR as report.md, report.json and PNG plots (engine.compare_report).
+compared with the single-device reference (engine.analysis.reference) on the same batch. The
+report is printed and written to WORKDIR as report.md, report.json and PNG plots
+(engine.analysis.compare_report).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from engine import benchmark, collectives, comm_theory, compare_report, parallel
 from engine import config as config_lib
+from engine import parallel
+from engine.analysis import benchmark, collectives, comm_theory, compare_report
+from engine.analysis.reference import ReferenceRun
 from engine.metrics import quiet_library_logs
-from engine.reference import ReferenceRun
 from engine.train import setup
 
 
@@ -127,7 +129,7 @@ def communication_table(runs, theory: dict) -> list[dict]:
 def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
             atol: float = 1e-4) -> dict:
   """Runs the comparison and writes the report; returns the report's data."""
-  corpus, layout = setup(config)
+  corpus, train_setup = setup(config)
   unknown = [m for m in modes if m not in parallel.STEP_BUILDERS]
   if unknown:
     raise config_lib.ConfigError(f'--modes: {unknown} unknown; choose from '
@@ -135,16 +137,17 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
   os.makedirs(workdir, exist_ok=True)
   observer = None
   if jax.process_count() == 1:
-    reference = ReferenceRun(layout.model_factory, config.optim, config.train.num_steps,
+    reference = ReferenceRun(train_setup.model, config.optim, config.train.num_steps,
                              config.seed)
     observer = NumericsObserver(reference, atol)
   else:
     logging.warning('Several processes: the single-device reference is skipped.')
-  runs = benchmark.run_interleaved(config, corpus, layout, modes, steps, warmup, observer)
+  runs = benchmark.run_interleaved(config, corpus, train_setup, modes, steps, warmup, observer)
   tokens = config.data.global_batch_size * config.data.seq_len
-  theory = comm_theory.expected_bytes(layout, config.data.global_batch_size, config.data.seq_len)
+  theory = comm_theory.expected_bytes(train_setup, config.data.global_batch_size,
+                                      config.data.seq_len)
   report = {
-      'mesh': dict(layout.mesh.shape), 'modes': modes, 'steps': warmup + steps,
+      'mesh': dict(train_setup.mesh.shape), 'modes': modes, 'steps': warmup + steps,
       'timed_steps': steps, 'warmup': warmup, 'atol': atol, 'tokens_per_step': tokens,
       'losses': {run.mode: run.losses for run in runs},
       'speed': {run.mode: {

@@ -1,6 +1,6 @@
 """Step time, per-device memory and collectives of each parallelism mode, measured in one run.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.benchmark \
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.benchmark \
       --config=experiments/shakespeare_char.py:mesh=2x2x2 \
       --config.data.path=../shared/data/tinyshakespeare.txt --modes=auto,manual --steps=30
 
@@ -21,9 +21,10 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from engine import collectives, data, parallel
-from engine import state as state_lib
+from engine import data, parallel
+from engine.analysis import collectives
 from engine.metrics import log_memory, quiet_library_logs
+from engine.state import TrainSetup
 from engine.train import setup
 
 
@@ -43,30 +44,29 @@ class ModeRun:
     return 1e3 * float(np.median(self.step_seconds))
 
 
-def compile_mode(layout: state_lib.StateLayout, mode: str, abstract_batch) -> ModeRun:
-  steps = parallel.STEP_BUILDERS[mode](layout)
+def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
+  steps = parallel.STEP_BUILDERS[mode](train_setup)
   start = time.perf_counter()
-  compiled = steps.train.lower(layout.abstract_state(), abstract_batch).compile()
+  compiled = steps.train.lower(train_setup.abstract_state(), abstract_batch).compile()
   seconds = time.perf_counter() - start
   return ModeRun(mode, compiled, seconds, log_memory(f'{mode} train step', compiled),
-                 collectives.count_collectives(compiled.as_text(), layout.mesh))
+                 collectives.count_collectives(compiled.as_text(), train_setup.mesh))
 
 
-def run_interleaved(config, corpus: data.Corpus, layout: state_lib.StateLayout,
+def run_interleaved(config, corpus: data.Corpus, train_setup: TrainSetup,
                     modes: list[str], num_steps: int, warmup: int = 2,
                     observe: Callable | None = None) -> list[ModeRun]:
   """Compiles every mode, then runs their steps interleaved on the same batches.
 
-  `corpus` and `layout` come from engine.train.setup(config). `observe(step, run, state,
+  `corpus` and `train_setup` come from engine.train.setup(config). `observe(step, run, state,
   host_batch)` is called after each mode's step, outside the timed region (step counts from 1,
   warm-up included).
   """
-  batch_sharding = state_lib.batch_sharding(layout.mesh, layout.rules)
+  batch_sharding = train_setup.batch_sharding()
   global_batch = config.data.global_batch_size
-  abstract_batch = jax.ShapeDtypeStruct((global_batch, config.data.seq_len + 1), np.int32,
-                                        sharding=batch_sharding)
-  runs = [compile_mode(layout, mode, abstract_batch) for mode in modes]
-  states = [layout.init(config.seed)[0] for _ in modes]
+  abstract_batch = train_setup.abstract_batch(global_batch, config.data.seq_len)
+  runs = [compile_mode(train_setup, mode, abstract_batch) for mode in modes]
+  states = [train_setup.init(config.seed)[0] for _ in modes]
   batches = data.windows_dataset(corpus.train_tokens, config.data.seq_len, global_batch,
                                  config.seed, jax.process_index(), jax.process_count())
   for i in range(warmup + num_steps):
@@ -118,8 +118,8 @@ def main():
     del argv
     quiet_library_logs()
     config = config_flag.value
-    corpus, layout = setup(config)
-    runs = run_interleaved(config, corpus, layout, modes.value, steps.value)
+    corpus, train_setup = setup(config)
+    runs = run_interleaved(config, corpus, train_setup, modes.value, steps.value)
     print(report(runs, config.data.global_batch_size * config.data.seq_len))
     if json_path.value:
       with open(json_path.value, 'w') as f:

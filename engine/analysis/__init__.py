@@ -1,0 +1,11 @@
+"""Tools that measure and explain the engine; the core (engine/*, models/, parallel/) never
+imports them.
+
+  reference.py       the single-device computation every layout must reproduce
+  collectives.py     counts the collectives of a compiled step by kind and mesh axes
+  comm_theory.py     the bytes a layout should move, from the model's spec and the rules
+  benchmark.py       step time, memory and collectives of the modes, interleaved in one run
+  compare.py         auto against manual against the reference: numerics, speed, memory, bytes
+  compare_report.py  the comparison as Markdown, JSON and plots
+  show_layout.py     prints where every parameter and the batch live on the mesh
+"""

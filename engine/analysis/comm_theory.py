@@ -1,0 +1,69 @@
+"""The communication a layout needs in theory, per step and per device, for any registered model.
+
+It reads only the model's spec (engine/models/spec.py: width, depth, the dimensions its
+row-parallel matmuls contract) and the parameter table, never a parameter's name.
+
+Units match engine.collectives: bytes of each collective's result on one device, summed over
+its executions in one step. Keys are (kind, mesh axes).
+
+- Data parallel: one all-reduce of every gradient over the batch axes its parameter is
+  replicated on (the local gradient shard's size).
+- FSDP: every gathered parameter of a stacked layer all-gathered twice (forward, and again in
+  the backward pass under remat), every other one once (before the model runs, kept for the
+  backward pass), and each gradient reduce-scattered once.
+- Megatron tensor parallel: per layer and per row-parallel matmul, one all-reduce of the
+  activations [batch, length, embed] in the forward pass (its partial sums) and one in the
+  backward (the gradient of its column-parallel partner's replicated input); with a
+  vocab-parallel embedding and loss, one more activation all-reduce each way plus three
+  [batch, length] reductions for the cross-entropy (max, sum of exponentials, target logit).
+Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+from engine.models.ops import LAYERS
+from engine.sharding import spec_axes
+from engine.state import TrainSetup
+
+Key = tuple[str, tuple[str, ...]]
+FLOAT_BYTES = 4
+
+
+def _ordered(axes, mesh_axes) -> tuple[str, ...]:
+  return tuple(a for a in mesh_axes if a in axes)
+
+
+def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[Key, int]:
+  mesh_shape = dict(setup.mesh.shape)
+  names = tuple(mesh_shape)
+  rules = setup.rules
+  batch_axes = rules.mesh_axes('batch', activation=True)
+  local_batch = global_batch // math.prod(mesh_shape[a] for a in batch_axes)
+  expected: dict[Key, int] = collections.defaultdict(int)
+
+  for p in setup.parameters():
+    split = set(spec_axes(p.spec))
+    replicated = _ordered([a for a in batch_axes if a not in split], names)
+    if replicated:
+      expected[('all-reduce', replicated)] += p.bytes_per_device
+    gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
+    if gathered:
+      factor = math.prod(mesh_shape[a] for a in gathered)
+      gathers = 2 if LAYERS in p.logical_axes else 1
+      expected[('all-gather', gathered)] += gathers * p.bytes_per_device * factor
+      expected[('reduce-scatter', gathered)] += p.bytes_per_device
+
+  model = setup.model
+  activation = local_batch * seq_len * model.embed_dim * FLOAT_BYTES
+  for contracted in model.row_parallel_per_layer:
+    row_parallel = _ordered(rules.mesh_axes(contracted, activation=True), names)
+    if row_parallel:
+      expected[('all-reduce', row_parallel)] += 2 * model.num_layers * activation
+  vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
+  if vocab_parallel:
+    expected[('all-reduce', vocab_parallel)] += (
+        2 * activation + 3 * local_batch * seq_len * FLOAT_BYTES)
+  return dict(expected)

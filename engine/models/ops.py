@@ -1,0 +1,62 @@
+"""The few operations through which a model meets the parallel layout: their plain versions.
+
+A model is written once and calls these where a layout may need communication: constraining an
+activation's sharding, applying one stacked layer, finishing a contraction over a sharded
+dimension, looking up embeddings. `LocalOps` is the plain single-device computation that every
+parallel mode must reproduce; the auto (jit) and manual (shard_map) versions subclass it beside
+their step builders in engine.parallel, so a model imports nothing but this file.
+
+Parameters are read the ordinary Flax way (`self.w[...]`, or a standard layer such as
+`nnx.Linear` reading its own kernel): the engine prepares every parameter before the model runs
+(`prepare_params`), and each stacked layer's parameters inside `layer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+# The logical name of the axis that stacks layers (nnx.vmap / nnx.scan with
+# transform_metadata={nnx.PARTITION_NAME: LAYERS}). Parameters with this axis are prepared one
+# layer at a time, inside `layer`; all others once, before the model runs.
+LAYERS = 'layers'
+
+
+class LocalOps:
+  """No layout: the reference computation."""
+
+  def constrain(self, x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+    """Names the dimensions of an activation (a layout may constrain its sharding)."""
+    del logical_axes
+    return x
+
+  def layer(self, fn: Callable) -> Callable:
+    """Wraps `fn(layer_module, *args)`, which applies one stacked layer, so that a layout can
+    prepare that layer's parameters (FSDP gathers them) and rematerialise it."""
+    return fn
+
+  def finish_contraction(self, y: jax.Array, contracted: str) -> jax.Array:
+    """Called after a matmul that summed over the logical dimension `contracted` (a layout that
+    splits that dimension adds up the partial sums here)."""
+    del contracted
+    return y
+
+  def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
+    return jnp.take(table_VD, tokens_BL, axis=0)
+
+  def cross_entropy(self, logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BLV.astype(jnp.float32), targets_BL)
+    return losses.mean()
+
+  def prepare_params(self, module: nnx.Module, skip_stacked: bool = True) -> nnx.Module:
+    """Called by the engine, not the model: the module with its parameters ready for computation
+    (those stacked along LAYERS are left to `layer` when `skip_stacked`). Plain computation
+    needs nothing."""
+    del skip_stacked
+    return module

@@ -1,0 +1,48 @@
+"""What a registered model tells the engine: the interface every model plugs in through.
+
+The train loop, the parameter table, the communication theory and the compare tool ask a model
+only for what is here; none of them reads a parameter by name. A model module provides a
+`build(model_config, vocab_size) -> ModelSpec` function and one line in engine/models/__init__.py.
+
+The module that `ModelSpec.create` returns must:
+  - be an `nnx.Module` whose call `model(tokens_BL, ops=LocalOps()) -> logits_BLV` maps int32
+    tokens [batch, length] to logits [batch, length, vocab_size];
+  - name every parameter's dimensions with Flax's own sharding metadata, logical names rather
+    than mesh axes: `nnx.with_partitioning(init, ('embed', 'mlp'))` for a standard layer's
+    initialiser, or `nnx.Param(value, out_sharding=('embed', 'mlp'))`. The engine's rules map
+    the names (`vocab`, `embed`, `heads`, `head_dim`, `mlp`, `norm`, ...) to mesh axes; an
+    unannotated parameter is replicated;
+  - call `ops` where a layout may need to communicate (engine/models/ops.py): `embed_lookup` for
+    the token embedding, `finish_contraction(y, name)` after a matmul that contracts a dimension
+    the rules may split (Megatron's row-parallel layers), `constrain` on activations, and
+    `layer` around the application of each layer stacked along the `LAYERS` axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A built model: how to create it, and the facts about it the engine's tools need."""
+  name: str
+  factory: Callable[[nnx.Rngs], nnx.Module]
+  vocab_size: int
+  embed_dim: int  # Width D of the activations [batch, length, D] that flow between layers.
+  num_layers: int
+  # Per layer, the logical dimension each row-parallel matmul contracts (each ends with
+  # ops.finish_contraction on a [batch, length, embed_dim] activation); e.g. ('heads', 'mlp').
+  row_parallel_per_layer: tuple[str, ...]
+  # Training FLOPs (forward + backward) per token at a sequence length: 6 x the parameters that
+  # multiply activations, plus attention's length-dependent matmuls.
+  flops_per_token: Callable[[int], float]
+
+  def create(self, rngs: nnx.Rngs) -> nnx.Module:
+    """The model, unplaced. The engine places parameters itself (a jit with out_shardings from
+    the rules), so Flax's eager sharding, which reads the names as mesh axes, is off."""
+    with nnx.use_eager_sharding(False):
+      return self.factory(rngs)
