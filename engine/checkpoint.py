@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 
+import jax
 import orbax.checkpoint as ocp
 from absl import logging
+
+from engine.config import ConfigError
 
 
 class Checkpointer:
@@ -61,3 +64,36 @@ class Checkpointer:
     """Waits for background writes to finish."""
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def restore_params(workdir: str, abstract_params):
+  """The parameters of the latest checkpoint in another run's `workdir` (not its optimizer
+  state), restored straight into the shardings that `abstract_params` carry: any mesh, either
+  mode. Raises ConfigError naming the parameters whose shapes differ."""
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  manager = ocp.CheckpointManager(
+      directory, item_names=('state',), item_handlers={'state': ocp.PyTreeCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(read_only=True))
+  step = manager.latest_step()
+  if step is None:
+    raise ConfigError(f'train.init_from={workdir!r} holds no complete checkpoint; pass the '
+                      '--workdir of a run that saved one.')
+  saved = manager.item_metadata(step)['state']
+  saved = getattr(saved, 'tree', saved)['params']
+  wanted = dict(jax.tree_util.tree_leaves_with_path(abstract_params))
+  found = dict(jax.tree_util.tree_leaves_with_path(saved))
+  shape = lambda key: tuple(found[key].shape) if key in found else 'missing'
+  differ = [f'{jax.tree_util.keystr(k)}: checkpoint {shape(k)}, model {tuple(v.shape)}'
+            for k, v in wanted.items() if shape(k) != tuple(v.shape)]
+  if differ:
+    raise ConfigError(
+        f'train.init_from={workdir!r}: the checkpoint of step {step} does not fit this model '
+        f'({len(differ)} parameters differ: {"; ".join(differ[:5])}); use the model config of '
+        'that run.')
+  item = {'params': abstract_params}
+  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+      partial_restore=True)))
+  manager.close()
+  logging.info('Initialised the parameters from step %d of %s', step, directory)
+  return restored['state']['params']

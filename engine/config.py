@@ -15,10 +15,12 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from engine import models, parallel, sharding
+from engine.models import attention
 
 SOURCES = ('embedded', 'file', 'synthetic')
 TOKENIZERS = ('byte', 'char')
 MESH_AXES = ('data', 'fsdp', 'tensor')
+DTYPES = ('float32', 'bfloat16')
 
 
 class ConfigError(ValueError):
@@ -44,6 +46,17 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.tie_embeddings = True
   c.model.scan_layers = True  # False unrolls the layer loop in the HLO (debugging).
   c.model.init_std = 0.02
+  c.model.norm_eps = 1e-5
+  c.model.attention = 'einsum'  # einsum | dot_product_attention (jax.nn; cuDNN flash on GPUs)
+  c.model.attention_scale_on = 'queries'  # Where 1/sqrt(head_dim) goes: queries | logits.
+  c.model.num_kv_heads = -1  # Llama: key/value heads (grouped-query attention); -1: num_heads.
+  c.model.rope_base = 10_000.0  # Llama: rotary position embedding base.
+  # Compute dtype: float32 | bfloat16. Parameters and optimizer state stay float32; logits and
+  # the loss are float32.
+  c.model.dtype = 'float32'
+  # What each layer keeps for the backward pass: none (keep all) | full (recompute the layer) |
+  # dots_saveable | dots_with_no_batch_dims_saveable (keep matmul outputs).
+  c.model.remat = 'none'
 
   c.data = ml_collections.ConfigDict()
   c.data.source = 'embedded'  # embedded | file | synthetic
@@ -63,6 +76,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.b1 = 0.9
   c.optim.b2 = 0.99
   c.optim.weight_decay = 0.1
+  c.optim.weight_decay_on = 'matrices'  # matrices (not norms, biases) | all
   c.optim.grad_clip_norm = 1.0
 
   c.mesh = ml_collections.ConfigDict()
@@ -77,6 +91,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.parallelism = ml_collections.ConfigDict()
   c.parallelism.mode = 'auto'
   c.parallelism.rules = 'auto'  # A preset in engine.sharding.RULE_PRESETS; 'auto' follows the mesh.
+  # Manual mode: dtype of the gradient reductions and of the FSDP gathers they transpose.
+  c.parallelism.grad_reduce_dtype = 'float32'  # float32 | bfloat16
 
   c.train = ml_collections.ConfigDict()
   c.train.num_steps = 300
@@ -85,6 +101,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.eval_batches = 8
   c.train.checkpoint_every = 100
   c.train.keep_checkpoints = 3
+  # Gradients over this many slices of each batch, accumulated, then applied once.
+  c.train.microbatches = 1
+  # Start from the parameters (not the optimizer state) of another run's latest checkpoint:
+  # that run's --workdir. Used only when this workdir has no checkpoint yet.
+  c.train.init_from = ''
   return c
 
 
@@ -188,11 +209,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   if config.parallelism.mode not in parallel.STEP_BUILDERS:
     raise ConfigError(f'parallelism.mode={config.parallelism.mode!r} is unknown; choose one of '
                       f'{sorted(parallel.STEP_BUILDERS)}.')
-  if config.data.source not in SOURCES:
-    raise ConfigError(f'data.source={config.data.source!r} is unknown; choose one of {SOURCES}.')
-  if config.data.tokenizer not in TOKENIZERS:
-    raise ConfigError(f'data.tokenizer={config.data.tokenizer!r} is unknown; choose one of '
-                      f'{TOKENIZERS}.')
+  for key, choices in [
+      ('data.source', SOURCES), ('data.tokenizer', TOKENIZERS), ('model.dtype', DTYPES),
+      ('model.attention', attention.IMPLEMENTATIONS),
+      ('model.attention_scale_on', attention.SCALE_ON),
+      ('model.remat', tuple(parallel.steps.REMAT_POLICIES)),
+      ('optim.weight_decay_on', ('matrices', 'all')),
+      ('parallelism.grad_reduce_dtype', DTYPES)]:
+    section, name = key.split('.')
+    if config[section][name] not in choices:
+      raise ConfigError(f'{key}={config[section][name]!r} is unknown; choose one of {choices}.')
   if config.data.source == 'file' and not os.path.isfile(config.data.path):
     raise ConfigError(
         f'data.path={config.data.path!r} is not a file; pass --config.data.path=PATH to a text '
@@ -201,7 +227,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
       'model.num_layers', 'model.num_heads', 'model.embed_dim', 'model.mlp_dim', 'model.max_len',
       'model.vocab_multiple', 'data.seq_len', 'data.global_batch_size', 'train.num_steps',
       'train.log_every', 'train.eval_every', 'train.eval_batches', 'train.checkpoint_every',
-      'train.keep_checkpoints', 'optim.learning_rate'])
+      'train.keep_checkpoints', 'train.microbatches', 'optim.learning_rate', 'model.norm_eps',
+      'model.rope_base'])
   if config.model.vocab_size != -1 and config.model.vocab_size <= 0:
     raise ConfigError(f'model.vocab_size={config.model.vocab_size} must be positive, or -1 to '
                       'take it from the tokenizer.')
@@ -220,6 +247,20 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
         'raise model.max_len or shorten data.seq_len.')
   _require_divisible(config.model.embed_dim, 'model.embed_dim', config.model.num_heads,
                      'model.num_heads')
+  kv_heads = config.model.num_kv_heads
+  if kv_heads != -1 and (kv_heads <= 0 or config.model.num_heads % kv_heads):
+    raise ConfigError(
+        f'model.num_kv_heads={kv_heads} must divide model.num_heads={config.model.num_heads} '
+        '(each key/value head serves a group of query heads), or be -1 for one per query head.')
+  if config.model.name == 'llama' and (config.model.embed_dim // config.model.num_heads) % 2:
+    raise ConfigError(
+        f'model.embed_dim / model.num_heads = {config.model.embed_dim // config.model.num_heads} '
+        'is odd; rotary embeddings rotate pairs of dimensions, so choose an even head size.')
+  if config.train.init_from and not os.path.isdir(os.path.join(config.train.init_from,
+                                                               'checkpoints')):
+    raise ConfigError(
+        f'train.init_from={config.train.init_from!r} has no checkpoints/ directory; pass the '
+        '--workdir of a run that saved a checkpoint.')
 
   mesh = resolve_mesh_shape(config.mesh, num_devices)
   if config.parallelism.rules not in sharding.RULE_PRESETS and config.parallelism.rules != 'auto':
@@ -249,6 +290,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
                      f'the mesh\'s batch axes {"*".join(batch_axes) or "(none)"}')
   _require_divisible(config.data.global_batch_size, 'data.global_batch_size', num_processes,
                      'the number of processes')
+  local_batch = config.data.global_batch_size // batch_ways
+  if local_batch % config.train.microbatches:
+    raise ConfigError(
+        f'train.microbatches={config.train.microbatches} does not divide the {local_batch} rows '
+        f'each device holds (data.global_batch_size={config.data.global_batch_size} over '
+        f'{batch_ways} batch shards); choose a divisor of {local_batch}, or a larger batch.')
   tensor = mesh['tensor']
   _require_divisible(config.model.num_heads, 'model.num_heads', tensor, 'mesh.tensor')
   _require_divisible(config.model.mlp_dim, 'model.mlp_dim', tensor, 'mesh.tensor')

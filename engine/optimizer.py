@@ -35,9 +35,12 @@ def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(optim_config, num_steps: int) -> Optimizer:
-  """AdamW; weight decay only on matrices (not norms or biases)."""
+  """AdamW; weight decay on matrices only (not norms or biases), or on every parameter."""
   schedule = learning_rate_schedule(optim_config, num_steps)
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  if optim_config.weight_decay_on == 'all':
+    decay_mask = None
+  else:
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   tx = optax.adamw(schedule, b1=optim_config.b1, b2=optim_config.b2,
                    weight_decay=optim_config.weight_decay, mask=decay_mask)
   return Optimizer(tx, schedule, optim_config.grad_clip_norm)

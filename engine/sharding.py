@@ -1,8 +1,8 @@
 """Logical axis names -> mesh axes (rule presets), state shardings, and sharded initialisation.
 
 Parameters carry logical axis names in Flax's own sharding metadata (`out_sharding`, as
-`nnx.with_partitioning` writes it); activations are annotated with logical names in the model. A `Rules` object maps both to mesh axes. Parameters and
-activations have separate tables because FSDP shards a parameter's `embed` dimension while the
+`nnx.with_partitioning` writes it); activations are annotated with logical names in the model.
+A `Rules` object maps both to mesh axes. Parameters and activations have separate tables because FSDP shards a parameter's `embed` dimension while the
 activations' `embed` dimension stays whole: that difference is exactly what manual mode gathers.
 """
 
@@ -54,6 +54,11 @@ class Rules:
         used.update(axes)
     return used
 
+  def replicating(self, logical: str) -> Rules:
+    """These rules with `logical` split over no mesh axis, in parameters and activations."""
+    drop = lambda table: {k: v for k, v in table.items() if k != logical}
+    return Rules(drop(self.params), drop(self.activations))
+
   def restricted_to(self, mesh_shape: Mapping[str, int]) -> Rules:
     """Drops mesh axes of size 1: the mesh shape picks which parts of a preset apply."""
     keep = lambda table: {k: tuple(a for a in v if mesh_shape.get(a, 1) > 1)
@@ -63,7 +68,7 @@ class Rules:
 
 # The combined layout: batch over data and fsdp; parameters' embed over fsdp (ZeRO-3);
 # heads / MLP hidden / vocabulary over tensor (Megatron). Other presets are its restrictions.
-_TENSOR_NAMES = ('heads', 'mlp', 'vocab')
+_TENSOR_NAMES = ('heads', 'kv_heads', 'mlp', 'vocab')
 RULE_PRESETS: dict[str, Rules] = {
     'data_parallel': Rules(params={}, activations={'batch': ('data',)}),
     'fsdp': Rules(params={'embed': ('fsdp',)}, activations={'batch': ('data', 'fsdp')}),

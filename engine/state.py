@@ -35,6 +35,23 @@ class ParameterInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """How a train step computes, in either mode (config keys in brackets)."""
+  # Parameters and optimizer state stay float32; the forward and backward passes run in this
+  # dtype [model.dtype]; logits and the loss are float32.
+  compute_dtype: str = 'float32'
+  # What each stacked layer keeps for the backward pass (engine.parallel.steps.REMAT_POLICIES)
+  # [model.remat]; manual FSDP never keeps gathered weights, whatever the policy.
+  remat: str = 'none'
+  # Gradients are accumulated over this many slices of the batch, then synchronised and
+  # applied once [train.microbatches].
+  microbatches: int = 1
+  # Manual mode: the dtype of gradient reductions (and of the FSDP gathers whose transposes
+  # they are) [parallelism.grad_reduce_dtype].
+  grad_reduce_dtype: str = 'float32'
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainSetup:
   """A model and its optimizer laid out on a mesh by rules: everything a step builder needs,
   derived without allocating anything."""
@@ -45,6 +62,7 @@ class TrainSetup:
   optimizer: Optimizer
   mesh: jax.sharding.Mesh
   rules: Rules
+  options: StepOptions = StepOptions()
 
   def parameters(self) -> list[ParameterInfo]:
     """Every parameter with its logical axes, PartitionSpec and per-device size, by path."""
@@ -98,11 +116,21 @@ class TrainSetup:
         self.state_shardings())
 
 
-def make_setup(model: ModelSpec, optimizer: Optimizer, mesh: jax.sharding.Mesh,
-               rules: Rules) -> TrainSetup:
-  """Lays the model out by the rules."""
+def make_setup(model: ModelSpec, optimizer: Optimizer, mesh: jax.sharding.Mesh, rules: Rules,
+               options: StepOptions = StepOptions()) -> TrainSetup:
+  """Lays the model out by the rules (replicating the model's optional splits that the mesh
+  does not divide)."""
   graphdef, abstract = sharding.abstract_model(model.create)
+  mesh_shape = dict(mesh.shape)
+  for name in model.split_where_divisible:
+    ways = math.prod(mesh_shape[a] for a in rules.mesh_axes(name))
+    sizes = [size for variable in jax.tree.leaves(abstract, is_leaf=sharding.is_variable)
+             for size, axis in zip(variable.get_value().shape, sharding.logical_axes_of(variable))
+             if axis == name]
+    if any(size % ways for size in sizes):
+      rules = rules.replicating(name)
   specs = sharding.variable_specs(abstract, rules)
   return TrainSetup(
       model=model, graphdef=graphdef, abstract_params=nnx.to_pure_dict(abstract),
-      param_specs=nnx.to_pure_dict(specs), optimizer=optimizer, mesh=mesh, rules=rules)
+      param_specs=nnx.to_pure_dict(specs), optimizer=optimizer, mesh=mesh, rules=rules,
+      options=options)

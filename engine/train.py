@@ -15,11 +15,11 @@ from jax.experimental import multihost_utils
 
 from engine import config as config_lib
 from engine import data, distributed, models, parallel, sharding
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer, restore_params
 from engine.mesh import make_mesh
 from engine.metrics import MetricsWriter, log_memory
 from engine.optimizer import make_optimizer
-from engine.state import TrainSetup, make_setup
+from engine.state import StepOptions, TrainSetup, make_setup
 
 
 @dataclasses.dataclass
@@ -49,8 +49,11 @@ def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> Trai
   mesh = make_mesh(config.mesh)
   rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
   model = models.build(config.model, resolve_vocab_size(config.model, tokenizer_vocab))
+  options = StepOptions(compute_dtype=config.model.dtype, remat=config.model.remat,
+                        microbatches=config.train.microbatches,
+                        grad_reduce_dtype=config.parallelism.grad_reduce_dtype)
   train_setup = make_setup(model, make_optimizer(config.optim, config.train.num_steps), mesh,
-                           rules)
+                           rules, options)
   config_lib.check_parameter_splits(train_setup.parameters(), dict(mesh.shape))
   return train_setup
 
@@ -114,6 +117,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
     state, init_compiled = train_setup.init(config.seed)
     memory['init'] = log_memory('init', init_compiled)
     start_step = 0
+    if config.train.init_from:
+      state['params'] = restore_params(config.train.init_from, abstract_state['params'])
   else:
     _check_resumable(config, workdir)
     state = checkpointer.restore(start_step, abstract_state, train_iterator)

@@ -11,10 +11,16 @@ from engine.config import default_config
 from engine.train import build_setup, resolve_vocab_size
 
 # Float32 sums taken in another order (per-shard partial sums, then all-reduces) differ by a few
-# ulps per operation; through a few Adam steps at lr 3e-3 that stays below 2e-6 absolute on
-# parameters of size ~0.02-1 (measured: <= 1.2e-6). A layout bug is orders of magnitude larger:
-# a gradient summed instead of averaged over 8 devices is 8x the reference gradient and norm.
+# ulps per operation: losses, gradient norms and every gradient (relative to its largest entry)
+# agree to 1e-5 (measured: gradients within 1.1e-8 absolute). A layout bug is orders of
+# magnitude larger: a gradient summed instead of averaged over 8 devices is 8x the reference.
 ATOL = 1e-5
+# Parameters are looser: Adam divides each update by the gradient's running RMS, so an entry
+# whose gradient is near zero turns float32 noise in it into an update off by a few % of the
+# learning rate (3e-3 in the tiny configs; measured up to 2.7e-5 after 2 steps). 1e-4 still
+# catches a missing or misdirected update (>= one learning rate); the gradients carry the
+# strict check.
+PARAM_ATOL = 1e-4
 
 
 def tiny_config(mesh=(1, 1, 1), steps=4, source='synthetic'):
@@ -54,7 +60,8 @@ def _flat(tree) -> dict[str, np.ndarray]:
           for path, value in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
 
 
-def _train_batches(config):
+def train_batches(config):
+  """(corpus, the engine's stream of global batches) of a config, in one process."""
   corpus = data.load_corpus(config.data, config.seed)
   return corpus, data.windows_dataset(corpus.train_tokens, config.data.seq_len,
                                       config.data.global_batch_size, config.seed, 0, 1)
@@ -62,7 +69,7 @@ def _train_batches(config):
 
 def single_device_run(config, num_steps) -> Run:
   """`num_steps` steps of engine.analysis.reference on the engine's batch stream."""
-  corpus, batches = _train_batches(config)
+  corpus, batches = train_batches(config)
   vocab = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
   run = ReferenceRun(models.build(config.model, vocab), config.optim, config.train.num_steps,
                      config.seed)
@@ -74,7 +81,7 @@ def single_device_run(config, num_steps) -> Run:
 
 def engine_run(config, mode, num_steps) -> Run:
   """`num_steps` train steps of the engine's `mode` on the mesh of `config`."""
-  corpus, batches = _train_batches(config)
+  corpus, batches = train_batches(config)
   train_setup = build_setup(config, corpus.tokenizer.vocab_size)
   steps = parallel.STEP_BUILDERS[mode](train_setup)
   state, _ = train_setup.init(config.seed)
@@ -89,7 +96,7 @@ def engine_run(config, mode, num_steps) -> Run:
              _flat(state['params']))
 
 
-def assert_same_run(run: Run, reference: Run, atol=ATOL):
+def assert_same_run(run: Run, reference: Run, atol=ATOL, param_atol=PARAM_ATOL):
   """Losses, gradient norms (relative), every first-step gradient and every final parameter."""
   np.testing.assert_allclose(run.losses, reference.losses, atol=atol, rtol=0)
   np.testing.assert_allclose(run.grad_norms, reference.grad_norms, rtol=atol, atol=0)
@@ -100,5 +107,5 @@ def assert_same_run(run: Run, reference: Run, atol=ATOL):
     np.testing.assert_allclose(run.first_gradients[path] / scale, expected / scale, atol=atol,
                                rtol=0, err_msg=f'gradient of {path}')
   for path, expected in reference.params.items():
-    np.testing.assert_allclose(run.params[path], expected, atol=atol, rtol=0,
+    np.testing.assert_allclose(run.params[path], expected, atol=param_atol, rtol=0,
                                err_msg=f'parameter {path}')

@@ -14,8 +14,8 @@ TINY_OVERRIDES = ['--config.model.embed_dim=32', '--config.model.mlp_dim=64',
 
 
 def _run(*args, devices=1):
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-             JAX_PLATFORMS='cpu')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
+      os.environ['XLA_FLAGS'] + f' --xla_force_host_platform_device_count={devices}'))
   return subprocess.run([sys.executable, '-m', 'engine.main', *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
 
@@ -44,8 +44,7 @@ def test_bad_override_fails_before_anything_runs(override, message, tmp_path):
 
 
 def test_inspect_prints_every_parameter_and_draws_the_layout():
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
-             JAX_PLATFORMS='cpu')
+  env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices.
   proc = subprocess.run(
       [sys.executable, '-m', 'engine.analysis.show_layout', '--config=experiments/tiny.py:mesh=2x2x2',
        '--param=blocks/w_up_DF'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

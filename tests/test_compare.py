@@ -49,8 +49,7 @@ def test_report_agrees_counts_collectives_and_writes_plots(tmp_path):
 
 
 def test_summed_instead_of_averaged_gradients_are_reported_as_diverging(tmp_path, monkeypatch):
-  def summed(grad, replicated_axes, scatter_factor):  # The bug: psum where pmean belongs.
-    del scatter_factor
+  def summed(grad, replicated_axes, *_):  # The bug: psum where pmean belongs.
     return jax.lax.psum(grad, replicated_axes) if replicated_axes else grad
 
   monkeypatch.setattr(manual, '_average_over_batch', summed)

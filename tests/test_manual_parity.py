@@ -42,8 +42,7 @@ def test_matches_single_device(mesh, mode, reference):
 
 
 def test_a_summed_gradient_fails_the_check(reference, monkeypatch):
-  def summed(grad, replicated_axes, scatter_factor):  # The bug: psum where pmean belongs.
-    del scatter_factor
+  def summed(grad, replicated_axes, *_):  # The bug: psum where pmean belongs.
     return jax.lax.psum(grad, replicated_axes) if replicated_axes else grad
 
   monkeypatch.setattr(manual, '_average_over_batch', summed)

@@ -33,7 +33,7 @@ def _launch(processes, devices, arg, workdir, background=False):
   command = [sys.executable, '-m', 'launch.local', f'--num_processes={processes}',
              f'--devices_per_process={devices}', '--', sys.executable, '-m', 'engine.main',
              f'--config=tests/multihost_experiment.py:{arg}', f'--workdir={workdir}']
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = dict(os.environ)  # launch.local replaces the device count in XLA_FLAGS.
   if background:
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -136,7 +136,7 @@ def test_without_a_launcher_the_survivor_stops_naming_the_lost_process(tmp_path)
   """The distributed runtime's heartbeat: process 0 stops by itself, bounded by the timeout."""
   from launch.local import free_port, process_env
   port = free_port()
-  base = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  base = dict(os.environ)  # process_env replaces the device count in XLA_FLAGS.
   procs = [subprocess.Popen(
       [sys.executable, '-m', 'engine.main', '--heartbeat_timeout_s=5',
        '--config=tests/multihost_experiment.py:steps=100000,checkpoint_every=2',

@@ -3,11 +3,15 @@
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
-from engine.train import train
-from tests.helpers import tiny_config
+from engine import data
+from engine.analysis.reference import ReferenceRun
+from engine.checkpoint import Checkpointer
+from engine.train import setup, train
+from tests.helpers import single_device_run, tiny_config, train_batches
 
 
 def test_loss_falls_on_real_text(tmp_path):
@@ -80,3 +84,25 @@ def test_a_run_that_fails_early_leaves_the_workdir_usable(tmp_path):
   assert not (tmp_path / 'config.json').exists()
   result = train(_resumable_config((8, 1, 1), 2), str(tmp_path))  # The fixed command runs.
   assert result.final_step == 2
+
+
+def test_init_from_starts_from_another_runs_parameters(tmp_path):
+  source = str(tmp_path / 'source')
+  train(_resumable_config((2, 2, 2), 3), source)
+  config = _resumable_config((4, 1, 2), 1)  # Another mesh and mode, a fresh optimizer.
+  config.parallelism.mode = 'manual'
+  config.train.init_from = source
+  result = train(config, str(tmp_path / 'fine_tune'))
+  # Its first loss is the source's final parameters on the first batch, computed independently.
+  corpus, train_setup = setup(config)
+  saved = Checkpointer(os.path.join(source, 'checkpoints'), 1, 1).restore(
+      3, train_setup.abstract_state(), data.train_iterator(corpus, config.data, config.seed))
+  reference = ReferenceRun(train_setup.model, config.optim, 1, config.seed)
+  reference.params = jax.device_get(saved['params'])
+  expected, _ = reference.gradients(train_batches(config)[1][0])
+  np.testing.assert_allclose(result.train_losses[1], float(expected), atol=1e-5)
+  fresh = single_device_run(config, 1).losses[0]
+  assert abs(fresh - result.train_losses[1]) > 1e-3  # Not the fresh initialisation.
+  config.model.num_layers = 3
+  with pytest.raises(ValueError, match='does not fit this model'):
+    train(config, str(tmp_path / 'other_model'))

@@ -163,3 +163,40 @@ def summarize(collectives: list[Collective]) -> dict[tuple[str, tuple[str, ...]]
     row['bytes'] += c.bytes * c.executions
     row['array_bytes'] += c.array_bytes * c.executions
   return dict(sorted(table.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Requested:
+  """A collective as the program asks for it (jaxpr), before the compiler rewrites it."""
+  primitive: str  # psum (psum_invariant), reduce_scatter, all_gather, pmax, ppermute, ...
+  axes: tuple[str, ...]
+  dtype: str
+  shape: tuple[int, ...]
+
+
+_COLLECTIVE_PRIMITIVES = ('psum', 'psum_invariant', 'pmax', 'pmin', 'reduce_scatter',
+                          'all_gather', 'all_to_all', 'ppermute')
+
+
+def requested_collectives(closed_jaxpr) -> list[Requested]:
+  """Every collective in a traced program (`jax.make_jaxpr(step)(*args)`), nested jaxprs (scan,
+  remat, shard_map) included, each listed once per appearance. Compilers may change dtypes:
+  XLA:CPU, for one, promotes bfloat16 all-reduces and reduce-scatters to float32."""
+  found = []
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in _COLLECTIVE_PRIMITIVES:
+        axes = eqn.params.get('axes', eqn.params.get('axis_name', ()))
+        axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+        for var in eqn.invars:
+          found.append(Requested(eqn.primitive.name, axes, str(var.aval.dtype),
+                                 tuple(var.aval.shape)))
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else (param,):
+          inner = getattr(sub, 'jaxpr', sub)
+          if hasattr(inner, 'eqns'):
+            visit(inner)
+
+  visit(closed_jaxpr.jaxpr)
+  return found

@@ -10,13 +10,19 @@ its executions in one step. Keys are (kind, mesh axes).
   replicated on (the local gradient shard's size).
 - FSDP: every gathered parameter of a stacked layer all-gathered twice (forward, and again in
   the backward pass under remat), every other one once (before the model runs, kept for the
-  backward pass), and each gradient reduce-scattered once.
+  backward pass), and each gradient reduce-scattered once. With several micro-batches every
+  parameter is gathered once per optimizer step (and its gradient still reduce-scattered once).
+- Micro-batches change none of the rest: gradients are synchronised once per optimizer step,
+  and activation reductions move the same bytes in k slices.
 - Megatron tensor parallel: per layer and per row-parallel matmul, one all-reduce of the
   activations [batch, length, embed] in the forward pass (its partial sums) and one in the
   backward (the gradient of its column-parallel partner's replicated input); with a
   vocab-parallel embedding and loss, one more activation all-reduce each way plus three
   [batch, length] reductions for the cross-entropy (max, sum of exponentials, target logit).
 Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
+
+Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
+`parallelism.grad_reduce_dtype`, activations in the compute dtype, the loss terms in float32.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ from __future__ import annotations
 import collections
 import math
 
+import numpy as np
+
 from engine.models.ops import LAYERS
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
 
 Key = tuple[str, tuple[str, ...]]
-FLOAT_BYTES = 4
+FLOAT32_BYTES = 4
 
 
 def _ordered(axes, mesh_axes) -> tuple[str, ...]:
@@ -43,21 +51,25 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
   batch_axes = rules.mesh_axes('batch', activation=True)
   local_batch = global_batch // math.prod(mesh_shape[a] for a in batch_axes)
   expected: dict[Key, int] = collections.defaultdict(int)
+  reduce_bytes = np.dtype(setup.options.grad_reduce_dtype).itemsize
+  activation_bytes = np.dtype(setup.options.compute_dtype).itemsize
 
   for p in setup.parameters():
+    shard_bytes = math.prod(p.shard_shape) * reduce_bytes
     split = set(spec_axes(p.spec))
     replicated = _ordered([a for a in batch_axes if a not in split], names)
     if replicated:
-      expected[('all-reduce', replicated)] += p.bytes_per_device
+      expected[('all-reduce', replicated)] += shard_bytes
     gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
     if gathered:
       factor = math.prod(mesh_shape[a] for a in gathered)
-      gathers = 2 if LAYERS in p.logical_axes else 1
-      expected[('all-gather', gathered)] += gathers * p.bytes_per_device * factor
-      expected[('reduce-scatter', gathered)] += p.bytes_per_device
+      once_per_step = setup.options.microbatches > 1 or LAYERS not in p.logical_axes
+      gathers = 1 if once_per_step else 2
+      expected[('all-gather', gathered)] += gathers * shard_bytes * factor
+      expected[('reduce-scatter', gathered)] += shard_bytes
 
   model = setup.model
-  activation = local_batch * seq_len * model.embed_dim * FLOAT_BYTES
+  activation = local_batch * seq_len * model.embed_dim * activation_bytes
   for contracted in model.row_parallel_per_layer:
     row_parallel = _ordered(rules.mesh_axes(contracted, activation=True), names)
     if row_parallel:
@@ -65,5 +77,5 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
   if vocab_parallel:
     expected[('all-reduce', vocab_parallel)] += (
-        2 * activation + 3 * local_batch * seq_len * FLOAT_BYTES)
+        2 * activation + 3 * local_batch * seq_len * FLOAT32_BYTES)
   return dict(expected)

@@ -28,7 +28,8 @@ def markdown(report: dict) -> str:
   modes = report['modes']
   out = [f'# auto vs manual on mesh {report["mesh"]}', '',
          f'{report["steps"]} steps ({report["warmup"]} warm-up, {report["timed_steps"]} timed), '
-         f'{report["tokens_per_step"]:,} tokens per step, same seed, data and initial state.', '']
+         f'{report["tokens_per_step"]:,} tokens per step, compute dtype '
+         f'{report.get("dtype", "float32")}, same seed, data and initial state.', '']
 
   out += ['## Numerics', '']
   if 'verdict' in report:
@@ -103,6 +104,13 @@ def markdown(report: dict) -> str:
       cells += [e['executions'], f'{e["bytes"] / 1024:.1f}', ratio]
     rows.append(cells)
   out += _table(header, rows) + ['']
+  microbatches = report.get('microbatches', 1)
+  if microbatches > 1:
+    out += [f'{microbatches} micro-batches per optimizer step. The theory synchronises each '
+            'gradient once per step, as manual mode does (under FSDP it gathers every weight once '
+            'per step); a measured / theory ratio near '
+            f'{microbatches} on a gradient reduction means that mode synchronises once per '
+            'micro-batch.', '']
   flagged = [f'{m}: {r["kind"]} over {r["axes"]}' for r in report['communication'] for m in modes
              if r[m]['unexpected']]
   if flagged:

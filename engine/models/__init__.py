@@ -4,10 +4,10 @@ Adding a model is one module under engine/models/ and one line here (the interfa
 engine/models/spec.py). Tests and experiments may also add entries to `MODELS` at run time.
 """
 
-from engine.models import gpt
+from engine.models import gpt, llama
 from engine.models.spec import ModelSpec
 
-MODELS = {'gpt': gpt.build}
+MODELS = {'gpt': gpt.build, 'llama': llama.build}
 
 
 def build(model_config, vocab_size: int) -> ModelSpec:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.models.attention import causal_attention
 from engine.models.ops import LAYERS, LocalOps
 from engine.models.spec import ModelSpec
 
@@ -36,6 +37,9 @@ class GPTConfig:
   tie_embeddings: bool = True
   scan_layers: bool = True
   init_std: float = 0.02
+  norm_eps: float = 1e-5
+  attention_scale_on: str = 'queries'  # engine.models.attention.SCALE_ON
+  attention: str = 'einsum'  # engine.models.attention.IMPLEMENTATIONS
 
   @property
   def head_dim(self) -> int:
@@ -55,16 +59,17 @@ def _param(rngs: nnx.Rngs, shape, logical_axes, std: float | None) -> nnx.Param:
 
 class LayerNorm(nnx.Module):
 
-  def __init__(self, dim: int, rngs: nnx.Rngs):
+  def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
     self.scale = _param(rngs, (dim,), ('norm',), None)
     self.bias = _param(rngs, (dim,), ('norm',), 0)
+    self.eps = eps
 
   def __call__(self, x_BLD, ops):
-    x = x_BLD.astype(jnp.float32)
+    x = x_BLD.astype(jnp.float32)  # Statistics in float32 whatever the compute dtype.
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
-    return y * self.scale[...] + self.bias[...]
+    y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.scale[...] + self.bias[...]).astype(x_BLD.dtype)
 
 
 class Block(nnx.Module):
@@ -75,11 +80,12 @@ class Block(nnx.Module):
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
     D, H, K, F = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
     residual_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5  # GPT-2's scaled residual init.
-    self.ln_attn = LayerNorm(D, rngs)
+    self.cfg = cfg
+    self.ln_attn = LayerNorm(D, cfg.norm_eps, rngs)
     self.w_qkv_CDHK = _param(rngs, (3, D, H, K), (None, 'embed', 'heads', 'head_dim'),
                              cfg.init_std)
     self.w_out_HKD = _param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), residual_std)
-    self.ln_mlp = LayerNorm(D, rngs)
+    self.ln_mlp = LayerNorm(D, cfg.norm_eps, rngs)
     self.w_up_DF = _param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
     self.b_up_F = _param(rngs, (F,), ('mlp',), 0)
     self.w_down_FD = _param(rngs, (F, D), ('mlp', 'embed'), residual_std)
@@ -89,13 +95,8 @@ class Block(nnx.Module):
     qkv_CBLHK = jnp.einsum('BLD,CDHK->CBLHK', x_BLD, self.w_qkv_CDHK[...])
     q_BLHK, k_BLHK, v_BLHK = (ops.constrain(t, ('batch', 'length', 'heads', 'head_dim'))
                               for t in qkv_CBLHK)
-    scale = q_BLHK.shape[-1] ** -0.5
-    logits_BHLL = jnp.einsum('BQHK,BSHK->BHQS', q_BLHK * scale, k_BLHK)
-    length = x_BLD.shape[1]
-    causal_LL = jnp.tril(jnp.ones((length, length), bool))
-    logits_BHLL = jnp.where(causal_LL, logits_BHLL, jnp.finfo(jnp.float32).min)
-    probs_BHLL = jax.nn.softmax(logits_BHLL, axis=-1)
-    out_BLHK = jnp.einsum('BHQS,BSHK->BQHK', probs_BHLL, v_BLHK)
+    out_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, self.cfg.attention_scale_on,
+                                self.cfg.attention)
     y_BLD = jnp.einsum('BLHK,HKD->BLD', out_BLHK, self.w_out_HKD[...])
     return ops.finish_contraction(y_BLD, 'heads')
 
@@ -126,7 +127,7 @@ class GPT(nnx.Module):
       return Block(cfg, rngs)
 
     self.blocks = make_blocks(rngs)
-    self.ln_final = LayerNorm(D, rngs)
+    self.ln_final = LayerNorm(D, cfg.norm_eps, rngs)
     if not cfg.tie_embeddings:
       self.head_DV = _param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
 
@@ -147,10 +148,13 @@ class GPT(nnx.Module):
       return ops.layer(lambda block, x_BLD: block(x_BLD, ops))(block, x_BLD)
 
     x_BLD = self.ln_final(run_blocks(self.blocks, x_BLD), ops)
+    # Logits in float32 whatever the compute dtype: the loss needs their precision.
     if self.cfg.tie_embeddings:
-      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, tok_embed_VD)
+      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, tok_embed_VD,
+                              preferred_element_type=jnp.float32)
     else:
-      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, self.head_DV[...])
+      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, self.head_DV[...],
+                              preferred_element_type=jnp.float32)
     return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
 
 
@@ -161,7 +165,8 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       num_heads=model_config.num_heads, embed_dim=model_config.embed_dim,
       mlp_dim=model_config.mlp_dim, max_len=model_config.max_len,
       tie_embeddings=model_config.tie_embeddings, scan_layers=model_config.scan_layers,
-      init_std=model_config.init_std)
+      init_std=model_config.init_std, norm_eps=model_config.norm_eps,
+      attention_scale_on=model_config.attention_scale_on, attention=model_config.attention)
   D, F, HK = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads * cfg.head_dim
   # Weights that multiply activations: qkv, attention out, MLP up and down, the output head.
   matmul_params = cfg.num_layers * (4 * D * HK + 2 * D * F) + vocab_size * D

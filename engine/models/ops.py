@@ -45,6 +45,11 @@ class LocalOps:
     del contracted
     return y
 
+  def kv_for_query_heads(self, kv_BLNK: jax.Array, num_heads: int) -> jax.Array:
+    """Grouped-query attention: the key (or value) head of every query head, laid out like the
+    query heads. Query head h of `num_heads` reads key / value head h // (num_heads / N)."""
+    return jnp.repeat(kv_BLNK, num_heads // kv_BLNK.shape[2], axis=2)
+
   def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     return jnp.take(table_VD, tokens_BL, axis=0)
 

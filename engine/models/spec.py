@@ -40,6 +40,10 @@ class ModelSpec:
   # Training FLOPs (forward + backward) per token at a sequence length: 6 x the parameters that
   # multiply activations, plus attention's length-dependent matmuls.
   flops_per_token: Callable[[int], float]
+  # Logical names the rules split only where every dimension so named divides over the mesh
+  # axes, and replicate otherwise (e.g. 'kv_heads': grouped-query attention with fewer key /
+  # value heads than the tensor axis). Any other name must divide, or the run is refused.
+  split_where_divisible: tuple[str, ...] = ()
 
   def create(self, rngs: nnx.Rngs) -> nnx.Module:
     """The model, unplaced. The engine places parameters itself (a jit with out_shardings from

@@ -4,34 +4,42 @@ collective."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine.models.ops import LocalOps
-from engine.parallel.steps import Steps, apply_update, map_params, next_token_loss
-from engine.sharding import Rules
+from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
+                                   map_params, next_token_loss)
 from engine.state import TrainSetup
 
 
 class AutoOps(LocalOps):
   """Activations and parameters get sharding constraints from the rules; XLA does the rest."""
 
-  def __init__(self, mesh: jax.sharding.Mesh, rules: Rules):
-    self.mesh = mesh
-    self.rules = rules
+  def __init__(self, setup: TrainSetup):
+    self.mesh = setup.mesh
+    self.rules = setup.rules
+    self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
+    self.remat_policy = REMAT_POLICIES[setup.options.remat]
+    self.remat = setup.options.remat != 'none'
 
   def constrain(self, x, logical_axes, activation=True):
     spec = self.rules.spec(logical_axes, activation=activation)
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
+  def _prepared(self, value, logical_axes):
+    # Pinned to its stored layout so that the compiler gathers it where it is used instead of
+    # re-laying-out whole tensors; then cast to the compute dtype.
+    return self.constrain(value, logical_axes, activation=False).astype(self.compute_dtype)
+
   def prepare_params(self, module, skip_stacked=True):
-    # Pin parameters inside the step to their stored layout so that the compiler gathers them
-    # where they are used instead of re-laying-out whole tensors.
-    return map_params(module, lambda value, axes: self.constrain(value, axes, activation=False),
-                      skip_stacked)
+    return map_params(module, self._prepared, skip_stacked)
 
   def layer(self, fn):
-    return lambda layer, *args: fn(self.prepare_params(layer, skip_stacked=False), *args)
+    prepared = lambda layer, *args: fn(self.prepare_params(layer, skip_stacked=False), *args)
+    return nnx.remat(prepared, policy=self.remat_policy) if self.remat else prepared
 
   def embed_lookup(self, table_VD, tokens_BL):
     if not self.rules.mesh_axes('vocab'):
@@ -40,21 +48,24 @@ class AutoOps(LocalOps):
     # instead partitions like a row-parallel layer (local partial sums, one all-reduce).
     one_hot_BLV = jax.nn.one_hot(tokens_BL, table_VD.shape[0], dtype=table_VD.dtype)
     one_hot_BLV = self.constrain(one_hot_BLV, ('batch', 'length', 'vocab'))
-    return jax.numpy.einsum('BLV,VD->BLD', one_hot_BLV, table_VD)
+    return jnp.einsum('BLV,VD->BLD', one_hot_BLV, table_VD)
 
 
 def build_steps(setup: TrainSetup) -> Steps:
-  ops = AutoOps(setup.mesh, setup.rules)
+  ops = AutoOps(setup)
   state_shardings = setup.state_shardings()
   params_shardings = state_shardings['params']
   batch = setup.batch_sharding()
   replicated = NamedSharding(setup.mesh, P())
+  micro_batches = NamedSharding(setup.mesh, P(None, *batch.spec))
 
   def loss_fn(params, tokens_BL1):
     return next_token_loss(params, setup.graphdef, tokens_BL1, ops)
 
   def gradients(params, tokens_BL1):
-    return jax.value_and_grad(loss_fn)(params, tokens_BL1)
+    return accumulate_gradients(
+        jax.value_and_grad(loss_fn), params, tokens_BL1, setup.options.microbatches,
+        lambda micro: jax.lax.with_sharding_constraint(micro, micro_batches))
 
   def train_step(state, tokens_BL1):
     loss, grads = gradients(state['params'], tokens_BL1)

@@ -29,39 +29,85 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine.models.ops import LocalOps
-from engine.parallel.steps import Steps, apply_update, map_params, next_token_loss
-from engine.sharding import Rules, named, spec_axes
+from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
+                                   map_params, next_token_loss)
+from engine.sharding import named, spec_axes
 from engine.state import TrainSetup
 
 
-def _not_gathered(prim, *_, **__) -> bool:
-  """Remat policy: keep everything for the backward pass except gathered parameters."""
-  return prim.name != 'all_gather'
-
-
 class ManualOps(LocalOps):
-  """The model's layout hooks, written with explicit collectives on local shards."""
+  """The model's layout hooks, written with explicit collectives on local shards.
 
-  def __init__(self, rules: Rules, mesh_shape: dict[str, int]):
-    self.rules = rules
-    self.mesh_shape = mesh_shape
+  With `gather=False` the parameters arrive already gathered (the micro-batch path of
+  `build_steps`), and are only cast to the compute dtype."""
 
-  def _gathered(self, value: jax.Array, logical_axes) -> jax.Array:
-    for dim, logical in enumerate(logical_axes):
-      axes = self.rules.gather_axes(logical)
-      if axes:
-        value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
+  def __init__(self, setup: TrainSetup, gather: bool = True):
+    self.rules = setup.rules
+    self.mesh_shape = dict(setup.mesh.shape)
+    self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
+    self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
+    self.gather = gather
+    keep = REMAT_POLICIES[setup.options.remat] or jax.checkpoint_policies.everything_saveable
+    # Gathered weights are never kept for the backward pass, whatever the policy: peak memory
+    # holds one layer's full parameters, and the backward pass gathers them again.
+    self.remat_policy = lambda prim, *args, **params: (
+        prim.name != 'all_gather' and keep(prim, *args, **params))
+
+  def gathered(self, value: jax.Array, logical_axes) -> jax.Array:
+    """The parameter with its FSDP-split dimensions all-gathered, in the reduction dtype (the
+    gather's transpose, a reduce-scatter, then moves the gradient in that dtype)."""
+    splits = [(dim, self.rules.gather_axes(name)) for dim, name in enumerate(logical_axes)]
+    splits = [(dim, axes) for dim, axes in splits if axes]
+    if splits:
+      value = value.astype(self.reduce_dtype)
+    for dim, axes in splits:
+      value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
     return value
 
+  def scattered(self, grad: jax.Array, logical_axes) -> jax.Array:
+    """The transpose of `gathered` for a gradient of the whole parameter: each FSDP-split
+    dimension summed over its axes and scattered back to this device's shard."""
+    for dim, name in enumerate(logical_axes):
+      axes = self.rules.gather_axes(name)
+      if axes:
+        grad = jax.lax.psum_scatter(grad, axes, scatter_dimension=dim, tiled=True)
+    return grad
+
+  def _prepared(self, value, logical_axes):
+    if self.gather:
+      value = self.gathered(value, logical_axes)
+    return value.astype(self.compute_dtype)
+
   def prepare_params(self, module, skip_stacked=True):
-    return map_params(module, self._gathered, skip_stacked)
+    return map_params(module, self._prepared, skip_stacked)
 
   def layer(self, fn):
-    # The layer's weights are gathered inside remat and not saved for the backward pass: peak
-    # memory holds one layer's full parameters, and the backward pass gathers them again.
-    def gathered_layer(layer, *args):
+    def prepared_layer(layer, *args):
       return fn(self.prepare_params(layer, skip_stacked=False), *args)
-    return nnx.remat(gathered_layer, policy=_not_gathered)
+    return nnx.remat(prepared_layer, policy=self.remat_policy)
+
+  def _shard_index(self, axes) -> jax.Array:
+    """Row-major position of this device among the shards split over `axes`."""
+    index = 0
+    for axis in axes:
+      index = index * self.mesh_shape[axis] + jax.lax.axis_index(axis)
+    return index
+
+  def kv_for_query_heads(self, kv_BLNK, num_heads):
+    head_axes = self.rules.mesh_axes('heads', activation=True)
+    kv_axes = self.rules.mesh_axes('kv_heads', activation=True)
+    local_heads = num_heads // math.prod(self.mesh_shape[a] for a in head_axes)
+    if kv_axes:
+      # Split like the query heads: this device's kv heads serve exactly its query heads.
+      assert kv_axes == head_axes, (kv_axes, head_axes)
+      return jnp.repeat(kv_BLNK, local_heads // kv_BLNK.shape[2], axis=2)
+    # Replicated (too few to split): every query head's kv head, then this device's block.
+    all_BLHK = jnp.repeat(kv_BLNK, num_heads // kv_BLNK.shape[2], axis=2)
+    if not head_axes:
+      return all_BLHK
+    return jax.lax.dynamic_slice_in_dim(all_BLHK, self._shard_index(head_axes) * local_heads,
+                                        local_heads, axis=2)
+
   def finish_contraction(self, y, contracted):
     axes = self.rules.mesh_axes(contracted, activation=True)
     return jax.lax.psum(y, axes) if axes else y
@@ -69,10 +115,7 @@ class ManualOps(LocalOps):
   def _vocab_shard(self, local_vocab: int):
     """(axes, first id of this device's vocabulary shard) for a vocab split over `tensor`."""
     axes = self.rules.mesh_axes('vocab', activation=True)
-    index = 0
-    for axis in axes:  # Row-major position of this device among the vocab shards.
-      index = index * self.mesh_shape[axis] + jax.lax.axis_index(axis)
-    return axes, index * local_vocab
+    return axes, self._shard_index(axes) * local_vocab
 
   def embed_lookup(self, table_VD, tokens_BL):
     axes, first = self._vocab_shard(table_VD.shape[0])
@@ -101,11 +144,15 @@ class ManualOps(LocalOps):
 
 def build_steps(setup: TrainSetup) -> Steps:
   mesh_shape = dict(setup.mesh.shape)
-  ops = ManualOps(setup.rules, mesh_shape)
+  ops = ManualOps(setup)
   state_specs = setup.state_specs()
   param_specs = state_specs['params']
   batch_spec = setup.batch_sharding().spec
   batch_axes = setup.rules.mesh_axes('batch', activation=True)
+  microbatches = setup.options.microbatches
+  reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
+  gathers = any(setup.rules.gather_axes(name) for p in setup.parameters()
+                for name in p.logical_axes)
 
   # Per parameter: the batch axes it is replicated over (cast to varying, then pmean), and the
   # factor that turns the psum_scatter of a gathered dimension into a mean over batch shards.
@@ -115,17 +162,48 @@ def build_steps(setup: TrainSetup) -> Steps:
   def scatter_mean_factor(spec):
     return math.prod(mesh_shape[a] for a in batch_axes if a in spec_axes(spec))
 
-  def local_loss(params, tokens_BL1):
+  def average(grads):
+    return jax.tree.map(
+        lambda g, spec: _average_over_batch(g, replicated_batch_axes(spec),
+                                            scatter_mean_factor(spec), reduce_dtype),
+        grads, param_specs)
+
+  def map_param_values(tree, fn):
+    """fn(value, logical axes) on a tree laid out like the parameters."""
+    module = map_params(nnx.merge(setup.graphdef, tree), fn)
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+  def local_loss(params, tokens_BL1, ops=ops):
     return next_token_loss(params, setup.graphdef, tokens_BL1, ops)
 
-  def gradients(params, tokens_BL1):
+  def local_gradients(params, tokens_BL1):
+    """Gradients w.r.t. a local copy of each parameter (gathered ones arrive reduce-scattered
+    by the gathers' transposes, once per micro-batch), then one pmean over the batch axes."""
     local_params = jax.tree.map(
         lambda p, spec: _cast_to_varying(p, replicated_batch_axes(spec)), params, param_specs)
-    loss, grads = jax.value_and_grad(local_loss)(local_params, tokens_BL1)
-    grads = jax.tree.map(
-        lambda g, spec: _average_over_batch(g, replicated_batch_axes(spec),
-                                            scatter_mean_factor(spec)),
-        grads, param_specs)
+    loss, grads = accumulate_gradients(jax.value_and_grad(local_loss), local_params,
+                                       tokens_BL1, microbatches)
+    return loss, average(grads)
+
+  def gradients_gathered_once(params, tokens_BL1):
+    """Micro-batches under FSDP: every split weight is gathered once for the whole step and the
+    gradients w.r.t. the gathered copies accumulate locally, so each is reduce-scattered (and
+    averaged) once per optimizer step rather than once per micro-batch. The price is ZeRO-2
+    memory: whole weights and whole gradients on every device during the step."""
+    whole = map_param_values(params, ops.gathered)
+    # all_gather leaves its result typed as varying over the gathered axes; cast over the other
+    # batch axes too, so the gradients w.r.t. these copies stay local.
+    whole = jax.tree.map(lambda w, spec: _cast_to_varying(w, replicated_batch_axes(spec)),
+                         whole, param_specs)
+    pregathered = ManualOps(setup, gather=False)
+    loss, grads = accumulate_gradients(
+        jax.value_and_grad(lambda p, t: local_loss(p, t, pregathered)), whole, tokens_BL1,
+        microbatches)
+    return loss, average(map_param_values(grads, ops.scattered))
+
+  def gradients(params, tokens_BL1):
+    grads_fn = (gradients_gathered_once if microbatches > 1 and gathers else local_gradients)
+    loss, grads = grads_fn(params, tokens_BL1)
     return jax.lax.pmean(loss, batch_axes) if batch_axes else loss, grads
 
   def global_norm(grads):
@@ -156,11 +234,13 @@ def build_steps(setup: TrainSetup) -> Steps:
       gradients=shard_mapped(gradients, (param_specs, batch_spec), (P(), param_specs)))
 
 
-def _average_over_batch(grad, replicated_axes, scatter_factor):
-  """One explicit pmean over the batch axes the parameter is replicated on; gathered batch axes
-  already summed their shards' gradients in the psum_scatter, so divide by their size."""
+def _average_over_batch(grad, replicated_axes, scatter_factor, reduce_dtype=jnp.float32):
+  """One explicit pmean (in `reduce_dtype`) over the batch axes the parameter is replicated on;
+  gathered batch axes already summed their shards' gradients in the psum_scatter, so divide by
+  their size. Returns float32, the parameters' dtype."""
   if replicated_axes:
-    grad = jax.lax.pmean(grad, replicated_axes)
+    grad = jax.lax.pmean(grad.astype(reduce_dtype), replicated_axes)
+  grad = grad.astype(jnp.float32)
   return grad / scatter_factor if scatter_factor > 1 else grad
 
 

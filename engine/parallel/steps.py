@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -35,11 +36,43 @@ class Steps:
   gradients: Callable
 
 
+# What a stacked layer keeps for the backward pass (config key model.remat): everything ('none':
+# no rematerialisation), nothing ('full': the layer is recomputed), or matmul outputs only.
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots_saveable': jax.checkpoint_policies.dots_saveable,
+    'dots_with_no_batch_dims_saveable':
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) -> jax.Array:
   """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
   model = ops.prepare_params(nnx.merge(graphdef, params))
   logits_BLV = model(tokens_BL1[:, :-1], ops)
   return ops.cross_entropy(logits_BLV, tokens_BL1[:, 1:])
+
+
+def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbatches: int,
+                         constrain=lambda micro_KBL1: micro_KBL1):
+  """Mean loss and gradients over `microbatches` slices of the batch, summed in a scan.
+
+  Micro-batch i holds rows i, i + k, i + 2k, ... of the batch (k = microbatches), so every
+  device holds an equal share of each when the batch rows are split over devices; `constrain`
+  lays the [k, B / k, L1] stack out accordingly in auto mode."""
+  if microbatches == 1:
+    return value_and_grad(params, tokens_BL1)
+  batch, length = tokens_BL1.shape
+  micro_KBL1 = constrain(
+      tokens_BL1.reshape(batch // microbatches, microbatches, length).swapaxes(0, 1))
+  zeros = jax.tree.map(jnp.zeros_like, value_and_grad(params, micro_KBL1[0]))
+
+  def add(total, micro_BL1):
+    return jax.tree.map(jnp.add, total, value_and_grad(params, micro_BL1)), None
+
+  total, _ = jax.lax.scan(add, zeros, micro_KBL1)
+  return jax.tree.map(lambda x: x / microbatches, total)
 
 
 def apply_update(setup: TrainSetup, state, loss, grads, grad_norm):

@@ -1,0 +1,185 @@
+"""A Llama-style decoder in Flax NNX: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
+
+Pre-norm blocks without biases; rotary position embeddings on queries and keys (the rotate-half
+convention of Llama's Hugging Face checkpoints, base `rope_base`); a SwiGLU MLP; `num_kv_heads`
+key/value heads shared by groups of query heads; an untied output projection. Blocks are stacked
+along the `layers` axis and applied with `nnx.scan`, like GPT's, and use the same logical names,
+so every rule preset and both modes work unchanged. Key/value heads carry their own logical name,
+`kv_heads`: the rules split them over `tensor` where they divide and replicate them otherwise
+(`ModelSpec.split_where_divisible`).
+
+Shape suffixes: B batch, L length, D embed, H query heads, N key/value heads, K head_dim,
+F mlp hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from engine.models.attention import causal_attention
+from engine.models.ops import LAYERS, LocalOps
+from engine.models.spec import ModelSpec
+
+_LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  embed_dim: int
+  mlp_dim: int
+  rope_base: float = 10_000.0
+  norm_eps: float = 1e-5
+  attention_scale_on: str = 'queries'  # engine.models.attention.SCALE_ON
+  attention: str = 'einsum'  # engine.models.attention.IMPLEMENTATIONS
+  scan_layers: bool = True
+  init_std: float = 0.02
+
+  @property
+  def head_dim(self) -> int:
+    return self.embed_dim // self.num_heads
+
+
+def _param(rngs: nnx.Rngs, shape, logical_axes, std: float | None) -> nnx.Param:
+  """N(0, std), or ones for std=None, tagged with logical names in Flax's metadata."""
+  if std is None:
+    value = jnp.ones(shape, jnp.float32)
+  else:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value, out_sharding=tuple(logical_axes))
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+    self.scale = _param(rngs, (dim,), ('norm',), None)
+    self.eps = eps
+
+  def __call__(self, x_BLD):
+    x = x_BLD.astype(jnp.float32)  # Statistics in float32 whatever the compute dtype.
+    y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
+
+
+def rotary(x_BLHK: jax.Array, positions_L: jax.Array, base: float) -> jax.Array:
+  """Rotary position embedding, rotate-half form: dimension i pairs with i + K/2."""
+  half = x_BLHK.shape[-1] // 2
+  inverse_frequency = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles_LK = jnp.tile(positions_L.astype(jnp.float32)[:, None] * inverse_frequency, 2)
+  x = x_BLHK.astype(jnp.float32)
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  cos, sin = jnp.cos(angles_LK)[:, None, :], jnp.sin(angles_LK)[:, None, :]
+  return (x * cos + rotated * sin).astype(x_BLHK.dtype)
+
+
+class Block(nnx.Module):
+  """Pre-norm block. Query / key / value and the MLP's gate and up projections are
+  column-parallel; the attention output and MLP down projections are row-parallel, each followed
+  by `ops.finish_contraction`."""
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    D, H, N, K, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    self.cfg = cfg
+    self.attn_norm = RMSNorm(D, cfg.norm_eps, rngs)
+    self.w_q_DHK = _param(rngs, (D, H, K), ('embed', 'heads', 'head_dim'), cfg.init_std)
+    self.w_k_DNK = _param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
+    self.w_v_DNK = _param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
+    self.w_o_HKD = _param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), cfg.init_std)
+    self.mlp_norm = RMSNorm(D, cfg.norm_eps, rngs)
+    self.w_gate_DF = _param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
+    self.w_up_DF = _param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
+    self.w_down_FD = _param(rngs, (F, D), ('mlp', 'embed'), cfg.init_std)
+
+  def attention(self, x_BLD, ops):
+    cfg = self.cfg
+    heads = ('batch', 'length', 'heads', 'head_dim')
+    positions_L = jnp.arange(x_BLD.shape[1])
+    q_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, self.w_q_DHK[...])
+    q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope_base), heads)
+    k_BLNK = jnp.einsum('BLD,DNK->BLNK', x_BLD, self.w_k_DNK[...])
+    k_BLNK = rotary(k_BLNK, positions_L, cfg.rope_base)
+    v_BLNK = jnp.einsum('BLD,DNK->BLNK', x_BLD, self.w_v_DNK[...])
+    # Each query head's key / value head, laid out like the query heads.
+    k_BLHK = ops.constrain(ops.kv_for_query_heads(k_BLNK, cfg.num_heads), heads)
+    v_BLHK = ops.constrain(ops.kv_for_query_heads(v_BLNK, cfg.num_heads), heads)
+    out_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_scale_on, cfg.attention)
+    y_BLD = jnp.einsum('BLHK,HKD->BLD', out_BLHK, self.w_o_HKD[...])
+    return ops.finish_contraction(y_BLD, 'heads')
+
+  def mlp(self, x_BLD, ops):
+    gate_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, self.w_gate_DF[...])
+    up_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, self.w_up_DF[...])
+    h_BLF = ops.constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
+    y_BLD = jnp.einsum('BLF,FD->BLD', h_BLF, self.w_down_FD[...])
+    return ops.finish_contraction(y_BLD, 'mlp')
+
+  def __call__(self, x_BLD, ops):
+    x_BLD = x_BLD + self.attention(self.attn_norm(x_BLD), ops)
+    x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
+    x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), ops)
+    return ops.constrain(x_BLD, ('batch', 'length', 'embed'))
+
+
+class Llama(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    V, D = cfg.vocab_size, cfg.embed_dim
+    self.tok_embed_VD = _param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
+    def make_blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(D, cfg.norm_eps, rngs)
+    self.head_DV = _param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
+
+  def __call__(self, tokens_BL: jax.Array, ops=LocalOps()) -> jax.Array:
+    """Logits (float32) for every position of `tokens_BL`."""
+    x_BLD = ops.constrain(ops.embed_lookup(self.tok_embed_VD[...], tokens_BL),
+                          ('batch', 'length', 'embed'))
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS,
+              unroll=1 if self.cfg.scan_layers else self.cfg.num_layers)
+    def run_blocks(block, x_BLD):
+      return ops.layer(lambda block, x_BLD: block(x_BLD, ops))(block, x_BLD)
+
+    x_BLD = self.final_norm(run_blocks(self.blocks, x_BLD))
+    logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, self.head_DV[...],
+                            preferred_element_type=jnp.float32)
+    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
+
+
+def build(model_config, vocab_size: int) -> ModelSpec:
+  """The registry entry: Llama from the `model` config subtree."""
+  kv_heads = model_config.num_kv_heads if model_config.num_kv_heads > 0 else (
+      model_config.num_heads)
+  cfg = LlamaConfig(
+      vocab_size=vocab_size, num_layers=model_config.num_layers,
+      num_heads=model_config.num_heads, num_kv_heads=kv_heads,
+      embed_dim=model_config.embed_dim, mlp_dim=model_config.mlp_dim,
+      rope_base=model_config.rope_base, norm_eps=model_config.norm_eps,
+      attention_scale_on=model_config.attention_scale_on, attention=model_config.attention,
+      scan_layers=model_config.scan_layers,
+      init_std=model_config.init_std)
+  D, F, K = cfg.embed_dim, cfg.mlp_dim, cfg.head_dim
+  HK, NK = cfg.num_heads * K, cfg.num_kv_heads * K
+  matmul_params = cfg.num_layers * (2 * D * HK + 2 * D * NK + 3 * D * F) + vocab_size * D
+
+  def flops_per_token(seq_len: int) -> float:
+    # As GPT's: 6 per weight, and attention's scores and weighted sum over seq_len positions.
+    return 6.0 * matmul_params + 12.0 * cfg.num_layers * seq_len * HK
+
+  return ModelSpec(
+      name='llama', factory=lambda rngs: Llama(cfg, rngs), vocab_size=vocab_size,
+      embed_dim=D, num_layers=cfg.num_layers, row_parallel_per_layer=('heads', 'mlp'),
+      flops_per_token=flops_per_token, split_where_divisible=('kv_heads',))
