@@ -90,7 +90,7 @@ def markdown(report: dict) -> str:
   out += ['## Communication per step and device', '',
           'Bytes are the results of each collective, summed over its executions (loop bodies once '
           'per layer); scalar reductions (loss, norms) are left out. Theory: see '
-          'engine/comm_theory.py.', '']
+          'engine/analysis/comm_theory.py.', '']
   header = ['kind', 'mesh axes', 'theory KiB']
   for m in modes:
     header += [f'{m} count', f'{m} KiB', f'{m} / theory']
