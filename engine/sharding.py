@@ -2,8 +2,9 @@
 
 Parameters carry logical axis names in Flax's own sharding metadata (`out_sharding`, as
 `nnx.with_partitioning` writes it); activations are annotated with logical names in the model.
-A `Rules` object maps both to mesh axes. Parameters and activations have separate tables because FSDP shards a parameter's `embed` dimension while the
-activations' `embed` dimension stays whole: that difference is exactly what manual mode gathers.
+A `Rules` object maps both to mesh axes. Parameters and activations have separate tables because
+FSDP shards a parameter's `embed` dimension while the activations' `embed` dimension stays whole:
+that difference is exactly what manual mode gathers.
 """
 
 from __future__ import annotations

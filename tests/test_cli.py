@@ -43,11 +43,11 @@ def test_bad_override_fails_before_anything_runs(override, message, tmp_path):
   assert not (tmp_path / 'checkpoints').exists()
 
 
-def test_inspect_prints_every_parameter_and_draws_the_layout():
+def test_show_layout_prints_every_parameter_and_draws_the_layout():
   env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices.
   proc = subprocess.run(
-      [sys.executable, '-m', 'engine.analysis.show_layout', '--config=experiments/tiny.py:mesh=2x2x2',
-       '--param=blocks/w_up_DF'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      [sys.executable, '-m', 'engine.analysis.show_layout',
+       '--config=experiments/tiny.py:mesh=2x2x2', '--param=blocks/w_up_DF'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert "blocks/w_up_DF" in out and "P(None, 'fsdp', 'tensor')" in out

@@ -19,11 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.attention import causal_attention
-from engine.models.ops import LAYERS, LocalOps
+from engine.models.layers import apply_layers, param, stack_layers
+from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
 
-# Stacking the blocks (vmap) adds the leading `layers` logical axis; scanning removes it.
-_LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,22 +45,11 @@ class GPTConfig:
     return self.embed_dim // self.num_heads
 
 
-def _param(rngs: nnx.Rngs, shape, logical_axes, std: float | None) -> nnx.Param:
-  """A parameter initialised N(0, std) (or ones / zeros for std=None / 0), tagged with names."""
-  if std is None:
-    value = jnp.ones(shape, jnp.float32)
-  elif std == 0:
-    value = jnp.zeros(shape, jnp.float32)
-  else:
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value, out_sharding=tuple(logical_axes))
-
-
 class LayerNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
-    self.scale = _param(rngs, (dim,), ('norm',), None)
-    self.bias = _param(rngs, (dim,), ('norm',), 0)
+    self.scale = param(rngs, (dim,), ('norm',), None)
+    self.bias = param(rngs, (dim,), ('norm',), 0)
     self.eps = eps
 
   def __call__(self, x_BLD, ops):
@@ -82,14 +70,14 @@ class Block(nnx.Module):
     residual_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5  # GPT-2's scaled residual init.
     self.cfg = cfg
     self.ln_attn = LayerNorm(D, cfg.norm_eps, rngs)
-    self.w_qkv_CDHK = _param(rngs, (3, D, H, K), (None, 'embed', 'heads', 'head_dim'),
+    self.w_qkv_CDHK = param(rngs, (3, D, H, K), (None, 'embed', 'heads', 'head_dim'),
                              cfg.init_std)
-    self.w_out_HKD = _param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), residual_std)
+    self.w_out_HKD = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), residual_std)
     self.ln_mlp = LayerNorm(D, cfg.norm_eps, rngs)
-    self.w_up_DF = _param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
-    self.b_up_F = _param(rngs, (F,), ('mlp',), 0)
-    self.w_down_FD = _param(rngs, (F, D), ('mlp', 'embed'), residual_std)
-    self.b_down_D = _param(rngs, (D,), ('embed',), 0)
+    self.w_up_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
+    self.b_up_F = param(rngs, (F,), ('mlp',), 0)
+    self.w_down_FD = param(rngs, (F, D), ('mlp', 'embed'), residual_std)
+    self.b_down_D = param(rngs, (D,), ('embed',), 0)
 
   def attention(self, x_BLD, ops):
     qkv_CBLHK = jnp.einsum('BLD,CDHK->CBLHK', x_BLD, self.w_qkv_CDHK[...])
@@ -118,36 +106,25 @@ class GPT(nnx.Module):
   def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     V, D = cfg.vocab_size, cfg.embed_dim
-    self.tok_embed_VD = _param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
-    self.pos_embed_LD = _param(rngs, (cfg.max_len, D), (None, 'embed'), cfg.init_std)
+    self.tok_embed_VD = param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
+    self.pos_embed_LD = param(rngs, (cfg.max_len, D), (None, 'embed'), cfg.init_std)
 
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
-    def make_blocks(rngs):
-      return Block(cfg, rngs)
-
-    self.blocks = make_blocks(rngs)
+    self.blocks = stack_layers(lambda rngs: Block(cfg, rngs), cfg.num_layers, rngs)
     self.ln_final = LayerNorm(D, cfg.norm_eps, rngs)
     if not cfg.tie_embeddings:
-      self.head_DV = _param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
+      self.head_DV = param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
 
   def __call__(self, tokens_BL: jax.Array, ops=LocalOps()) -> jax.Array:
     """Logits for every position of `tokens_BL`."""
     length = tokens_BL.shape[1]
-    # Read once: with tied embeddings both uses share one gathered table (manual FSDP), so their
-    # gradients add up before a single reduce-scatter.
-    tok_embed_VD = self.tok_embed_VD[...]
+    tok_embed_VD = self.tok_embed_VD[...]  # Read once; a tied head uses it again.
     x_BLD = ops.embed_lookup(tok_embed_VD, tokens_BL)
     x_BLD = x_BLD + self.pos_embed_LD[:length]
     x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
 
     # scan_layers=False unrolls the loop completely: straight-line HLO, one copy per layer.
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS,
-              unroll=1 if self.cfg.scan_layers else self.cfg.num_layers)
-    def run_blocks(block, x_BLD):
-      return ops.layer(lambda block, x_BLD: block(x_BLD, ops))(block, x_BLD)
-
-    x_BLD = self.ln_final(run_blocks(self.blocks, x_BLD), ops)
+    unroll = 1 if self.cfg.scan_layers else self.cfg.num_layers
+    x_BLD = self.ln_final(apply_layers(self.blocks, x_BLD, ops, unroll), ops)
     # Logits in float32 whatever the compute dtype: the loss needs their precision.
     if self.cfg.tie_embeddings:
       logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, tok_embed_VD,

@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.attention import causal_attention
-from engine.models.ops import LAYERS, LocalOps
+from engine.models.layers import apply_layers, param, stack_layers
+from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
-
-_LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +46,10 @@ class LlamaConfig:
     return self.embed_dim // self.num_heads
 
 
-def _param(rngs: nnx.Rngs, shape, logical_axes, std: float | None) -> nnx.Param:
-  """N(0, std), or ones for std=None, tagged with logical names in Flax's metadata."""
-  if std is None:
-    value = jnp.ones(shape, jnp.float32)
-  else:
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value, out_sharding=tuple(logical_axes))
-
-
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
-    self.scale = _param(rngs, (dim,), ('norm',), None)
+    self.scale = param(rngs, (dim,), ('norm',), None)
     self.eps = eps
 
   def __call__(self, x_BLD):
@@ -88,14 +78,14 @@ class Block(nnx.Module):
     D, H, N, K, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     self.cfg = cfg
     self.attn_norm = RMSNorm(D, cfg.norm_eps, rngs)
-    self.w_q_DHK = _param(rngs, (D, H, K), ('embed', 'heads', 'head_dim'), cfg.init_std)
-    self.w_k_DNK = _param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
-    self.w_v_DNK = _param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
-    self.w_o_HKD = _param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), cfg.init_std)
+    self.w_q_DHK = param(rngs, (D, H, K), ('embed', 'heads', 'head_dim'), cfg.init_std)
+    self.w_k_DNK = param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
+    self.w_v_DNK = param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
+    self.w_o_HKD = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), cfg.init_std)
     self.mlp_norm = RMSNorm(D, cfg.norm_eps, rngs)
-    self.w_gate_DF = _param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
-    self.w_up_DF = _param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
-    self.w_down_FD = _param(rngs, (F, D), ('mlp', 'embed'), cfg.init_std)
+    self.w_gate_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
+    self.w_up_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
+    self.w_down_FD = param(rngs, (F, D), ('mlp', 'embed'), cfg.init_std)
 
   def attention(self, x_BLD, ops):
     cfg = self.cfg
@@ -132,28 +122,19 @@ class Llama(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     V, D = cfg.vocab_size, cfg.embed_dim
-    self.tok_embed_VD = _param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
+    self.tok_embed_VD = param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
 
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
-    def make_blocks(rngs):
-      return Block(cfg, rngs)
-
-    self.blocks = make_blocks(rngs)
+    self.blocks = stack_layers(lambda rngs: Block(cfg, rngs), cfg.num_layers, rngs)
     self.final_norm = RMSNorm(D, cfg.norm_eps, rngs)
-    self.head_DV = _param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
+    self.head_DV = param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
 
   def __call__(self, tokens_BL: jax.Array, ops=LocalOps()) -> jax.Array:
     """Logits (float32) for every position of `tokens_BL`."""
     x_BLD = ops.constrain(ops.embed_lookup(self.tok_embed_VD[...], tokens_BL),
                           ('batch', 'length', 'embed'))
 
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS,
-              unroll=1 if self.cfg.scan_layers else self.cfg.num_layers)
-    def run_blocks(block, x_BLD):
-      return ops.layer(lambda block, x_BLD: block(x_BLD, ops))(block, x_BLD)
-
-    x_BLD = self.final_norm(run_blocks(self.blocks, x_BLD))
+    unroll = 1 if self.cfg.scan_layers else self.cfg.num_layers
+    x_BLD = self.final_norm(apply_layers(self.blocks, x_BLD, ops, unroll))
     logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, self.head_DV[...],
                             preferred_element_type=jnp.float32)
     return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
