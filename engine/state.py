@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -128,6 +129,7 @@ def make_setup(model: ModelSpec, optimizer: Optimizer, mesh: jax.sharding.Mesh, 
              for size, axis in zip(variable.get_value().shape, sharding.logical_axes_of(variable))
              if axis == name]
     if any(size % ways for size in sizes):
+      logging.info('%r dimensions %s do not split %d ways: replicated.', name, sizes, ways)
       rules = rules.replicating(name)
   specs = sharding.variable_specs(abstract, rules)
   return TrainSetup(

@@ -66,6 +66,8 @@ def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbat
   batch, length = tokens_BL1.shape
   micro_KBL1 = constrain(
       tokens_BL1.reshape(batch // microbatches, microbatches, length).swapaxes(0, 1))
+  # The traced call only gives the sums their types (varying mesh axes included, in manual
+  # mode); nothing uses its values, so XLA drops it as dead code.
   zeros = jax.tree.map(jnp.zeros_like, value_and_grad(params, micro_KBL1[0]))
 
   def add(total, micro_BL1):
