@@ -58,6 +58,16 @@ def test_grouped_query_attention(mesh, mode, gqa_reference):
   assert_same_run(engine_run(config, mode, STEPS), gqa_reference)
 
 
+@pytest.mark.parametrize('mode', ['manual', 'auto'])
+def test_dot_product_attention_and_logit_scaling_match_the_einsum_path(mode, reference):
+  """jax.nn.dot_product_attention (cuDNN's flash attention on GPUs), with 1/sqrt(head_dim) on
+  the logits, computes what the einsum path with scaled queries does (the reference)."""
+  config = llama_config((2, 2, 2))
+  config.model.attention = 'dot_product_attention'
+  config.model.attention_scale_on = 'logits'
+  assert_same_run(engine_run(config, mode, STEPS), reference)
+
+
 def test_rotary_rotates_pairs_by_position():
   """Rotate-half convention: dimension i pairs with i + K/2, angle position * base^(-i/(K/2)).
   Relative positions: the product of a rotated query and key depends only on their distance."""

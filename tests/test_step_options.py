@@ -114,7 +114,7 @@ def test_bfloat16_compute_stays_close_to_float32(mode, reduce_dtype, float32_ref
 @pytest.mark.parametrize('reduce_dtype', ['float32', 'bfloat16'])
 def test_manual_gradient_reductions_move_the_dtype_asked_for(reduce_dtype):
   """Read from the program manual mode writes (its jaxpr): XLA:CPU then promotes bfloat16
-  all-reduces and reduce-scatters to float32, TPU and GPU compilers keep them."""
+  all-reduces and reduce-scatters to float32; the TPU compiler keeps them."""
   config = llama_config((2, 2, 2))
   config.model.dtype = 'bfloat16'
   config.parallelism.grad_reduce_dtype = reduce_dtype

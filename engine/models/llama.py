@@ -91,6 +91,7 @@ class Block(nnx.Module):
     cfg = self.cfg
     heads = ('batch', 'length', 'heads', 'head_dim')
     positions_L = jnp.arange(x_BLD.shape[1])
+    x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
     q_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, self.w_q_DHK[...])
     q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope_base), heads)
     k_BLNK = jnp.einsum('BLD,DNK->BLNK', x_BLD, self.w_k_DNK[...])
@@ -104,6 +105,7 @@ class Block(nnx.Module):
     return ops.finish_contraction(y_BLD, 'heads')
 
   def mlp(self, x_BLD, ops):
+    x_BLD = ops.column_parallel_input(x_BLD, 'mlp')  # Feeds the gate and up projections.
     gate_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, self.w_gate_DF[...])
     up_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, self.w_up_DF[...])
     h_BLF = ops.constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))

@@ -39,6 +39,13 @@ class LocalOps:
     prepare that layer's parameters (FSDP gathers them) and rematerialise it."""
     return fn
 
+  def column_parallel_input(self, x: jax.Array, logical: str) -> jax.Array:
+    """Marks `x` as the input of several column-parallel matmuls whose outputs carry the logical
+    dimension `logical` (separate query / key / value projections, an MLP's gate and up): a
+    layout that splits that dimension can then sum their input gradients once."""
+    del logical
+    return x
+
   def finish_contraction(self, y: jax.Array, contracted: str) -> jax.Array:
     """Called after a matmul that summed over the logical dimension `contracted` (a layout that
     splits that dimension adds up the partial sums here)."""

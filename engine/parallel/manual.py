@@ -86,6 +86,13 @@ class ManualOps(LocalOps):
       return fn(self.prepare_params(layer, skip_stacked=False), *args)
     return nnx.remat(prepared_layer, policy=self.remat_policy)
 
+  def column_parallel_input(self, x, logical):
+    # x is whole on every device of these axes. Cast to varying once, so the backward pass adds
+    # the gradients of all its consumers locally and psums once, not once per consumer (the
+    # implicit cast in each matmul would transpose to a psum each).
+    axes = self.rules.mesh_axes(logical, activation=True)
+    return jax.lax.pcast(x, axes, to='varying') if axes else x
+
   def _shard_index(self, axes) -> jax.Array:
     """Row-major position of this device among the shards split over `axes`."""
     index = 0
