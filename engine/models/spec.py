@@ -14,8 +14,9 @@ The module that `ModelSpec.create` returns must:
     unannotated parameter is replicated;
   - call `ops` where a layout may need to communicate (engine/models/ops.py): `embed_lookup` for
     the token embedding, `finish_contraction(y, name)` after a matmul that contracts a dimension
-    the rules may split (Megatron's row-parallel layers), `constrain` on activations, and
-    `layer` around the application of each layer stacked along the `LAYERS` axis.
+    the rules may split (Megatron's row-parallel layers), `column_parallel_input(x, name)` on an
+    input that feeds several column-parallel matmuls, `constrain` on activations, and `layer`
+    around the application of each layer stacked along the `LAYERS` axis.
 """
 
 from __future__ import annotations
