@@ -22,8 +22,7 @@ class AutoOps(LocalOps):
     self.mesh = setup.mesh
     self.rules = setup.rules
     self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
-    self.remat_policy = REMAT_POLICIES[setup.options.remat]
-    self.remat = setup.options.remat != 'none'
+    self.remat_policy = REMAT_POLICIES[setup.options.remat]  # None: no rematerialisation.
 
   def constrain(self, x, logical_axes, activation=True):
     spec = self.rules.spec(logical_axes, activation=activation)
@@ -39,7 +38,9 @@ class AutoOps(LocalOps):
 
   def layer(self, fn):
     prepared = lambda layer, *args: fn(self.prepare_params(layer, skip_stacked=False), *args)
-    return nnx.remat(prepared, policy=self.remat_policy) if self.remat else prepared
+    if self.remat_policy is None:
+      return prepared
+    return nnx.remat(prepared, policy=self.remat_policy)
 
   def embed_lookup(self, table_VD, tokens_BL):
     if not self.rules.mesh_axes('vocab'):
