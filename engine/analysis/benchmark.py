@@ -1,37 +1,34 @@
-"""Step time, per-device memory and collectives of each parallelism mode, measured in one run.
+"""Step time, FLOP/s, memory and collectives of training-step variants, measured in one run.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.benchmark \
-      --config=experiments/shakespeare_char.py:mesh=2x2x2 \
-      --config.data.path=../shared/data/tinyshakespeare.txt --modes=auto,manual --steps=30
-
-Both modes start from the same sharded state and see the same batches. Their steps are
-interleaved (auto, manual, auto, manual, ...) so that machine noise and drift hit both alike; the
-report gives the median, min and max of each and the ratio of medians.
+A variant is a mode on a mesh. Every variant is compiled first, then their steps run interleaved
+(variant 1, variant 2, ..., variant 1, ...) on the same batches from the same initial
+parameters, so that machine noise and drift hit all alike. `python -m engine.bench` is the
+command line; `engine.analysis.compare` reuses the interleaved run for its report.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import time
 from collections.abc import Callable
 
 import jax
 import numpy as np
-from absl import app, flags
-from ml_collections import config_flags
 
 from engine import data, parallel
-from engine.analysis import collectives
-from engine.metrics import log_memory, quiet_library_logs
+from engine.analysis import chips, collectives
+from engine.config import MESH_AXES
+from engine.metrics import log_memory
 from engine.state import TrainSetup
-from engine.train import setup
 
 
 @dataclasses.dataclass
 class ModeRun:
-  """One mode's compiled step and what was measured of it."""
+  """One variant's compiled step and what was measured of it."""
   mode: str
+  setup: TrainSetup
   compiled: object
   compile_seconds: float
   memory: dict[str, int]
@@ -40,8 +37,18 @@ class ModeRun:
   losses: list[float] = dataclasses.field(default_factory=list)
   grad_norms: list[float] = dataclasses.field(default_factory=list)
 
+  @property
+  def mesh(self) -> str:
+    return mesh_name(dict(self.setup.mesh.shape))
+
   def median_ms(self) -> float:
     return 1e3 * float(np.median(self.step_seconds))
+
+
+def mesh_name(shape: dict[str, int]) -> str:
+  """'data 2 x tensor 4' (axes of size 1 left out; a single device is 'one device')."""
+  parts = [f'{axis} {shape[axis]}' for axis in MESH_AXES if shape.get(axis, 1) > 1]
+  return ' x '.join(parts) or 'one device'
 
 
 def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
@@ -49,29 +56,29 @@ def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
   start = time.perf_counter()
   compiled = steps.train.lower(train_setup.abstract_state(), abstract_batch).compile()
   seconds = time.perf_counter() - start
-  return ModeRun(mode, compiled, seconds, log_memory(f'{mode} train step', compiled),
+  name = f'{mode} {mesh_name(dict(train_setup.mesh.shape))} train step'
+  return ModeRun(mode, train_setup, compiled, seconds, log_memory(name, compiled),
                  collectives.count_collectives(compiled.as_text(), train_setup.mesh))
 
 
-def run_interleaved(config, corpus: data.Corpus, train_setup: TrainSetup,
-                    modes: list[str], num_steps: int, warmup: int = 2,
-                    observe: Callable | None = None) -> list[ModeRun]:
-  """Compiles every mode, then runs their steps interleaved on the same batches.
+def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSetup]],
+                 num_steps: int, warmup: int = 2, observe: Callable | None = None,
+                 each_round: Callable[[bool], None] | None = None) -> list[ModeRun]:
+  """Compiles every (mode, setup), then runs their steps interleaved on the same batches.
 
-  `corpus` and `train_setup` come from engine.train.setup(config). `observe(step, run, state,
-  host_batch)` is called after each mode's step, outside the timed region (step counts from 1,
-  warm-up included).
+  `observe(step, run, state, host_batch)` is called after each variant's step, outside the timed
+  region (step counts from 1, warm-up included). `each_round(timed)` runs once per round after
+  the variants' steps (an external reference's step, for instance).
   """
-  batch_sharding = train_setup.batch_sharding()
-  global_batch = config.data.global_batch_size
-  abstract_batch = train_setup.abstract_batch(global_batch, config.data.seq_len)
-  runs = [compile_mode(train_setup, mode, abstract_batch) for mode in modes]
-  states = [train_setup.init(config.seed)[0] for _ in modes]
-  batches = data.windows_dataset(corpus.train_tokens, config.data.seq_len, global_batch,
-                                 config.seed, jax.process_index(), jax.process_count())
+  global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
+  runs = [compile_mode(s, mode, s.abstract_batch(global_batch, seq_len))
+          for mode, s in variants]
+  states = [run.setup.init(config.seed)[0] for run in runs]
+  batches = data.windows_dataset(corpus.train_tokens, seq_len, global_batch, config.seed,
+                                 jax.process_index(), jax.process_count())
   for i in range(warmup + num_steps):
-    batch = data.to_global(batches[i], batch_sharding, global_batch)
     for k, run in enumerate(runs):
+      batch = data.to_global(batches[i], run.setup.batch_sharding(), global_batch)
       start = time.perf_counter()
       states[k], metrics = run.compiled(states[k], batch)
       jax.block_until_ready((states[k], metrics))
@@ -81,57 +88,108 @@ def run_interleaved(config, corpus: data.Corpus, train_setup: TrainSetup,
       run.grad_norms.append(float(metrics['grad_norm']))
       if observe:
         observe(i + 1, run, states[k], batches[i])
+    if each_round:
+      each_round(i >= warmup)
   return runs
 
 
-def report(runs: list[ModeRun], tokens_per_step: int) -> str:
-  """A plain-text table: speed, memory and collectives of each mode, and the ratio of medians."""
-  lines = [f'{"mode":8s} {"median ms":>10s} {"min ms":>8s} {"max ms":>8s} {"tokens/s":>10s} '
-           f'{"compile s":>9s} {"args MiB":>9s} {"temp MiB":>9s}']
-  for run in runs:
-    t = np.array(run.step_seconds) * 1e3
+def run_interleaved(config, corpus: data.Corpus, train_setup: TrainSetup, modes: list[str],
+                    num_steps: int, warmup: int = 2,
+                    observe: Callable | None = None) -> list[ModeRun]:
+  """`run_variants` for several modes on one setup (engine.train.setup(config))."""
+  return run_variants(config, corpus, [(mode, train_setup) for mode in modes], num_steps,
+                      warmup, observe)
+
+
+def measurements(run: ModeRun, tokens_per_step: int, model_flops_per_step: float,
+                 peak_flops_per_device: float | None) -> dict:
+  """One variant's row: speed, model FLOP/s and MFU, per-device memory, collectives."""
+  seconds = np.array(run.step_seconds)
+  median = float(np.median(seconds))
+  num_devices = run.setup.mesh.devices.size
+  achieved = model_flops_per_step / median / num_devices
+  return {
+      'mode': run.mode, 'mesh': run.mesh, 'mesh_shape': dict(run.setup.mesh.shape),
+      'compile_s': run.compile_seconds,
+      'median_ms': 1e3 * median, 'min_ms': 1e3 * float(seconds.min()),
+      'max_ms': 1e3 * float(seconds.max()), 'step_ms': (1e3 * seconds).tolist(),
+      'tokens_per_s': tokens_per_step / median,
+      'model_tflop_per_step': model_flops_per_step / 1e12,
+      'model_tflops_per_device': achieved / 1e12,
+      'mfu': achieved / peak_flops_per_device if peak_flops_per_device else None,
+      'memory': run.memory, 'losses': run.losses,
+      'collectives': [{'kind': kind, 'axes': list(axes), **row}
+                      for (kind, axes), row in collectives.summarize(run.collectives).items()],
+  }
+
+
+def _collectives_cell(rows: list[dict]) -> str:
+  return '<br>'.join(f'{r["kind"]} {",".join(r["axes"]) or "-"}: {r["executions"]}x, '
+                     f'{r["bytes"] / 2**20:.1f} MiB' for r in rows) or 'none'
+
+
+def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
+  """The table: one line per variant; `vs first` is the ratio of median step times to the first
+  mode on the same mesh."""
+  first = {}
+  for row in rows:
+    first.setdefault(row['mesh'], row['median_ms'])
+  lines = [f'## {title}', '',
+           '| mesh | mode | median ms | min | max | vs first | tokens/s | compile s | '
+           'model TFLOP/s/device | MFU | args MiB | temp MiB | peak MiB | collectives per step |',
+           '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|']
+  for r in rows:
+    m = r['memory']
+    mfu = f'{100 * r["mfu"]:.1f} %' if r['mfu'] is not None else 'n/a'
     lines.append(
-        f'{run.mode:8s} {np.median(t):10.2f} {t.min():8.2f} {t.max():8.2f} '
-        f'{tokens_per_step / np.median(t) * 1e3:10,.0f} {run.compile_seconds:9.1f} '
-        f'{run.memory.get("argument_size_in_bytes", 0) / 2**20:9.2f} '
-        f'{run.memory.get("temp_size_in_bytes", 0) / 2**20:9.2f}')
-  if len(runs) == 2:
-    lines.append(f'ratio {runs[1].mode}/{runs[0].mode} of median step time: '
-                 f'{runs[1].median_ms() / runs[0].median_ms():.3f}')
-  for run in runs:
-    lines.append(f'collectives per step, {run.mode}: kind, axes, ops, executions, buffers, KiB')
-    for (kind, axes), row in collectives.summarize(run.collectives).items():
-      lines.append(f'  {kind:18s} {",".join(axes) or "-":14s} {row["ops"]:4d} '
-                   f'{row["executions"]:5d} {row["buffers"]:5d} {row["bytes"] / 1024:10.1f}')
+        f'| {r["mesh"]} | {r["mode"]} | {r["median_ms"]:.1f} | {r["min_ms"]:.1f} | '
+        f'{r["max_ms"]:.1f} | {r["median_ms"] / first[r["mesh"]]:.3f} | '
+        f'{r["tokens_per_s"]:,.0f} | {r["compile_s"]:.1f} | {r["model_tflops_per_device"]:.4f} | '
+        f'{mfu} | {m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
+        f'{m.get("temp_size_in_bytes", 0) / 2**20:.1f} | '
+        f'{m.get("peak_estimate_bytes", 0) / 2**20:.1f} | {_collectives_cell(r["collectives"])} |')
+  if external:
+    lines += ['', f'{external["name"]}, interleaved with the rows above: median '
+              f'{external["median_ms"]:.1f} ms (min {external["min_ms"]:.1f}, max '
+              f'{external["max_ms"]:.1f}); the first row / it = '
+              f'{rows[0]["median_ms"] / external["median_ms"]:.2f}.']
   return '\n'.join(lines)
 
 
-def main():
-  """Command line; flags are defined here, not at import, so other tools can import this."""
-  config_flag = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
-                                                lock_config=True)
-  modes = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compare, in order.')
-  steps = flags.DEFINE_integer('steps', 20, 'Timed steps per mode (after 2 warm-up steps).')
-  json_path = flags.DEFINE_string('json', None, 'Also write the measurements to this JSON file.')
-
-  def run(argv):
-    del argv
-    quiet_library_logs()
-    config = config_flag.value
-    corpus, train_setup = setup(config)
-    runs = run_interleaved(config, corpus, train_setup, modes.value, steps.value)
-    print(report(runs, config.data.global_batch_size * config.data.seq_len))
-    if json_path.value:
-      with open(json_path.value, 'w') as f:
-        json.dump({run.mode: {
-            'step_ms': [s * 1e3 for s in run.step_seconds], 'median_ms': run.median_ms(),
-            'compile_s': run.compile_seconds, 'memory': run.memory, 'losses': run.losses,
-            'collectives': {f'{k}|{",".join(a)}': v
-                            for (k, a), v in collectives.summarize(run.collectives).items()}}
-            for run in runs}, f, indent=1)
-
-  app.run(run)
+def peak_flops_per_device(dtype: str, override_tflops: float | None) -> float | None:
+  return chips.peak_flops(jax.devices()[0].device_kind, dtype, override_tflops)
 
 
-if __name__ == '__main__':
-  main()
+class TorchReference:
+  """The PyTorch version of the GPT model (engine/analysis/torch_reference.py) in a child
+  process run by a Python that has torch; one of its steps runs after each round of ours."""
+
+  def __init__(self, python: str, model_config, vocab_size: int, seq_len: int,
+               global_batch: int, threads: int):
+    script = __file__.replace('benchmark.py', 'torch_reference.py')
+    args = [python, script, '--layers', str(model_config.num_layers),
+            '--heads', str(model_config.num_heads), '--width', str(model_config.embed_dim),
+            '--mlp', str(model_config.mlp_dim), '--vocab', str(vocab_size),
+            '--seq', str(seq_len), '--batch', str(global_batch), '--threads', str(threads)]
+    if not model_config.tie_embeddings:
+      args.append('--no-tie')
+    self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    text=True)
+    if self.process.stdout.readline().strip() != 'ready':
+      raise RuntimeError(f'{" ".join(args)} did not start; run it by hand to see why.')
+    self.step_ms: list[float] = []
+
+  def __call__(self, timed: bool) -> None:
+    self.process.stdin.write('step 1\n')
+    self.process.stdin.flush()
+    reply = json.loads(self.process.stdout.readline())
+    if timed:
+      self.step_ms += reply['step_ms']
+
+  def close(self) -> dict:
+    self.process.stdin.write('quit\n')
+    self.process.stdin.flush()
+    self.process.wait(timeout=60)
+    t = np.array(self.step_ms)
+    return {'name': 'PyTorch, same model and shapes', 'median_ms': float(np.median(t)),
+            'min_ms': float(t.min()), 'max_ms': float(t.max()), 'step_ms': t.tolist()}

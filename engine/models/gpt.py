@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.attention import causal_attention
-from engine.models.layers import apply_layers, param, stack_layers
+from engine.models.layers import apply_layers, dense, param, stack_layers
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
 
@@ -80,18 +80,20 @@ class Block(nnx.Module):
     self.b_down_D = param(rngs, (D,), ('embed',), 0)
 
   def attention(self, x_BLD, ops):
-    qkv_CBLHK = jnp.einsum('BLD,CDHK->CBLHK', x_BLD, self.w_qkv_CDHK[...])
-    q_BLHK, k_BLHK, v_BLHK = (ops.constrain(t, ('batch', 'length', 'heads', 'head_dim'))
-                              for t in qkv_CBLHK)
+    x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
+    w_qkv_CDHK = self.w_qkv_CDHK[...]
+    q_BLHK, k_BLHK, v_BLHK = (
+        ops.constrain(dense(x_BLD, w_qkv_CDHK[c]), ('batch', 'length', 'heads', 'head_dim'))
+        for c in range(3))
     out_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, self.cfg.attention_scale_on,
                                 self.cfg.attention)
-    y_BLD = jnp.einsum('BLHK,HKD->BLD', out_BLHK, self.w_out_HKD[...])
+    y_BLD = dense(out_BLHK, self.w_out_HKD[...], in_dims=2)
     return ops.finish_contraction(y_BLD, 'heads')
 
   def mlp(self, x_BLD, ops):
-    h_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, self.w_up_DF[...]) + self.b_up_F[...]
+    h_BLF = dense(x_BLD, self.w_up_DF[...]) + self.b_up_F[...]
     h_BLF = ops.constrain(jax.nn.gelu(h_BLF), ('batch', 'length', 'mlp'))
-    y_BLD = jnp.einsum('BLF,FD->BLD', h_BLF, self.w_down_FD[...])
+    y_BLD = dense(h_BLF, self.w_down_FD[...])
     return ops.finish_contraction(y_BLD, 'mlp') + self.b_down_D[...]
 
   def __call__(self, x_BLD, ops):
@@ -130,8 +132,7 @@ class GPT(nnx.Module):
       logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, tok_embed_VD,
                               preferred_element_type=jnp.float32)
     else:
-      logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, self.head_DV[...],
-                              preferred_element_type=jnp.float32)
+      logits_BLV = dense(x_BLD, self.head_DV[...], preferred_element_type=jnp.float32)
     return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
 
 

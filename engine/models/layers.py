@@ -8,6 +8,7 @@ does not grow with depth.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -29,6 +30,25 @@ def param(rngs: nnx.Rngs, shape, logical_axes, std: float | None) -> nnx.Param:
   else:
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
   return nnx.Param(value, out_sharding=tuple(logical_axes))
+
+
+def dense(x: jax.Array, w: jax.Array, in_dims: int = 1, preferred_element_type=None):
+  """x [..., *in] times w [*in, *out] -> [..., *out], as one 2-D matrix product.
+
+  `jnp.einsum('BLD,DF->BLF', ...)` computes the same, but XLA:CPU lays out the weight gradient
+  of an einsum with two free dimensions on x (batch, length) behind a strided transpose of the
+  output gradient; flattening them first ran a Llama MLP's forward and backward 2x faster
+  (engine/bench: docs in BUILD.md). Reshapes of leading and trailing dimensions are free on
+  every backend and keep each dimension's sharding.
+  """
+  lead, contracted, out = x.shape[:x.ndim - in_dims], x.shape[x.ndim - in_dims:], w.shape[in_dims:]
+  if w.shape[:in_dims] != contracted:
+    raise ValueError(f'dense: x {x.shape} and w {w.shape} disagree on the {in_dims} '
+                     'contracted dimensions')
+  y = jnp.dot(x.reshape(math.prod(lead), math.prod(contracted)),
+              w.reshape(math.prod(contracted), math.prod(out)),
+              preferred_element_type=preferred_element_type)
+  return y.reshape(*lead, *out)
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,

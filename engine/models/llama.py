@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.attention import causal_attention
-from engine.models.layers import apply_layers, param, stack_layers
+from engine.models.layers import apply_layers, dense, param, stack_layers
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
 
@@ -92,24 +92,24 @@ class Block(nnx.Module):
     heads = ('batch', 'length', 'heads', 'head_dim')
     positions_L = jnp.arange(x_BLD.shape[1])
     x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
-    q_BLHK = jnp.einsum('BLD,DHK->BLHK', x_BLD, self.w_q_DHK[...])
+    q_BLHK = dense(x_BLD, self.w_q_DHK[...])
     q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope_base), heads)
-    k_BLNK = jnp.einsum('BLD,DNK->BLNK', x_BLD, self.w_k_DNK[...])
+    k_BLNK = dense(x_BLD, self.w_k_DNK[...])
     k_BLNK = rotary(k_BLNK, positions_L, cfg.rope_base)
-    v_BLNK = jnp.einsum('BLD,DNK->BLNK', x_BLD, self.w_v_DNK[...])
+    v_BLNK = dense(x_BLD, self.w_v_DNK[...])
     # Each query head's key / value head, laid out like the query heads.
     k_BLHK = ops.constrain(ops.kv_for_query_heads(k_BLNK, cfg.num_heads), heads)
     v_BLHK = ops.constrain(ops.kv_for_query_heads(v_BLNK, cfg.num_heads), heads)
     out_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_scale_on, cfg.attention)
-    y_BLD = jnp.einsum('BLHK,HKD->BLD', out_BLHK, self.w_o_HKD[...])
+    y_BLD = dense(out_BLHK, self.w_o_HKD[...], in_dims=2)
     return ops.finish_contraction(y_BLD, 'heads')
 
   def mlp(self, x_BLD, ops):
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')  # Feeds the gate and up projections.
-    gate_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, self.w_gate_DF[...])
-    up_BLF = jnp.einsum('BLD,DF->BLF', x_BLD, self.w_up_DF[...])
+    gate_BLF = dense(x_BLD, self.w_gate_DF[...])
+    up_BLF = dense(x_BLD, self.w_up_DF[...])
     h_BLF = ops.constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    y_BLD = jnp.einsum('BLF,FD->BLD', h_BLF, self.w_down_FD[...])
+    y_BLD = dense(h_BLF, self.w_down_FD[...])
     return ops.finish_contraction(y_BLD, 'mlp')
 
   def __call__(self, x_BLD, ops):
@@ -137,8 +137,7 @@ class Llama(nnx.Module):
 
     unroll = 1 if self.cfg.scan_layers else self.cfg.num_layers
     x_BLD = self.final_norm(apply_layers(self.blocks, x_BLD, ops, unroll))
-    logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, self.head_DV[...],
-                            preferred_element_type=jnp.float32)
+    logits_BLV = dense(x_BLD, self.head_DV[...], preferred_element_type=jnp.float32)
     return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
 
 

@@ -43,13 +43,12 @@ class AutoOps(LocalOps):
     return nnx.remat(prepared, policy=self.remat_policy)
 
   def embed_lookup(self, table_VD, tokens_BL):
-    if not self.rules.mesh_axes('vocab'):
-      return super().embed_lookup(table_VD, tokens_BL)
-    # A gather from a vocab-sharded table makes XLA replicate the table first; a one-hot matmul
-    # instead partitions like a row-parallel layer (local partial sums, one all-reduce).
-    one_hot_BLV = jax.nn.one_hot(tokens_BL, table_VD.shape[0], dtype=table_VD.dtype)
-    one_hot_BLV = self.constrain(one_hot_BLV, ('batch', 'length', 'vocab'))
-    return jnp.einsum('BLV,VD->BLD', one_hot_BLV, table_VD)
+    # XLA partitions a gather from a table split only along the vocabulary as a masked local
+    # lookup and one all-reduce of the result, with no FLOPs (a one-hot matmul costs 2*B*L*V*D);
+    # a table also split along `embed` would be gathered whole first, so gather that split
+    # here, as FSDP does for every weight where it is used.
+    table_VD = self.constrain(table_VD, ('vocab', None), activation=False)
+    return jnp.take(table_VD, tokens_BL, axis=0)
 
 
 def build_steps(setup: TrainSetup) -> Steps:

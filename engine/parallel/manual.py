@@ -16,7 +16,12 @@ The collectives come from the same rules that give auto mode its shardings:
   `psum`) and a vocab-parallel cross-entropy (`pmax` / `psum` of the logsumexp terms).
 - Gradients follow the pattern in DESIGN.md ("the gradient trap"): each parameter is cast to
   varying over the batch axes it is replicated on, the gradient is taken with respect to that
-  local copy, and one explicit `pmean` over those axes averages it.
+  local copy, and one explicit `pmean` over those axes averages it. Where the cast happens
+  decides when: with one micro-batch it is part of preparing the parameter for use (inside the
+  layer scan for stacked layers), so the backward pass averages each layer's gradients as soon
+  as they are produced and the reduction overlaps the layers still to go, as the compiler
+  schedules it in auto mode. With several micro-batches the cast is made once, outside the
+  accumulation loop, so that each gradient is still averaged only once per step.
 """
 
 from __future__ import annotations
@@ -39,10 +44,14 @@ class ManualOps(LocalOps):
   """The model's layout hooks, written with explicit collectives on local shards.
 
   With `gather=False` the parameters arrive already gathered (the micro-batch path of
-  `build_steps`), and are only cast to the compute dtype."""
+  `build_steps`), and are only cast to the compute dtype. With `average_in_backward` each
+  parameter's gradient is averaged over the batch axes where the backward pass produces it.
+  """
 
-  def __init__(self, setup: TrainSetup, gather: bool = True):
+  def __init__(self, setup: TrainSetup, gather: bool = True, average_in_backward: bool = False):
     self.rules = setup.rules
+    self.batch_axes = setup.rules.mesh_axes('batch', activation=True)
+    self.average_in_backward = average_in_backward
     self.mesh_shape = dict(setup.mesh.shape)
     self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
     self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
@@ -73,7 +82,18 @@ class ManualOps(LocalOps):
         grad = jax.lax.psum_scatter(grad, axes, scatter_dimension=dim, tiled=True)
     return grad
 
+  def batch_reduction(self, logical_axes) -> tuple[tuple[str, ...], int]:
+    """For a parameter with these (storage) logical axes: the batch axes it is replicated over,
+    where its gradient needs a pmean, and the product of the batch axes that split it, whose
+    psum_scatter (the transpose of its gather) summed what a mean must divide."""
+    stored = spec_axes(self.rules.spec(logical_axes, activation=False))
+    replicated = tuple(a for a in self.batch_axes if a not in stored)
+    return replicated, math.prod(self.mesh_shape[a] for a in self.batch_axes if a in stored)
+
   def _prepared(self, value, logical_axes):
+    if self.average_in_backward:
+      value = _averaged_in_backward(value, *self.batch_reduction(logical_axes),
+                                    self.reduce_dtype)
     if self.gather:
       value = self.gathered(value, logical_axes)
     return value.astype(self.compute_dtype)
@@ -150,44 +170,38 @@ class ManualOps(LocalOps):
 
 
 def build_steps(setup: TrainSetup) -> Steps:
-  mesh_shape = dict(setup.mesh.shape)
-  ops = ManualOps(setup)
+  microbatches = setup.options.microbatches
+  ops = ManualOps(setup, average_in_backward=microbatches == 1)
   state_specs = setup.state_specs()
   param_specs = state_specs['params']
   batch_spec = setup.batch_sharding().spec
-  batch_axes = setup.rules.mesh_axes('batch', activation=True)
-  microbatches = setup.options.microbatches
+  batch_axes = ops.batch_axes
   reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
   gathers = any(setup.rules.gather_axes(name) for p in setup.parameters()
                 for name in p.logical_axes)
-
-  # Per parameter: the batch axes it is replicated over (cast to varying, then pmean), and the
-  # factor that turns the psum_scatter of a gathered dimension into a mean over batch shards.
-  def replicated_batch_axes(spec):
-    return tuple(a for a in batch_axes if a not in spec_axes(spec))
-
-  def scatter_mean_factor(spec):
-    return math.prod(mesh_shape[a] for a in batch_axes if a in spec_axes(spec))
-
-  def average(grads):
-    return jax.tree.map(
-        lambda g, spec: _average_over_batch(g, replicated_batch_axes(spec),
-                                            scatter_mean_factor(spec), reduce_dtype),
-        grads, param_specs)
 
   def map_param_values(tree, fn):
     """fn(value, logical axes) on a tree laid out like the parameters."""
     module = map_params(nnx.merge(setup.graphdef, tree), fn)
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
+  def average(grads):
+    """Each gradient's pmean over the batch axes, after the backward pass (micro-batches)."""
+    return map_param_values(grads, lambda g, axes: _average_over_batch(
+        g, *ops.batch_reduction(axes), reduce_dtype))
+
   def local_loss(params, tokens_BL1, ops=ops):
     return next_token_loss(params, setup.graphdef, tokens_BL1, ops)
 
   def local_gradients(params, tokens_BL1):
+    """One micro-batch: `ops` averages each gradient inside the backward pass."""
+    return jax.value_and_grad(local_loss)(params, tokens_BL1)
+
+  def accumulated_gradients(params, tokens_BL1):
     """Gradients w.r.t. a local copy of each parameter (gathered ones arrive reduce-scattered
     by the gathers' transposes, once per micro-batch), then one pmean over the batch axes."""
-    local_params = jax.tree.map(
-        lambda p, spec: _cast_to_varying(p, replicated_batch_axes(spec)), params, param_specs)
+    local_params = map_param_values(params, lambda p, axes: _cast_to_varying(
+        p, ops.batch_reduction(axes)[0]))
     loss, grads = accumulate_gradients(jax.value_and_grad(local_loss), local_params,
                                        tokens_BL1, microbatches)
     return loss, average(grads)
@@ -200,8 +214,8 @@ def build_steps(setup: TrainSetup) -> Steps:
     whole = map_param_values(params, ops.gathered)
     # all_gather leaves its result typed as varying over the gathered axes; cast over the other
     # batch axes too, so the gradients w.r.t. these copies stay local.
-    whole = jax.tree.map(lambda w, spec: _cast_to_varying(w, replicated_batch_axes(spec)),
-                         whole, param_specs)
+    whole = map_param_values(whole, lambda w, axes: _cast_to_varying(
+        w, ops.batch_reduction(axes)[0]))
     pregathered = ManualOps(setup, gather=False)
     loss, grads = accumulate_gradients(
         jax.value_and_grad(lambda p, t: local_loss(p, t, pregathered)), whole, tokens_BL1,
@@ -209,7 +223,10 @@ def build_steps(setup: TrainSetup) -> Steps:
     return loss, average(map_param_values(grads, ops.scattered))
 
   def gradients(params, tokens_BL1):
-    grads_fn = (gradients_gathered_once if microbatches > 1 and gathers else local_gradients)
+    if microbatches == 1:
+      grads_fn = local_gradients
+    else:
+      grads_fn = gradients_gathered_once if gathers else accumulated_gradients
     loss, grads = grads_fn(params, tokens_BL1)
     return jax.lax.pmean(loss, batch_axes) if batch_axes else loss, grads
 
@@ -239,6 +256,27 @@ def build_steps(setup: TrainSetup) -> Steps:
       train=shard_mapped(train_step, (state_specs, batch_spec), (state_specs, P()), donate=True),
       eval=shard_mapped(eval_step, (param_specs, batch_spec), P()),
       gradients=shard_mapped(gradients, (param_specs, batch_spec), (P(), param_specs)))
+
+
+def _averaged_in_backward(param, replicated_axes, scatter_factor, reduce_dtype):
+  """`param` as a local copy, varying over `replicated_axes`; the backward pass turns its
+  gradient into the batch mean right there (`_average_over_batch`)."""
+  if not replicated_axes and scatter_factor == 1:
+    return param
+
+  @jax.custom_vjp
+  def local_copy(p):
+    return _cast_to_varying(p, replicated_axes)
+
+  def forward(p):
+    return local_copy(p), None
+
+  def backward(_, grad):
+    return (_average_over_batch(grad, replicated_axes, scatter_factor, reduce_dtype)
+            .astype(param.dtype),)
+
+  local_copy.defvjp(forward, backward)
+  return local_copy(param)
 
 
 def _average_over_batch(grad, replicated_axes, scatter_factor, reduce_dtype=jnp.float32):

@@ -1,0 +1,108 @@
+"""Speed of training-step variants (modes x meshes), measured side by side in one process.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.bench \
+      --config=experiments/llama_bench.py --modes=auto,manual \
+      --meshes=8x1x1,1x8x1,2x1x4,1x2x4,2x2x2 --steps=20 --out=/tmp/bench
+
+Every variant is compiled once, then the variants' steps run interleaved on the same batches
+from the same initial parameters (engine.analysis.benchmark). Printed and written as Markdown
+(OUT.md) and JSON (OUT.json): compile time, median / min / max step time, tokens/s, the model's
+FLOPs per step (6N plus attention, from the model spec) as TFLOP/s per device and as MFU against
+the chip's peak (engine.analysis.chips: known TPUs and GPUs; --peak_tflops elsewhere),
+per-device memory, and the collectives of each compiled step by kind and mesh axes.
+
+--torch_python=/usr/bin/python3 also runs the PyTorch version of the GPT model
+(engine/analysis/torch_reference.py) in a child process, one of its steps after each round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from engine import config as config_lib
+from engine import parallel
+from engine.analysis import benchmark
+from engine.metrics import quiet_library_logs
+from engine.train import build_setup, setup
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
+                                          lock_config=False)
+_MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to run, in order.')
+_MESHES = flags.DEFINE_list('meshes', [], 'Meshes DATAxFSDPxTENSOR (e.g. 8x1x1,2x2x2); '
+                            'default: the config\'s own.')
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps per variant.')
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps per variant.')
+_PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for the MFU column '
+                           '(default: the chip table; none on CPUs).')
+_OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
+_TORCH = flags.DEFINE_string('torch_python', None, 'A Python with torch: also time the PyTorch '
+                             'GPT (GPT configs on one device).')
+flags.mark_flags_as_required(['config'])
+
+
+def variants(config) -> tuple:
+  """(corpus, [(mode, setup)] for every mesh and mode): all validated and laid out before
+  anything compiles."""
+  unknown = [m for m in _MODES.value if m not in parallel.STEP_BUILDERS]
+  if unknown:
+    raise config_lib.ConfigError(f'--modes: {unknown} unknown; choose from '
+                                 f'{sorted(parallel.STEP_BUILDERS)}.')
+  if _STEPS.value < 1 or _WARMUP.value < 0:
+    raise config_lib.ConfigError('--steps must be >= 1 and --warmup >= 0.')
+  corpus, setups = None, []
+  for mesh in _MESHES.value or ['']:
+    if mesh:
+      config_lib.set_mesh_shape(config, mesh)
+    if corpus is None:
+      corpus, train_setup = setup(config)  # Validates the config, reads the data once.
+    else:
+      config_lib.validate(config, jax.device_count(), jax.process_count())
+      train_setup = build_setup(config, corpus.tokenizer.vocab_size)
+    setups.append(train_setup)
+  return corpus, [(mode, s) for s in setups for mode in _MODES.value]
+
+
+def main(argv):
+  del argv
+  quiet_library_logs()
+  config = _CONFIG.value
+  corpus, runs_to_make = variants(config)
+  first_setup = runs_to_make[0][1]
+  tokens = config.data.global_batch_size * config.data.seq_len
+  model_flops = first_setup.model.flops_per_token(config.data.seq_len) * tokens
+  torch = None
+  if _TORCH.value:
+    if config.model.name != 'gpt' or jax.device_count() != 1:
+      raise config_lib.ConfigError('--torch_python: the PyTorch reference is the GPT model on '
+                                   'one device.')
+    torch = benchmark.TorchReference(_TORCH.value, config.model, first_setup.model.vocab_size,
+                                     config.data.seq_len, config.data.global_batch_size,
+                                     os.cpu_count())
+  runs = benchmark.run_variants(config, corpus, runs_to_make, _STEPS.value, _WARMUP.value,
+                                each_round=torch)
+  peak = benchmark.peak_flops_per_device(config.model.dtype, _PEAK.value)
+  rows = [benchmark.measurements(run, tokens, model_flops, peak) for run in runs]
+  external = torch.close() if torch else None
+  title = (f'{config.model.name}, {config.model.num_layers} layers, width '
+           f'{config.model.embed_dim}, sequence {config.data.seq_len}, batch '
+           f'{config.data.global_batch_size}, {config.model.dtype}, remat {config.model.remat}; '
+           f'{jax.device_count()} x {jax.devices()[0].device_kind}; {_STEPS.value} timed steps')
+  report = benchmark.markdown(rows, title, external)
+  print(report)
+  if _OUT.value:
+    with open(_OUT.value + '.md', 'w') as f:
+      f.write(report + '\n')
+    with open(_OUT.value + '.json', 'w') as f:
+      json.dump({'title': title, 'tokens_per_step': tokens, 'model_flops_per_step': model_flops,
+                 'peak_flops_per_device': peak, 'config': json.loads(config.to_json()),
+                 'variants': rows, 'external': external}, f, indent=1)
+    logging.info('Wrote %s.md and %s.json', _OUT.value, _OUT.value)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,64 @@
+"""`python -m engine.bench` end to end on a tiny model, and the chip table behind its MFU."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from engine.analysis import chips
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_bench_measures_every_mode_on_every_mesh(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
+      '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'))
+  subprocess.run(
+      [sys.executable, '-m', 'engine.bench', '--config=experiments/tiny.py',
+       '--config.model.num_layers=2', '--config.data.source=synthetic',
+       '--meshes=8x1x1,1x2x4', '--modes=auto,manual', '--steps=2', '--warmup=1',
+       '--peak_tflops=0.5', f'--out={tmp_path / "bench"}'],
+      check=True, env=env, cwd=ROOT, timeout=600)
+  report = json.loads((tmp_path / 'bench.json').read_text())
+  rows = report['variants']
+  assert [(r['mesh'], r['mode']) for r in rows] == [
+      ('data 8', 'auto'), ('data 8', 'manual'),
+      ('fsdp 2 x tensor 4', 'auto'), ('fsdp 2 x tensor 4', 'manual')]
+  config = report['config']
+  assert report['tokens_per_step'] == config['data']['global_batch_size'] * config['data'][
+      'seq_len']
+  for r in rows:
+    assert len(r['step_ms']) == 2 and r['min_ms'] <= r['median_ms'] <= r['max_ms']
+    per_device = report['model_flops_per_step'] / (r['median_ms'] / 1e3) / 8
+    assert r['mfu'] == pytest.approx(per_device / 0.5e12)
+    assert r['memory']['argument_size_in_bytes'] > 0 and r['compile_s'] > 0
+    # Same initial parameters and batches: every variant computes the same losses.
+    assert r['losses'] == pytest.approx(rows[0]['losses'], rel=1e-4)
+  kinds = {(r['mesh'], r['mode']): {(c['kind'], tuple(c['axes'])) for c in r['collectives']}
+           for r in rows}
+  assert kinds[('data 8', 'manual')] == {('all-reduce', ('data',))}
+  assert {('all-gather', ('fsdp',)), ('all-reduce', ('tensor',))} <= kinds[
+      ('fsdp 2 x tensor 4', 'manual')]
+  markdown = (tmp_path / 'bench.md').read_text()
+  assert markdown.count('| data 8 |') == 2 and 'MFU' in markdown
+
+
+@pytest.mark.parametrize('device_kind, chip', [
+    # Device kinds as JAX reports them (the TPU ones from libtpu's topologies).
+    ('TPU v4', 'TPU v4'), ('TPU v5 lite', 'TPU v5e'), ('TPU v5', 'TPU v5p'),
+    ('TPU v6 lite', 'TPU v6e'), ('NVIDIA H100 80GB HBM3', 'NVIDIA H100'),
+    ('NVIDIA A100-SXM4-80GB', 'NVIDIA A100'), ('NVIDIA L4', 'NVIDIA L4'),
+    ('NVIDIA L40S', None), ('cpu', None)])
+def test_chips_are_recognised_by_device_kind(device_kind, chip):
+  found = chips.chip_of(device_kind)
+  assert (found.name if found else None) == chip
+
+
+def test_peak_flops_follow_the_compute_dtype_or_the_flag():
+  assert chips.peak_flops('TPU v5', 'bfloat16') == 459e12
+  assert chips.peak_flops('NVIDIA H100 80GB HBM3', 'float32') == 495e12  # TF32.
+  assert chips.peak_flops('cpu', 'float32') is None
+  assert chips.peak_flops('cpu', 'float32', override_tflops=2.0) == 2e12
