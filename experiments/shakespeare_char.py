@@ -29,6 +29,9 @@ def get_config(arg=None):
   config.model.max_len = 64
   config.model.vocab_multiple = 8  # 65 characters -> 72 rows, splittable over tensor <= 8.
   config.model.tie_embeddings = True
+  # Four small layers: written out, not scanned, the step runs 10-30 % faster on one CPU device
+  # (no per-layer stacking of activations; python -m engine.bench, BUILD.md).
+  config.model.scan_layers = False
 
   config.data.source = 'file'
   config.data.path = ''  # --config.data.path=../shared/data/tinyshakespeare.txt

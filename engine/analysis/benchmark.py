@@ -1,8 +1,8 @@
 """Step time, FLOP/s, memory and collectives of training-step variants, measured in one run.
 
 A variant is a mode on a mesh. Every variant is compiled first, then their steps run interleaved
-(variant 1, variant 2, ..., variant 1, ...) on the same batches from the same initial
-parameters, so that machine noise and drift hit all alike. `python -m engine.bench` is the
+in rounds (one step of each, the order rotating from round to round) on the same batches from
+the same initial parameters, so that machine noise and drift hit all alike. `python -m engine.bench` is the
 command line; `engine.analysis.compare` reuses the interleaved run for its report.
 """
 
@@ -67,8 +67,8 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
   """Compiles every (mode, setup), then runs their steps interleaved on the same batches.
 
   `observe(step, run, state, host_batch)` is called after each variant's step, outside the timed
-  region (step counts from 1, warm-up included). `each_round(timed)` runs once per round after
-  the variants' steps (an external reference's step, for instance).
+  region (step counts from 1, warm-up included). `each_round(timed)` takes a turn in every
+  round like one more variant (an external reference's step, for instance).
   """
   global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
   runs = [compile_mode(s, mode, s.abstract_batch(global_batch, seq_len))
@@ -77,7 +77,15 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
   batches = data.windows_dataset(corpus.train_tokens, seq_len, global_batch, config.seed,
                                  jax.process_index(), jax.process_count())
   for i in range(warmup + num_steps):
-    for k, run in enumerate(runs):
+    # Whoever runs first in a round finds the caches cold after the others; rotating the order
+    # every round spreads that over all of them.
+    turns = list(range(len(runs))) + ([None] if each_round else [])
+    shift = i % len(turns)
+    for k in turns[shift:] + turns[:shift]:
+      if k is None:
+        each_round(i >= warmup)
+        continue
+      run = runs[k]
       batch = data.to_global(batches[i], run.setup.batch_sharding(), global_batch)
       start = time.perf_counter()
       states[k], metrics = run.compiled(states[k], batch)
@@ -88,8 +96,6 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
       run.grad_norms.append(float(metrics['grad_norm']))
       if observe:
         observe(i + 1, run, states[k], batches[i])
-    if each_round:
-      each_round(i >= warmup)
   return runs
 
 
