@@ -5,14 +5,15 @@
       --meshes=8x1x1,1x8x1,2x1x4,1x2x4,2x2x2 --steps=20 --out=/tmp/bench
 
 Every variant is compiled once, then the variants' steps run interleaved on the same batches
-from the same initial parameters (engine.analysis.benchmark). Printed and written as Markdown
-(OUT.md) and JSON (OUT.json): compile time, median / min / max step time, tokens/s, the model's
+from the same initial parameters, the order rotating every round (engine.analysis.benchmark).
+Printed, and written as Markdown (OUT.md) and JSON (OUT.json): compile time, median / min / max step time, tokens/s, the model's
 FLOPs per step (6N plus attention, from the model spec) as TFLOP/s per device and as MFU against
 the chip's peak (engine.analysis.chips: known TPUs and GPUs; --peak_tflops elsewhere),
 per-device memory, and the collectives of each compiled step by kind and mesh axes.
 
---torch_python=/usr/bin/python3 also runs the PyTorch version of the GPT model
-(engine/analysis/torch_reference.py) in a child process, one of its steps after each round.
+--torch_python=PYTHON (a Python that has torch) also runs the PyTorch version of the GPT model
+(engine/analysis/torch_reference.py) in a child process that takes a turn in every round.
+The command lives here, not in engine/analysis/, for its short name; it is an analysis tool.
 """
 
 from __future__ import annotations
