@@ -1,9 +1,10 @@
 """Step time, FLOP/s, memory and collectives of training-step variants, measured in one run.
 
 A variant is a mode on a mesh. Every variant is compiled first, then their steps run interleaved
-in rounds (one step of each, the order rotating from round to round) on the same batches from
-the same initial parameters, so that machine noise and drift hit all alike. `python -m engine.bench` is the
-command line; `engine.analysis.compare` reuses the interleaved run for its report.
+in rounds (one step of each, the order rotating from round to round) on the same batches
+from the same initial parameters, so that machine noise and drift hit all alike.
+`python -m engine.bench` is the command line; `engine.analysis.compare` reuses the interleaved
+run for its report.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from absl import logging
 
 from engine import data, parallel
 from engine.analysis import chips, collectives
@@ -96,6 +98,8 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
       run.grad_norms.append(float(metrics['grad_norm']))
       if observe:
         observe(i + 1, run, states[k], batches[i])
+    if (i + 1) % 10 == 0 or i + 1 == warmup + num_steps:
+      logging.info('Round %d of %d done (%d warm-up).', i + 1, warmup + num_steps, warmup)
   return runs
 
 
