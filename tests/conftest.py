@@ -5,6 +5,10 @@ small programs and runs each a few times, and LLVM's optimisation of the generat
 about two thirds of each compile. XLA's HLO optimisations, which decide the collectives, the
 fusions and the memory the tests check, run as usual; subprocesses the tests start inherit the
 flags (a later --xla_force_host_platform_device_count overrides the count).
+
+The allocator settings that `import engine` applies for faster CPU steps (engine/host.py) are
+off: they made the suite's many multi-threaded compiles 15-20 % slower, and tests measure
+numbers, not step time.
 """
 
 import os
@@ -13,6 +17,7 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8'
                            ' --xla_backend_optimization_level=0').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('ENGINE_TUNE_MALLOC', '0')
 
 import jax  # noqa: E402  (must follow the flags)
 import pytest  # noqa: E402

@@ -46,6 +46,17 @@ def test_bench_measures_every_mode_on_every_mesh(tmp_path):
   assert markdown.count('| data 8 |') == 2 and 'MFU' in markdown
 
 
+@pytest.mark.skipif(sys.platform != 'linux', reason='glibc allocator settings')
+def test_import_engine_applies_the_allocator_settings_unless_told_not_to():
+  code = 'import engine.host as h, os; print(h.tune_malloc())'
+  results = {}
+  for value in ('1', '0'):
+    env = dict(os.environ, ENGINE_TUNE_MALLOC=value)
+    results[value] = subprocess.run([sys.executable, '-c', code], env=env, cwd=ROOT, check=True,
+                                    capture_output=True, text=True).stdout.strip()
+  assert results == {'1': 'True', '0': 'False'}
+
+
 @pytest.mark.parametrize('device_kind, chip', [
     # Device kinds as JAX reports them (the TPU ones from libtpu's topologies).
     ('TPU v4', 'TPU v4'), ('TPU v5 lite', 'TPU v5e'), ('TPU v5', 'TPU v5p'),
