@@ -34,13 +34,16 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def is_due(self, step: int, force: bool = False) -> bool:
+    return force or step % self.save_every == 0
+
   def save(self, step: int, state, data_iterator, force: bool = False) -> bool:
     """Saves if `step` is a multiple of `save_every` (or `force`); returns whether it did.
 
     The device-to-host copy finishes before this returns, so `state` may be donated right after;
     the write to disk continues in the background.
     """
-    if step % self.save_every and not force:
+    if not self.is_due(step, force):
       return False
     saved = self.manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

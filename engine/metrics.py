@@ -31,7 +31,10 @@ def quiet_library_logs() -> None:
 class MetricsWriter:
 
   def __init__(self, workdir: str, num_steps: int, tokens_per_step: int,
-               flops_per_token: float = 0.0):
+               flops_per_token: float = 0.0, start_step: int = 0):
+    """`start_step`: the step the run starts from (a resumed checkpoint's). Anything logged
+    after it by an earlier attempt is dropped, since those steps are about to be redone: the
+    lines of metrics.jsonl, and TensorBoard's events (its `purge_step`)."""
     self.is_writer = jax.process_index() == 0
     self.num_steps = num_steps
     self.tokens_per_step = tokens_per_step
@@ -40,8 +43,11 @@ class MetricsWriter:
     self._last_step = None
     self.steps_per_s: list[float] = []  # One entry per log interval, for the closing summary.
     if self.is_writer:
-      self.tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'))
-      self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+      self.tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'),
+                                       purge_step=start_step + 1)
+      path = os.path.join(workdir, 'metrics.jsonl')
+      _drop_lines_after(path, start_step)
+      self.jsonl = open(path, 'a')
 
   def start_clock(self, step: int) -> None:
     """Marks the start of timed steps (call after compilation, so it is not counted)."""
@@ -88,6 +94,23 @@ class MetricsWriter:
     if self.is_writer:
       self.tensorboard.close()
       self.jsonl.close()
+
+
+def _drop_lines_after(path: str, step: int) -> None:
+  """Rewrites a metrics.jsonl without its lines for steps after `step` (atomically: a crash
+  here leaves the old file)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+  kept = [line for line in lines if line.strip() and json.loads(line)['step'] <= step]
+  if len(kept) == len(lines):
+    return
+  with open(path + '.tmp', 'w') as f:
+    f.writelines(kept)
+  os.replace(path + '.tmp', path)
+  logging.info('Dropped %d lines of %s logged after step %d: those steps run again.',
+               len(lines) - len(kept), path, step)
 
 
 def _duration(seconds: float) -> str:

@@ -19,6 +19,7 @@ from engine.checkpoint import Checkpointer, restore_params
 from engine.mesh import make_mesh
 from engine.metrics import MetricsWriter, log_memory
 from engine.optimizer import make_optimizer
+from engine.preemption import PreemptionWatch
 from engine.state import StepOptions, TrainSetup, make_setup
 
 
@@ -31,6 +32,25 @@ class TrainResult:
   eval_losses: dict[int, float]
   final_step: int
   memory: dict[str, dict[str, int]]
+  preempted: bool = False  # Stopped early by SIGTERM / SIGINT, with a checkpoint.
+
+
+class NonFiniteError(FloatingPointError):
+  """A training step (or an evaluation) produced a loss or gradient norm that is not finite."""
+
+  def __init__(self, step: int, values: dict[str, float], last_checkpoint: int | None,
+               workdir: str):
+    what = ' and '.join(f'the {name} is {value}' for name, value in values.items())
+    if last_checkpoint is None:
+      kept = 'no checkpoint was written yet, so a rerun starts afresh'
+    else:
+      kept = (f'the last checkpoint, of step {last_checkpoint}, is untouched in {workdir} and a '
+              'rerun resumes from it')
+    super().__init__(
+        f'Step {step}: {what}. Stopped before saving anything of this step; {kept}. Lower '
+        'optim.learning_rate (or lengthen optim.warmup_steps), keep optim.grad_clip_norm on, '
+        'compute in float32 (model.dtype), or check the data.')
+    self.step, self.values = step, values
 
 
 def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
@@ -136,17 +156,26 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
 
   _write_config(config, workdir)
   writer = MetricsWriter(workdir, num_steps, global_batch * config.data.seq_len,
-                         flops_per_token)
+                         flops_per_token, start_step)
   result = TrainResult({}, {}, {}, start_step, memory)
   pending = None  # Metrics of the last step to log, fetched once the next step is dispatched.
+
+  def stop_if_not_finite(step: int, values: dict[str, float]) -> None:
+    bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+    if bad:
+      last_saved = checkpointer.latest_step()
+      checkpointer.close()  # Saves in flight are of earlier, finite steps: let them finish.
+      raise NonFiniteError(step, bad, last_saved, workdir)
+
+  def check(step, metrics) -> None:
+    """Stops at a step whose loss or gradient norm is not finite (two scalars fetched)."""
+    loss, grad_norm = jax.device_get((metrics['loss'], metrics['grad_norm']))
+    stop_if_not_finite(step, {'train loss': float(loss), 'gradient norm': float(grad_norm)})
 
   def flush(pending):
     step, metrics = pending
     metrics = jax.device_get(metrics)
     loss = float(metrics['loss'])
-    if not math.isfinite(loss):
-      raise FloatingPointError(f'Training loss is {loss} at step {step}; lower '
-                               'optim.learning_rate or check the data.')
     grad_norm = float(metrics['grad_norm'])
     writer.log_train(step, loss, float(metrics['learning_rate']), grad_norm)
     result.train_losses[step] = loss
@@ -160,28 +189,49 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   # once this one is done. Accelerators keep the overlap.
   lockstep = jax.process_count() > 1 and jax.default_backend() == 'cpu'
   writer.start_clock(start_step)
+  unchecked = None  # The previous step, checked once this one is dispatched (no device stall).
+  preemption = PreemptionWatch()
   try:
     for step in range(start_step + 1, num_steps + 1):
       batch = data.to_global(next(train_iterator), batch_sharding, global_batch)
       state, metrics = train_step(state, batch)
       if lockstep:
         jax.block_until_ready(state)
+      if unchecked is not None:
+        check(*unchecked)
+      unchecked = (step, metrics)
       if pending is not None:
         flush(pending)
         pending = None
       if step % config.train.log_every == 0 or step == num_steps:
         pending = (step, metrics)
-      if step % config.train.eval_every == 0 or step == num_steps:
+      stop = preemption.stop_after(step)
+      final = step == num_steps or stop
+      evaluate = (step % config.train.eval_every == 0 or step == num_steps) and not stop
+      if evaluate or checkpointer.is_due(step, force=final):
+        check(step, metrics)  # A step that is not finite is never evaluated or checkpointed.
+        unchecked = None
+      if evaluate:
         eval_loss = float(np.mean([eval_step(state['params'], b) for b in eval_data]))
+        stop_if_not_finite(step, {'eval loss': eval_loss})
         writer.log_eval(step, eval_loss)
         result.eval_losses[step] = eval_loss
-      checkpointer.save(step, state, train_iterator, force=step == num_steps)
+      checkpointer.save(step, state, train_iterator, force=final)
       result.final_step = step
+      if stop:
+        break
     if pending is not None:
       flush(pending)
   except jax.errors.JaxRuntimeError:
     distributed.await_failure_report()
     raise
+  finally:
+    preemption.close()
   checkpointer.close()
+  if preemption.signal_name and result.final_step < num_steps:
+    logging.info('Stopped by %s after step %d of %d; its checkpoint is in %s. Rerun the same '
+                 'command to resume.', preemption.signal_name, result.final_step, num_steps,
+                 checkpointer.directory)
+    result.preempted = True
   writer.close()
   return result

@@ -7,8 +7,10 @@ Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (
 engine.distributed) and XLA_FLAGS for K simulated devices. Their output is streamed with a
 `[pI]` prefix. If any process fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace_s: JAX traps SIGTERM as a preemption notice, so a process blocked in a collective only
-goes at the SIGKILL) and the launcher exits with that process's status, naming it; Ctrl-C stops
-them all the same way.
+goes at the SIGKILL) and the launcher exits with that process's status, naming it. SIGTERM or
+Ctrl-C to the launcher is forwarded to every process as SIGTERM: each finishes its step, writes
+a checkpoint of it and exits 0 (engine/preemption.py); what is still running after
+--stop_grace_s is killed.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 
 def launch(command: list[str], num_processes: int, devices_per_process: int,
-           grace_s: float = 3.0, port: int | None = None) -> int:
+           grace_s: float = 3.0, port: int | None = None, stop_grace_s: float = 120.0) -> int:
   """Runs the processes to completion; returns 0, or the failing process's status."""
   port = port or free_port()
   procs, threads = [], []
@@ -80,10 +82,19 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
     threads[-1].start()
 
   def interrupted(signum, frame):
+    # Preemption or Ctrl-C: every process gets SIGTERM, finishes its step, checkpoints and
+    # exits; only what is still running after `stop_grace_s` is killed.
     del frame
-    print(f'[launch] signal {signum}: stopping all {num_processes} processes', flush=True)
-    _stop(procs, grace_s)
-    sys.exit(128 + signum)
+    print(f'[launch] signal {signum}: asking all {num_processes} processes to checkpoint and '
+          f'stop (SIGTERM; SIGKILL after {stop_grace_s:g} s)', flush=True)
+    _stop(procs, stop_grace_s)
+    for t in threads:
+      t.join(timeout=1)
+    codes = [p.returncode for p in procs]
+    failed = [(i, code) for i, code in enumerate(codes) if code != 0]
+    for i, code in failed:
+      print(f'[launch] process {i} {_describe(code)}', flush=True)
+    sys.exit(0 if not failed else 128 + signum)
 
   previous = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
@@ -115,13 +126,17 @@ def main(argv=None) -> int:
   parser.add_argument('--devices_per_process', type=int, default=1)
   parser.add_argument('--grace_s', type=float, default=3.0,
                       help='Seconds between SIGTERM and SIGKILL when stopping processes.')
+  parser.add_argument('--stop_grace_s', type=float, default=120.0,
+                      help='When the launcher gets SIGTERM / SIGINT: seconds the processes have '
+                      'to checkpoint and exit before SIGKILL.')
   parser.add_argument('--port', type=int, default=None, help='Coordinator port (default: free).')
   add_command_argument(parser)
   args = parser.parse_args(argv)
   command = command_after_dashes(parser, args)
   if args.num_processes < 1 or args.devices_per_process < 1:
     parser.error('--num_processes and --devices_per_process must be >= 1')
-  return launch(command, args.num_processes, args.devices_per_process, args.grace_s, args.port)
+  return launch(command, args.num_processes, args.devices_per_process, args.grace_s, args.port,
+                args.stop_grace_s)
 
 
 if __name__ == '__main__':

@@ -160,3 +160,41 @@ def test_without_a_launcher_the_survivor_stops_naming_the_lost_process(tmp_path)
   assert re.search(r'Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1\b', output)
   assert stop_seconds < 60, stop_seconds  # Heartbeat timeout 5 s; measured about 10 s.
   print(f'process 0 stopped {stop_seconds:.2f} s after process 1 was killed')
+
+
+def _logged_steps(workdir) -> int:
+  path = os.path.join(workdir, 'metrics.jsonl')
+  return len(_logged_losses(workdir)) if os.path.exists(path) else 0
+
+
+@pytest.mark.parametrize('processes', [1, 2])
+def test_sigterm_checkpoints_the_current_step_and_exits_0(processes, tmp_path):
+  arg = 'mode=manual,steps=100000,checkpoint_every=100000'
+  if processes == 1:
+    run = subprocess.Popen(
+        [sys.executable, '-m', 'engine.main', f'--config=tests/multihost_experiment.py:{arg}',
+         f'--workdir={tmp_path}'], cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+  else:
+    run = _launch(2, 4, arg, tmp_path, background=True)
+  deadline = time.monotonic() + 300
+  while _logged_steps(tmp_path) < 3:
+    assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()[-4000:]
+    time.sleep(0.1)
+  signalled = time.monotonic()
+  run.send_signal(signal.SIGTERM)
+  output, _ = run.communicate(timeout=200)
+  print(f'{processes} process(es) exited {time.monotonic() - signalled:.2f} s after SIGTERM')
+  assert run.returncode == 0, output[-4000:]
+  assert 'Rerun the same command to resume' in output, output[-4000:]  # Process 0 logs it.
+  stopped = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3).latest_step()
+  assert sorted(_logged_losses(tmp_path)) == list(range(1, stopped + 1))
+  # The rerun continues as if nothing had happened.
+  resumed = train(multihost_experiment.get_config(f'steps={stopped + 2}'), str(tmp_path))
+  assert sorted(resumed.train_losses) == [stopped + 1, stopped + 2]
+  uninterrupted = train(multihost_experiment.get_config(f'steps={stopped + 2}'),
+                        str(tmp_path / 'uninterrupted'))
+  logged = _logged_losses(tmp_path)
+  np.testing.assert_allclose([logged[s] for s in range(1, stopped + 3)],
+                             [uninterrupted.train_losses[s] for s in range(1, stopped + 3)],
+                             atol=ATOL, rtol=0)

@@ -1,16 +1,19 @@
 """End-to-end training: the loss falls on real text; a resumed run continues exactly."""
 
+import dataclasses
 import json
 import os
+import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import data
+from engine import data, parallel
 from engine.analysis.reference import ReferenceRun
 from engine.checkpoint import Checkpointer
-from engine.train import setup, train
+from engine.train import NonFiniteError, setup, train
 from tests.helpers import single_device_run, tiny_config, train_batches
 
 
@@ -40,13 +43,50 @@ def _resumable_config(mesh, steps):
 
 def test_resume_continues_like_an_uninterrupted_run(tmp_path):
   full = train(_resumable_config((2, 2, 2), 8), str(tmp_path / 'full'))
-  # Stop after 5 steps (last checkpoint at 4 plus a final one at 5), rerun to 8.
+  # Stop after 5 steps (checkpoints at 4 and a final one at 5), and lose the last checkpoint as
+  # if killed after logging step 5 but before saving it: the rerun redoes step 5.
   first = train(_resumable_config((2, 2, 2), 5), str(tmp_path / 'split'))
+  shutil.rmtree(tmp_path / 'split' / 'checkpoints' / '5')
   second = train(_resumable_config((2, 2, 2), 8), str(tmp_path / 'split'))
-  assert sorted(second.train_losses) == [6, 7, 8]
+  assert sorted(second.train_losses) == [5, 6, 7, 8]
   split = {**first.train_losses, **second.train_losses}
   for step in range(1, 9):
     np.testing.assert_allclose(split[step], full.train_losses[step], rtol=0, atol=1e-6)
+  # The metrics file holds every step once, the redone step 5 as the rerun logged it.
+  with open(tmp_path / 'split' / 'metrics.jsonl') as f:
+    train_lines = [json.loads(line) for line in f if 'train/loss' in line]
+  assert [line['step'] for line in train_lines] == list(range(1, 9))
+  assert train_lines[4]['train/loss'] == pytest.approx(second.train_losses[5])
+
+
+def _poison_step(monkeypatch, nan_step: int) -> None:
+  """Makes the train step of both modes produce NaN parameters and loss at `nan_step`."""
+  for mode, build in list(parallel.STEP_BUILDERS.items()):
+    def poisoned(setup, build=build):
+      steps = build(setup)
+
+      def train_step(state, tokens):
+        state, metrics = steps.train(state, tokens)
+        bad = state['step'] == nan_step
+        state['params'] = jax.tree.map(lambda p: jnp.where(bad, jnp.nan, p), state['params'])
+        return state, dict(metrics, loss=jnp.where(bad, jnp.nan, metrics['loss']))
+
+      return dataclasses.replace(steps, train=jax.jit(train_step, donate_argnums=0))
+    monkeypatch.setitem(parallel.STEP_BUILDERS, mode, poisoned)
+
+
+@pytest.mark.parametrize('nan_step, last_good', [(5, 4), (4, 2)])
+def test_a_step_that_is_not_finite_stops_the_run_and_is_never_saved(
+    nan_step, last_good, monkeypatch, tmp_path):
+  # Step 5 is checked while step 6 runs; step 4 is due for a checkpoint, checked before saving.
+  _poison_step(monkeypatch, nan_step)
+  with pytest.raises(NonFiniteError, match=rf'Step {nan_step}: the train loss is nan.*'
+                     rf'of step {last_good}, is untouched'):
+    train(_resumable_config((2, 2, 2), 6), str(tmp_path))
+  checkpointer = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3)
+  assert checkpointer.latest_step() == last_good
+  checkpointer.close()
+  assert not [p for p in os.listdir(tmp_path / 'checkpoints') if 'tmp' in p]
 
 
 @pytest.fixture(scope='module')
