@@ -77,7 +77,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.b2 = 0.99
   c.optim.weight_decay = 0.1
   c.optim.weight_decay_on = 'matrices'  # matrices (not norms, biases) | all
-  c.optim.grad_clip_norm = 1.0
+  c.optim.grad_clip_norm = 1.0  # Global norm the gradients are scaled down to; inf: off.
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: all devices the other axes leave.
@@ -223,6 +223,25 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(
         f'data.path={config.data.path!r} is not a file; pass --config.data.path=PATH to a text '
         'file, or use --config.data.source=embedded.')
+  if config.data.path and config.data.source != 'file':
+    raise ConfigError(
+        f'data.path={config.data.path!r} is set but data.source={config.data.source!r} does not '
+        'read files; add --config.data.source=file, or drop data.path.')
+  for key in ('optim.learning_rate', 'optim.end_learning_rate', 'optim.weight_decay',
+              'optim.b1', 'optim.b2', 'model.init_std', 'model.norm_eps', 'model.rope_base'):
+    section, name = key.split('.')
+    if not math.isfinite(config[section][name]):
+      raise ConfigError(f'{key}={config[section][name]} is not a finite number; give one.')
+  for key in ('optim.b1', 'optim.b2'):
+    value = config.optim[key.split('.')[1]]
+    if not 0.0 <= value < 1.0:
+      raise ConfigError(f'{key}={value} must lie in [0, 1): it is how much of its running '
+                        'average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).')
+  if not config.optim.grad_clip_norm > 0:
+    raise ConfigError(f'optim.grad_clip_norm={config.optim.grad_clip_norm} must be positive: '
+                      'gradients are scaled down to this global norm (inf turns clipping off).')
+  if config.optim.weight_decay < 0:
+    raise ConfigError(f'optim.weight_decay={config.optim.weight_decay} must be >= 0.')
   _require_positive(config, [
       'model.num_layers', 'model.num_heads', 'model.embed_dim', 'model.mlp_dim', 'model.max_len',
       'model.vocab_multiple', 'data.seq_len', 'data.global_batch_size', 'train.num_steps',

@@ -35,11 +35,17 @@ def test_main_runs_an_experiment_with_overrides(tmp_path):
     ('--config.model.num_layerz=3', 'num_layerz'),
     ('--config.mesh.data=3', 'mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 1 devices'),
     ('--config.data.source=file', "data.path='' is not a file"),
+    ('--config.optim.b2=1.5', 'optim.b2=1.5 must lie in [0, 1)'),
+    ('--config=experiments/no_such_experiment.py', 'No such file or directory'),
 ])
 def test_bad_override_fails_before_anything_runs(override, message, tmp_path):
-  proc = _run('--config=experiments/tiny.py', f'--workdir={tmp_path}', override)
+  config = '--config=experiments/tiny.py'
+  if override.startswith('--config='):
+    config, override = override, '--debug=false'
+  proc = _run(config, f'--workdir={tmp_path}', override)
   assert proc.returncode != 0
   assert message in proc.stderr, proc.stderr[-3000:]
+  assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]  # One clear line, not a traceback.
   assert not (tmp_path / 'checkpoints').exists()
 
 

@@ -125,3 +125,28 @@ def test_cross_host_axes_must_divide_and_match_the_processes():
   c.mesh.dcn_data = 2
   _expect(c, 'mesh.dcn_data*mesh.dcn_fsdp=2', 'number of processes (1)')
   validate(c, 8, num_processes=2)
+
+
+@pytest.mark.parametrize('key, value, fragments', [
+    # Values that used to pass validation and train wrong.
+    ('optim.grad_clip_norm', 0.0, ('optim.grad_clip_norm=0.0', 'positive')),
+    ('optim.grad_clip_norm', -1.0, ('optim.grad_clip_norm=-1.0', 'inf turns clipping off')),
+    ('optim.b1', 1.0, ('optim.b1=1.0', '[0, 1)')),
+    ('optim.b2', -0.5, ('optim.b2=-0.5', '[0, 1)')),
+    ('optim.learning_rate', float('nan'), ('optim.learning_rate=nan', 'not a finite number')),
+    ('optim.learning_rate', float('inf'), ('optim.learning_rate=inf', 'not a finite number')),
+    ('optim.weight_decay', -0.1, ('optim.weight_decay=-0.1', '>= 0')),
+    ('data.path', 'notes.txt', ("data.path='notes.txt' is set but data.source='synthetic'",
+                                '--config.data.source=file')),
+])
+def test_values_that_would_train_wrong(key, value, fragments):
+  c = tiny_config()
+  section, name = key.split('.')
+  c[section][name] = value
+  _expect(c, *fragments, devices=1)
+
+
+def test_clipping_can_be_turned_off_with_inf():
+  c = tiny_config()
+  c.optim.grad_clip_norm = float('inf')
+  validate(c, 1)
