@@ -108,10 +108,25 @@ def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
       f.write(config.to_json(indent=2))
 
 
+def _check_workdir(workdir: str) -> None:
+  """The workdir must be a directory this process can write (created if missing)."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise config_lib.ConfigError(f'--workdir={workdir} is a file, not a directory; pass a new '
+                                 'path or the directory of the run to resume.')
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as error:
+    raise config_lib.ConfigError(f'--workdir={workdir} cannot be created ({error.strerror}); '
+                                 'pass a path under a writable directory.') from error
+  if not os.access(workdir, os.W_OK):
+    raise config_lib.ConfigError(f'--workdir={workdir} is not writable; pass another path or '
+                                 'fix its permissions.')
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains (or resumes) the experiment `config` in `workdir`."""
+  _check_workdir(workdir)
   corpus, train_setup = setup(config)
-  os.makedirs(workdir, exist_ok=True)
   model = train_setup.model
   logging.info('Mesh %s, mode %s, rules %s; %s tokenizer, vocab %d (model %d), %d train tokens',
                dict(train_setup.mesh.shape), config.parallelism.mode, config.parallelism.rules,

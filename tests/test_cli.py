@@ -49,6 +49,15 @@ def test_bad_override_fails_before_anything_runs(override, message, tmp_path):
   assert not (tmp_path / 'checkpoints').exists()
 
 
+def test_a_workdir_that_is_a_file_is_refused_in_one_line(tmp_path):
+  not_a_dir = tmp_path / 'notes.txt'
+  not_a_dir.write_text('keep me')
+  proc = _run('--config=experiments/tiny.py', f'--workdir={not_a_dir}')
+  assert proc.returncode == 2
+  assert f'error: --workdir={not_a_dir} is a file' in proc.stderr, proc.stderr[-3000:]
+  assert 'Traceback' not in proc.stderr and not_a_dir.read_text() == 'keep me'
+
+
 def test_show_layout_prints_every_parameter_and_draws_the_layout():
   env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices.
   proc = subprocess.run(
