@@ -62,7 +62,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error:
     raise  # absl prints these with the usage.
   except Exception as error:  # pylint: disable=broad-except
-    if '--debug' in argv:
+    if any(arg in ('--debug', '--debug=true', '--debug=True') for arg in argv):
       raise
     detail = error
     while isinstance(detail, BaseException) and len(detail.args) == 1:
