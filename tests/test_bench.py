@@ -46,7 +46,6 @@ def test_bench_measures_every_mode_on_every_mesh(tmp_path):
   assert markdown.count('| data 8 |') == 2 and 'MFU' in markdown
 
 
-@pytest.mark.skipif(sys.platform != 'linux', reason='glibc allocator settings')
 def test_import_engine_applies_the_allocator_settings_unless_told_not_to():
   code = 'import engine.host as h, os; print(h.tune_malloc())'
   results = {}

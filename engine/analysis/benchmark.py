@@ -83,12 +83,13 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
     # every round spreads that over all of them.
     turns = list(range(len(runs))) + ([None] if each_round else [])
     shift = i % len(turns)
+    host_batch = batches[i]  # Read once per round; grain computes an element on each access.
     for k in turns[shift:] + turns[:shift]:
       if k is None:
         each_round(i >= warmup)
         continue
       run = runs[k]
-      batch = data.to_global(batches[i], run.setup.batch_sharding(), global_batch)
+      batch = data.to_global(host_batch, run.setup.batch_sharding(), global_batch)
       start = time.perf_counter()
       states[k], metrics = run.compiled(states[k], batch)
       jax.block_until_ready((states[k], metrics))
@@ -97,7 +98,7 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
       run.losses.append(float(metrics['loss']))
       run.grad_norms.append(float(metrics['grad_norm']))
       if observe:
-        observe(i + 1, run, states[k], batches[i])
+        observe(i + 1, run, states[k], host_batch)
     if (i + 1) % 10 == 0 or i + 1 == warmup + num_steps:
       logging.info('Round %d of %d done (%d warm-up).', i + 1, warmup + num_steps, warmup)
   return runs
