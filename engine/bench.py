@@ -29,7 +29,7 @@ from ml_collections import config_flags
 from engine import config as config_lib
 from engine import parallel
 from engine.analysis import benchmark
-from engine.metrics import quiet_library_logs
+from engine.library_output import quiet_library_output
 from engine.train import build_setup, setup
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
@@ -71,7 +71,7 @@ def variants(config) -> tuple:
 
 def main(argv):
   del argv
-  quiet_library_logs()
+  quiet_library_output()
   config = _CONFIG.value
   corpus, runs_to_make = variants(config)
   first_setup = runs_to_make[0][1]

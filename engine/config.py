@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import ml_collections
 from jax.sharding import PartitionSpec as P
@@ -101,6 +102,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.eval_batches = 8
   c.train.checkpoint_every = 100
   c.train.keep_checkpoints = 3
+  # False: the loop waits for every save to reach the disk (to measure what async saves save).
+  c.train.async_checkpoints = True
+  # If the newest checkpoint is damaged (its files differ from their checksums), resume from the
+  # newest intact one, moving the damaged ones to damaged_checkpoints/. False: stop and say so.
+  c.train.skip_damaged_checkpoints = False
+  # 0: a step whose loss or gradient norm is not finite stops the run. N > 0: such a step's
+  # update is not applied and the run goes on, up to N such steps in a row.
+  c.train.skip_nonfinite_steps = 0
   # Gradients over this many slices of each batch, accumulated, then applied once.
   c.train.microbatches = 1
   # Start from the parameters (not the optimizer state) of another run's latest checkpoint:
@@ -109,18 +118,30 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+_TRUE, _FALSE = ('', '1', 'true', 'yes'), ('0', 'false', 'no')
+
+
 def parse_arg(arg: str | None, **defaults):
   """Parses big_vision-style 'k=v,flag' experiment arguments, typed by their defaults."""
   parsed = dict(defaults)
   for item in filter(None, (arg or '').split(',')):
     key, _, value = item.partition('=')
     if key not in defaults:
-      raise ConfigError(f'Unknown experiment argument {key!r}; known: {sorted(defaults)}.')
+      raise ConfigError(f'Unknown experiment argument {key!r}; the experiment takes '
+                        f'{", ".join(sorted(defaults))} (e.g. :steps=100,mesh=2x2x2).')
     kind = type(defaults[key])
     if kind is bool:
-      parsed[key] = value.lower() in ('', '1', 'true', 'yes')
-    else:
+      if value.lower() not in _TRUE + _FALSE:
+        raise ConfigError(f'experiment argument {key}={value} is not true or false; give '
+                          f'{key}=true or {key}=false.')
+      parsed[key] = value.lower() in _TRUE
+      continue
+    try:
       parsed[key] = kind(value)
+    except ValueError:
+      kind_name = {int: 'an integer', float: 'a number'}.get(kind, kind.__name__)
+      raise ConfigError(f'experiment argument {key}={value} is not {kind_name}; give one, e.g. '
+                        f'{key}={defaults[key]}.') from None
   return ml_collections.ConfigDict(parsed)
 
 
@@ -141,9 +162,25 @@ def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.Co
 def set_mesh_shape(config: ml_collections.ConfigDict, shape: str) -> None:
   """Applies a 'DxFxT' mesh string (data x fsdp x tensor) from an experiment argument."""
   sizes = shape.split('x')
-  if len(sizes) != 3:
-    raise ConfigError(f'mesh={shape!r} must be DATAxFSDPxTENSOR, e.g. mesh=2x2x2.')
+  if len(sizes) != 3 or not all(re.fullmatch(r'-?[0-9]+', size) for size in sizes):
+    raise ConfigError(f'mesh={shape} is not DATAxFSDPxTENSOR, three integers joined by x; give '
+                      'e.g. mesh=2x2x2 (-1: the devices the other axes leave, e.g. mesh=-1x1x2).')
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = (int(s) for s in sizes)
+
+
+def flat_defaults() -> dict[str, object]:
+  """Every key of the schema as a dotted path ('model.num_layers') with its default; each
+  section ('model') maps to its ConfigDict."""
+  flat = {}
+
+  def walk(section: ConfigDict, prefix: str) -> None:
+    for key, value in section.items():
+      flat[prefix + key] = value
+      if isinstance(value, ConfigDict):
+        walk(value, prefix + key + '.')
+
+  walk(default_config(), '')
+  return flat
 
 
 def _unknown_keys(config: ConfigDict, schema: ConfigDict, prefix: str = '') -> list[str]:
@@ -179,6 +216,39 @@ def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
         f'but there are {num_devices} devices; make the product {num_devices} or set one axis '
         'to -1.')
   return sizes
+
+
+_MAX_SEED = 2**32 - 2
+
+
+def _check_data_file(path: str) -> None:
+  """data.path must name a readable file (its UTF-8 and length are checked when it is read)."""
+  fix = ('pass --config.data.path=PATH to a UTF-8 text file, or use '
+         '--config.data.source=embedded.')
+  if not path:
+    raise ConfigError(f"data.path='' is not set, but data.source='file' reads it; {fix}")
+  if os.path.isdir(path):
+    raise ConfigError(f'data.path={path!r} is a directory, not a file; {fix}')
+  if not os.path.isfile(path):
+    raise ConfigError(f'data.path={path!r} does not exist; {fix}')
+  if not os.access(path, os.R_OK):
+    raise ConfigError(f'data.path={path!r} cannot be read (permissions); {fix}')
+
+
+def _check_init_from(workdir: str) -> None:
+  """train.init_from must be the workdir of a run that saved a complete checkpoint: Orbax names
+  finished checkpoints by their step and unfinished ones with a temporary suffix."""
+  if '://' in workdir:
+    return  # A bucket: checked when the parameters are restored.
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isdir(directory):
+    raise ConfigError(
+        f'train.init_from={workdir!r} has no checkpoints/ directory; pass the --workdir of a run '
+        'that saved a checkpoint.')
+  if not any(name.isdigit() for name in os.listdir(directory)):
+    raise ConfigError(
+        f'train.init_from={workdir!r} holds no complete checkpoint; pass the --workdir of a run '
+        'that saved one.')
 
 
 def _require_positive(config, keys: list[str]) -> None:
@@ -219,10 +289,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     section, name = key.split('.')
     if config[section][name] not in choices:
       raise ConfigError(f'{key}={config[section][name]!r} is unknown; choose one of {choices}.')
-  if config.data.source == 'file' and not os.path.isfile(config.data.path):
-    raise ConfigError(
-        f'data.path={config.data.path!r} is not a file; pass --config.data.path=PATH to a text '
-        'file, or use --config.data.source=embedded.')
+  if config.data.source == 'file':
+    _check_data_file(config.data.path)
   if config.data.path and config.data.source != 'file':
     raise ConfigError(
         f'data.path={config.data.path!r} is set but data.source={config.data.source!r} does not '
@@ -242,19 +310,29 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
                       'gradients are scaled down to this global norm (inf turns clipping off).')
   if config.optim.weight_decay < 0:
     raise ConfigError(f'optim.weight_decay={config.optim.weight_decay} must be >= 0.')
+  if config.train.skip_nonfinite_steps < 0:
+    raise ConfigError(f'train.skip_nonfinite_steps={config.train.skip_nonfinite_steps} must be '
+                      '>= 0: 0 stops at the first step that is not finite, N > 0 skips up to N '
+                      'in a row.')
   _require_positive(config, [
       'model.num_layers', 'model.num_heads', 'model.embed_dim', 'model.mlp_dim', 'model.max_len',
       'model.vocab_multiple', 'data.seq_len', 'data.global_batch_size', 'train.num_steps',
       'train.log_every', 'train.eval_every', 'train.eval_batches', 'train.checkpoint_every',
       'train.keep_checkpoints', 'train.microbatches', 'optim.learning_rate', 'model.norm_eps',
-      'model.rope_base'])
+      'model.rope_base', 'data.embedded_max_bytes', 'data.synthetic_tokens'])
   if config.model.vocab_size != -1 and config.model.vocab_size <= 0:
     raise ConfigError(f'model.vocab_size={config.model.vocab_size} must be positive, or -1 to '
                       'take it from the tokenizer.')
   if not 0.0 < config.data.val_fraction < 1.0:
     raise ConfigError(f'data.val_fraction={config.data.val_fraction} must lie in (0, 1).')
-  if config.optim.warmup_steps < 0 or config.optim.end_learning_rate < 0:
-    raise ConfigError('optim.warmup_steps and optim.end_learning_rate must be >= 0.')
+  for key in ('optim.warmup_steps', 'optim.end_learning_rate', 'model.init_std'):
+    section, name = key.split('.')
+    if config[section][name] < 0:
+      raise ConfigError(f'{key}={config[section][name]} must be >= 0.')
+  if not 0 <= config.seed <= _MAX_SEED:
+    raise ConfigError(f'seed={config.seed} must lie in [0, {_MAX_SEED}]: the data order is '
+                      'shuffled with 32-bit seeds (evaluation uses seed + 1); give e.g. '
+                      '--config.seed=0.')
   if config.optim.decay_steps != -1 and config.optim.decay_steps <= config.optim.warmup_steps:
     raise ConfigError(
         f'optim.decay_steps={config.optim.decay_steps} must exceed optim.warmup_steps='
@@ -275,11 +353,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(
         f'model.embed_dim / model.num_heads = {config.model.embed_dim // config.model.num_heads} '
         'is odd; rotary embeddings rotate pairs of dimensions, so choose an even head size.')
-  if config.train.init_from and not os.path.isdir(os.path.join(config.train.init_from,
-                                                               'checkpoints')):
-    raise ConfigError(
-        f'train.init_from={config.train.init_from!r} has no checkpoints/ directory; pass the '
-        '--workdir of a run that saved a checkpoint.')
+  if config.train.init_from:
+    _check_init_from(config.train.init_from)
 
   mesh = resolve_mesh_shape(config.mesh, num_devices)
   if config.parallelism.rules not in sharding.RULE_PRESETS and config.parallelism.rules != 'auto':
@@ -305,8 +380,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
 
   batch_axes = rules.mesh_axes('batch', activation=True)
   batch_ways = math.prod(mesh[a] for a in batch_axes)
-  _require_divisible(config.data.global_batch_size, 'data.global_batch_size', batch_ways,
-                     f'the mesh\'s batch axes {"*".join(batch_axes) or "(none)"}')
+  if config.data.global_batch_size % batch_ways:
+    raise ConfigError(
+        f'data.global_batch_size={config.data.global_batch_size} does not split over the mesh\'s '
+        f'batch axes {"*".join(batch_axes)}={batch_ways}; make it a multiple of {batch_ways}, or '
+        'change the mesh.')
   _require_divisible(config.data.global_batch_size, 'data.global_batch_size', num_processes,
                      'the number of processes')
   local_batch = config.data.global_batch_size // batch_ways

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 import sysconfig
 
 import grain
 import jax
 import numpy as np
+
+from engine.config import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +74,48 @@ def synthetic_corpus(num_tokens: int, seed: int) -> str:
   return ''.join(alphabet[out])
 
 
+def read_text_file(path: str) -> str:
+  """The file's text; raises ConfigError naming data.path and the first byte that is not UTF-8."""
+  with open(path, 'rb') as f:
+    raw = f.read()
+  try:
+    return raw.decode('utf-8')
+  except UnicodeDecodeError as error:
+    line = raw.count(b'\n', 0, error.start) + 1
+    column = error.start - (raw.rfind(b'\n', 0, error.start) + 1) + 1
+    raise ConfigError(
+        f'data.path={path!r} is not UTF-8 text: byte {error.start} (0x{raw[error.start]:02x}, '
+        f'line {line}, column {column}) is not valid UTF-8; convert the file to UTF-8 (e.g. '
+        'iconv -f latin1 -t utf-8) or pass another file.') from None
+
+
 def load_text(data_config, seed: int) -> str:
   if data_config.source == 'file':
-    with open(data_config.path, encoding='utf-8') as f:
-      return f.read()
+    return read_text_file(data_config.path)
   if data_config.source == 'embedded':
     return embedded_corpus(data_config.embedded_max_bytes)
   return synthetic_corpus(data_config.synthetic_tokens, seed)
+
+
+def _train_split(num_tokens: int, val_fraction: float) -> int:
+  """How many of the first tokens train; the rest are held out."""
+  return int(num_tokens * (1 - val_fraction))
+
+
+def _splits(num_tokens: int, val_fraction: float, min_len: int) -> bool:
+  """Whether both the train and the held-out part hold at least `min_len` tokens."""
+  split = _train_split(num_tokens, val_fraction)
+  return min(split, num_tokens - split) >= min_len
+
+
+def _fewest_tokens(val_fraction: float, min_len: int) -> int:
+  """The smallest corpus that splits: from the estimate, a few steps either way (rounding)."""
+  n = math.ceil(min_len / min(val_fraction, 1 - val_fraction))
+  while not _splits(n, val_fraction, min_len):
+    n += 1
+  while _splits(n - 1, val_fraction, min_len):
+    n -= 1
+  return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +130,19 @@ def load_corpus(data_config, seed: int) -> Corpus:
   text = load_text(data_config, seed)
   tokenizer = Tokenizer.fit(data_config.tokenizer, text)
   tokens = tokenizer.encode(text)
-  split = int(len(tokens) * (1 - data_config.val_fraction))
+  if data_config.source == 'file' and not text:
+    raise ConfigError(f'data.path={data_config.path!r} is empty; pass a text file with the '
+                      'training text, or use --config.data.source=embedded.')
   min_len = data_config.seq_len + 2
-  if split < min_len or len(tokens) - split < min_len:
-    raise ValueError(
-        f'data: the corpus has {len(tokens)} tokens, too few for a train/validation split with '
-        f'windows of data.seq_len+1={data_config.seq_len + 1}; use a larger source or a shorter '
-        'data.seq_len.')
+  if not _splits(len(tokens), data_config.val_fraction, min_len):
+    source = (f'data.path={data_config.path!r}' if data_config.source == 'file' else
+              f'data.source={data_config.source!r}')
+    raise ConfigError(
+        f'{source} holds {len(tokens)} tokens, too few to split into train and validation parts '
+        f'of at least data.seq_len+2={min_len} tokens each (data.val_fraction='
+        f'{data_config.val_fraction}: {_fewest_tokens(data_config.val_fraction, min_len)} tokens '
+        'or more); use a larger source or a shorter data.seq_len.')
+  split = _train_split(len(tokens), data_config.val_fraction)
   return Corpus(tokenizer, tokens[:split], tokens[split:])
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 
 import jax
@@ -30,15 +31,41 @@ class DistributedOptions:
   initialization_timeout_s: int = 120
 
 
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  if value is None:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f'{name}={value!r} (environment) is not an integer; set it to one, or unset '
+                     'it.') from None
+
+
 def _from_environment(options: DistributedOptions) -> DistributedOptions:
-  env = os.environ
   return dataclasses.replace(
       options,
-      coordinator_address=options.coordinator_address or env.get('JAX_COORDINATOR_ADDRESS'),
-      num_processes=options.num_processes if options.num_processes is not None else (
-          int(env['JAX_NUM_PROCESSES']) if 'JAX_NUM_PROCESSES' in env else None),
-      process_id=options.process_id if options.process_id is not None else (
-          int(env['JAX_PROCESS_ID']) if 'JAX_PROCESS_ID' in env else None))
+      coordinator_address=(options.coordinator_address or
+                           os.environ.get('JAX_COORDINATOR_ADDRESS')),
+      num_processes=(options.num_processes if options.num_processes is not None else
+                     _env_int('JAX_NUM_PROCESSES')),
+      process_id=(options.process_id if options.process_id is not None else
+                  _env_int('JAX_PROCESS_ID')))
+
+
+def _check(options: DistributedOptions) -> None:
+  """Raises ValueError, naming the flag and the fix, for process settings that cannot work."""
+  n, i = options.num_processes, options.process_id
+  if n is not None and n < 1:
+    raise ValueError(f'--num_processes={n} must be at least 1.')
+  if i is not None and i < 0:
+    raise ValueError(f'--process_id={i} must be >= 0: processes are numbered from 0.')
+  if i is not None and n is not None and i >= n:
+    raise ValueError(f'--process_id={i} must be below --num_processes={n}: processes are '
+                     f'numbered 0 to {n - 1}.')
+  if options.heartbeat_timeout_s < 1:
+    raise ValueError(f'--heartbeat_timeout_s={options.heartbeat_timeout_s} must be at least 1 '
+                     '(seconds).')
 
 
 def detected_cluster() -> str | None:
@@ -59,9 +86,78 @@ def detected_cluster() -> str | None:
 _ACTIVE: DistributedOptions | None = None  # Set once jax.distributed is up.
 
 
+class PeerMissingError(RuntimeError):
+  """A process of the run did not start (or cannot reach process 0) in time."""
+
+
+def await_peers(coordinator_address: str, num_processes: int, process_id: int,
+                timeout_s: float) -> None:
+  """Waits until every process has started, naming the ones that have not after `timeout_s`.
+
+  jax.distributed's own start-up waits `initialization_timeout_s` for all processes and then
+  aborts without saying which one is missing. This roll call comes first, over TCP on the
+  coordinator's port + 1: every process reports its index to process 0, which answers all of
+  them once everyone is there, or names the missing indices (to them and in its own error)."""
+  host, port = coordinator_address.rsplit(':', 1)
+  address = (host, int(port) + 1)
+  deadline = time.monotonic() + timeout_s
+  if process_id == 0:
+    _call_the_roll(address, num_processes, deadline, timeout_s)
+    return
+  while True:
+    try:
+      with socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.1)) as s:
+        s.sendall(f'{process_id}\n'.encode())
+        s.settimeout(max(deadline - time.monotonic(), 0.1) + 5)
+        reply = s.makefile().readline().strip()
+      break
+    except OSError:  # Process 0 not listening yet, or it went away.
+      if time.monotonic() > deadline:
+        raise PeerMissingError(
+            f'process 0 (the coordinator, {host}:{port}) did not answer process {process_id} '
+            f'within {timeout_s:g} s; start it, or check --coordinator_address.') from None
+      time.sleep(0.2)
+  if reply != 'all here':
+    raise PeerMissingError(f'{reply}; process {process_id} stops too.')
+
+
+def _call_the_roll(address, num_processes: int, deadline: float, timeout_s: float) -> None:
+  """Process 0's side of `await_peers`."""
+  connections = {}
+  try:
+    server = socket.create_server(('', address[1]))
+  except OSError as error:
+    raise PeerMissingError(
+        f'process 0 cannot listen on port {address[1]} (the coordinator\'s port + 1) to see that '
+        f'every process started: {error.strerror}; choose a --coordinator_address port whose '
+        'next port is free too.') from error
+  with server:
+    while len(connections) < num_processes - 1 and time.monotonic() < deadline:
+      server.settimeout(max(deadline - time.monotonic(), 0.01))
+      try:
+        connection, _ = server.accept()
+        connection.settimeout(5)
+        index = int(connection.makefile().readline())
+      except (OSError, ValueError):
+        continue
+      connections[index] = connection
+    missing = sorted(set(range(1, num_processes)) - set(connections))
+    reply = 'all here' if not missing else (
+        f'process{"es" if len(missing) > 1 else ""} {", ".join(map(str, missing))} of '
+        f'{num_processes} did not start within {timeout_s:g} s (--heartbeat_timeout_s)')
+    for connection in connections.values():
+      with connection:
+        connection.sendall(f'{reply}\n'.encode())
+  if missing:
+    raise PeerMissingError(f'{reply}; start {"them" if len(missing) > 1 else "it"} with the same '
+                           '--coordinator_address, or check the hosts they run on.')
+
+
 def initialize(options: DistributedOptions = DistributedOptions()) -> None:
-  """Starts jax.distributed when there is more than one process; a no-op otherwise."""
+  """Starts jax.distributed when there is more than one process; a no-op otherwise. Raises
+  ValueError for process settings that cannot work."""
   options = _from_environment(options)
+  _check(options)
   explicit = options.coordinator_address is not None
   if explicit and (options.num_processes is None or options.process_id is None):
     raise ValueError('--coordinator_address needs --num_processes and --process_id too (or '
@@ -70,7 +166,16 @@ def initialize(options: DistributedOptions = DistributedOptions()) -> None:
     return
   cluster = None if explicit else detected_cluster()
   if not explicit and cluster is None:
+    if (options.num_processes or 1) > 1:
+      raise ValueError(
+          f'--num_processes={options.num_processes} asks for several processes, but there is no '
+          '--coordinator_address (nor JAX_COORDINATOR_ADDRESS, nor a cluster that provides '
+          'one); pass --coordinator_address=HOST:PORT of process 0, or start the processes with '
+          'python -m launch.local.')
     return
+  if explicit:
+    await_peers(options.coordinator_address, options.num_processes, options.process_id,
+                options.heartbeat_timeout_s)
   # Harmless where the backend is not the CPU; required for CPU collectives across processes.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   jax.distributed.initialize(

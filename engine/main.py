@@ -1,17 +1,22 @@
 """Entry point: `python -m engine.main --config=experiments/x.py[:arg] --workdir=DIR`.
 
 Parses flags, starts jax.distributed where there are several processes, and calls
-engine.train.train; nothing else lives here.
+engine.train.train; nothing else lives here. Bad input (a flag, the experiment file, a config
+value) ends the run with one line, `error: ...`, and exit status 2; `run(argv)` does all of it
+inside a process, for tests.
 """
 
 import sys
+from collections.abc import Sequence
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from engine import distributed, train
+from engine.checkpoint import CheckpointError
 from engine.config import ConfigError
-from engine.metrics import quiet_library_logs
+from engine.flag_errors import fail, innermost, parse_flags
+from engine.library_output import quiet_library_output
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment config file, optionally with :arg.', lock_config=True)
@@ -32,43 +37,55 @@ flags.mark_flags_as_required(['config', 'workdir'])
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  quiet_library_logs()
-  distributed.initialize(distributed.DistributedOptions(
-      _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _HEARTBEAT.value))
+    fail(f'unexpected arguments {argv[1:]}; everything is given as a flag, --name=value (e.g. '
+          '--config.train.num_steps=50), and a value holding spaces is quoted.')
+  if not _WORKDIR.value.strip():
+    fail('--workdir is empty; pass the directory for checkpoints and metrics, e.g. '
+          '--workdir=/tmp/run.')
+  quiet_library_output(_DEBUG.value)
+  try:
+    distributed.initialize(distributed.DistributedOptions(
+        _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _HEARTBEAT.value))
+  except ValueError as error:  # Process flags or JAX_* variables that contradict each other.
+    if _DEBUG.value:
+      raise
+    fail(str(error))
+  except distributed.PeerMissingError as error:
+    if _DEBUG.value:
+      raise
+    fail(str(error), 1)
   try:
     config = _CONFIG.value
     config.to_dict()  # A config file that failed to load raises on first use.
-  except OSError as error:  # The experiment file is missing or fails to load.
+  except OSError as error:  # The experiment file cannot be read (the usual cases fail earlier).
     if _DEBUG.value:
       raise
-    print(f'error: --config could not be read: {error.__cause__ or error}', file=sys.stderr)
-    sys.exit(2)
+    fail(f'--config={flags.FLAGS["config"].config_filename} could not be read '
+          f'({innermost(error)}); pass an experiment file, e.g. --config=experiments/tiny.py.')
   try:
     train.train(config, _WORKDIR.value)
-  except (ConfigError, train.NonFiniteError) as error:
+  except (ConfigError, train.NonFiniteError, CheckpointError) as error:
     if _DEBUG.value:
       raise
-    # The message names the problem and the fix; a traceback would only bury it.
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(2 if isinstance(error, ConfigError) else 1)
+    fail(str(error), 2 if isinstance(error, ConfigError) else 1)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a bad --config (a missing file, an unknown or mistyped override
-  key) reported in one line instead of the traceback of the config library."""
+def run(argv: Sequence[str]) -> int:
+  """`python -m engine.main ARGV` inside this process, for tests: parses the flags afresh (so it
+  can be called again and again), runs main, and returns the exit status instead of exiting.
+  The command line itself goes through absl's app.run."""
+  flags.FLAGS.unparse_flags()
+  for name in [name for name in flags.FLAGS if name.startswith('config.')]:
+    delattr(flags.FLAGS, name)  # The overrides the previous parse defined.
+  sys.modules.pop('config_config', None)  # ml_collections would reuse the last experiment's.
+  saved, sys.argv = sys.argv, ['engine.main', *argv]  # ml_collections reads overrides there.
   try:
-    return flags.FLAGS(argv)
-  except flags.Error:
-    raise  # absl prints these with the usage.
-  except Exception as error:  # pylint: disable=broad-except
-    if any(arg in ('--debug', '--debug=true', '--debug=True') for arg in argv):
-      raise
-    detail = error
-    while isinstance(detail, BaseException) and len(detail.args) == 1:
-      detail = detail.args[0]  # ml_collections wraps a KeyError in an AttributeError.
-    print(f'error: --config could not be read: {detail}', file=sys.stderr)
-    sys.exit(2)
+    main(parse_flags(sys.argv))
+    return 0
+  except SystemExit as exit_:
+    return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+  finally:
+    sys.argv = saved
 
 
 if __name__ == '__main__':

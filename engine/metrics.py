@@ -1,36 +1,27 @@
 """Training metrics: absl log lines, TensorBoard events (tensorboardX) and JSON lines.
 
 Only process 0 writes files; every process may call the writer. Throughput and the estimated time
-left come from wall-clock time between log points.
+left come from wall-clock time between log points. The workdir may be remote (gs://...): files go
+through etils.epath, and TensorBoard events through tensorboardX's own writers.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import jax
 import numpy as np
 from absl import logging
+from etils import epath
 from tensorboardX import SummaryWriter
 
-
-def quiet_library_logs() -> None:
-  """Drops the INFO chatter of Orbax and grain (they log through absl) so progress stays
-  readable; their warnings and errors still show."""
-  import logging as std_logging
-
-  def keep(record) -> bool:
-    chatty = any(f'{os.sep}{lib}{os.sep}' in record.pathname for lib in ('orbax', 'grain'))
-    return record.levelno >= std_logging.WARNING or not chatty
-
-  logging.get_absl_handler().addFilter(keep)
+from engine import workdir as workdir_lib
 
 
 class MetricsWriter:
 
-  def __init__(self, workdir: str, num_steps: int, tokens_per_step: int,
+  def __init__(self, workdir: str | epath.Path, num_steps: int, tokens_per_step: int,
                flops_per_token: float = 0.0, start_step: int = 0):
     """`start_step`: the step the run starts from (a resumed checkpoint's). Anything logged
     after it by an earlier attempt is dropped, since those steps are about to be redone: the
@@ -43,11 +34,9 @@ class MetricsWriter:
     self._last_step = None
     self.steps_per_s: list[float] = []  # One entry per log interval, for the closing summary.
     if self.is_writer:
-      self.tensorboard = SummaryWriter(os.path.join(workdir, 'tensorboard'),
-                                       purge_step=start_step + 1)
-      path = os.path.join(workdir, 'metrics.jsonl')
-      _drop_lines_after(path, start_step)
-      self.jsonl = open(path, 'a')
+      workdir = workdir_lib.resolve(workdir)
+      self.tensorboard = SummaryWriter(str(workdir / 'tensorboard'), purge_step=start_step + 1)
+      self.jsonl = JsonLines(workdir / 'metrics.jsonl', start_step)
 
   def start_clock(self, step: int) -> None:
     """Marks the start of timed steps (call after compilation, so it is not counted)."""
@@ -58,8 +47,7 @@ class MetricsWriter:
       return
     for name, value in scalars.items():
       self.tensorboard.add_scalar(name, value, step)
-    self.jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
-    self.jsonl.flush()
+    self.jsonl.write({'step': step, **scalars})
 
   def log_train(self, step: int, loss: float, learning_rate: float, grad_norm: float) -> None:
     """Logs one training point with throughput since the previous one."""
@@ -96,21 +84,46 @@ class MetricsWriter:
       self.jsonl.close()
 
 
-def _drop_lines_after(path: str, step: int) -> None:
-  """Rewrites a metrics.jsonl without its lines for steps after `step` (atomically: a crash
-  here leaves the old file)."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = f.readlines()
-  kept = [line for line in lines if line.strip() and json.loads(line)['step'] <= step]
-  if len(kept) == len(lines):
-    return
-  with open(path + '.tmp', 'w') as f:
-    f.writelines(kept)
-  os.replace(path + '.tmp', path)
-  logging.info('Dropped %d lines of %s logged after step %d: those steps run again.',
-               len(lines) - len(kept), path, step)
+class JsonLines:
+  """metrics.jsonl: one JSON object per line, written as they come.
+
+  Lines of steps after `start_step` (logged by an earlier attempt of a resumed run) are dropped
+  first, atomically, since those steps run again. Local files are appended to; object stores
+  cannot append, so there the file is rewritten whole, at most every `remote_every_s` seconds
+  and on close."""
+
+  def __init__(self, path: epath.Path, start_step: int, remote_every_s: float = 60.0):
+    self.path = path
+    self.remote = workdir_lib.is_remote(path)
+    self.remote_every_s = remote_every_s
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    self.lines = [line for line in lines if line.strip() and json.loads(line)['step'] <= start_step]
+    if len(self.lines) < len(lines):
+      workdir_lib.write_text_atomically(path, ''.join(self.lines))
+      logging.info('Dropped %d lines of %s logged after step %d: those steps run again.',
+                   len(lines) - len(self.lines), path, start_step)
+    self._file = None if self.remote else path.open('a')
+    self._written_at = time.monotonic()
+
+  def write(self, record: dict) -> None:
+    line = json.dumps(record) + '\n'
+    if self._file is not None:
+      self._file.write(line)
+      self._file.flush()
+      return
+    self.lines.append(line)
+    if time.monotonic() - self._written_at > self.remote_every_s:
+      self._rewrite()
+
+  def _rewrite(self) -> None:
+    self.path.write_text(''.join(self.lines))
+    self._written_at = time.monotonic()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+    else:
+      self._rewrite()
 
 
 def _duration(seconds: float) -> str:

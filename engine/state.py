@@ -50,6 +50,9 @@ class StepOptions:
   # Manual mode: the dtype of gradient reductions (and of the FSDP gathers whose transposes
   # they are) [parallelism.grad_reduce_dtype].
   grad_reduce_dtype: str = 'float32'
+  # A step whose loss or gradient norm is not finite leaves parameters and optimizer state as
+  # they were (the loop counts it) [train.skip_nonfinite_steps > 0].
+  skip_nonfinite: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import math
-import os
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
 from engine import config as config_lib
 from engine import data, distributed, models, parallel, sharding
-from engine.checkpoint import Checkpointer, restore_params
+from engine import workdir as workdir_lib
+from engine.checkpoint import CheckpointError, Checkpointer, restore_params
 from engine.mesh import make_mesh
 from engine.metrics import MetricsWriter, log_memory
 from engine.optimizer import make_optimizer
@@ -33,6 +32,9 @@ class TrainResult:
   final_step: int
   memory: dict[str, dict[str, int]]
   preempted: bool = False  # Stopped early by SIGTERM / SIGINT, with a checkpoint.
+  # Steps whose loss or gradient norm was not finite and whose update was not applied
+  # (train.skip_nonfinite_steps > 0).
+  skipped_steps: list[int] = dataclasses.field(default_factory=list)
 
 
 class NonFiniteError(FloatingPointError):
@@ -71,7 +73,8 @@ def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> Trai
   model = models.build(config.model, resolve_vocab_size(config.model, tokenizer_vocab))
   options = StepOptions(compute_dtype=config.model.dtype, remat=config.model.remat,
                         microbatches=config.train.microbatches,
-                        grad_reduce_dtype=config.parallelism.grad_reduce_dtype)
+                        grad_reduce_dtype=config.parallelism.grad_reduce_dtype,
+                        skip_nonfinite=config.train.skip_nonfinite_steps > 0)
   train_setup = make_setup(model, make_optimizer(config.optim, config.train.num_steps), mesh,
                            rules, options)
   config_lib.check_parameter_splits(train_setup.parameters(), dict(mesh.shape))
@@ -86,47 +89,10 @@ def setup(config: ml_collections.ConfigDict) -> tuple[data.Corpus, TrainSetup]:
   return corpus, build_setup(config, corpus.tokenizer.vocab_size)
 
 
-def _check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Refuses to resume a checkpoint whose model or data config differ from this one: the state
-  would not fit, or the run would silently change. Mesh, mode and schedule may change."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    saved = json.load(f)
-  for section in ('model', 'data'):
-    if saved.get(section) != json.loads(config[section].to_json()):
-      raise config_lib.ConfigError(
-          f'--workdir={workdir} holds checkpoints of a run with a different {section} config; '
-          f'use a new --workdir, or the {section} settings of {path}.')
-
-
-def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Records the config once the run is known to start (never for a run that failed early)."""
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json(indent=2))
-
-
-def _check_workdir(workdir: str) -> None:
-  """The workdir must be a directory this process can write (created if missing)."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise config_lib.ConfigError(f'--workdir={workdir} is a file, not a directory; pass a new '
-                                 'path or the directory of the run to resume.')
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as error:
-    raise config_lib.ConfigError(f'--workdir={workdir} cannot be created ({error.strerror}); '
-                                 'pass a path under a writable directory.') from error
-  if not os.access(workdir, os.W_OK):
-    raise config_lib.ConfigError(f'--workdir={workdir} is not writable; pass another path or '
-                                 'fix its permissions.')
-
-
 def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
-  """Trains (or resumes) the experiment `config` in `workdir`."""
-  _check_workdir(workdir)
+  """Trains (or resumes) the experiment `config` in `workdir` (a local path or gs://...)."""
   corpus, train_setup = setup(config)
+  workdir = workdir_lib.prepare(workdir)  # After validation: a bad config leaves no workdir.
   model = train_setup.model
   logging.info('Mesh %s, mode %s, rules %s; %s tokenizer, vocab %d (model %d), %d train tokens',
                dict(train_setup.mesh.shape), config.parallelism.mode, config.parallelism.rules,
@@ -141,21 +107,23 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
                num_params / 1e6, flops_per_token / 1e6)
 
   train_iterator = data.train_iterator(corpus, config.data, config.seed)
-  checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'),
-                              config.train.checkpoint_every, config.train.keep_checkpoints)
+  checkpointer = Checkpointer(workdir / 'checkpoints', config.train.checkpoint_every,
+                              config.train.keep_checkpoints, config.train.async_checkpoints)
   memory = {}
   abstract_state = train_setup.abstract_state()
-  # Every process must resume from the same step; process 0's view decides.
-  latest = checkpointer.latest_step()
-  start_step = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if latest is None else latest)))
-  if start_step < 0:
+  # Every process resumes from the same step, whose files process 0 has checked.
+  start_step = checkpointer.choose_resume_step(config.train.skip_damaged_checkpoints)
+  if start_step is None:
+    # Another run's parameters are checked against this model before anything compiles.
+    params = (restore_params(config.train.init_from, abstract_state['params'])
+              if config.train.init_from else None)
     state, init_compiled = train_setup.init(config.seed)
     memory['init'] = log_memory('init', init_compiled)
     start_step = 0
-    if config.train.init_from:
-      state['params'] = restore_params(config.train.init_from, abstract_state['params'])
+    if params is not None:
+      state['params'] = params
   else:
-    _check_resumable(config, workdir)
+    workdir_lib.check_resumable(config, workdir)
     state = checkpointer.restore(start_step, abstract_state, train_iterator)
   logging.info('Parameters per device: %.2f MiB',
                sharding.bytes_per_device(state['params']) / 2**20)
@@ -169,7 +137,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
                for b in data.eval_batches(corpus, config.data, config.seed,
                                           config.train.eval_batches)]
 
-  _write_config(config, workdir)
+  workdir_lib.write_config(config, workdir)
   writer = MetricsWriter(workdir, num_steps, global_batch * config.data.seq_len,
                          flops_per_token, start_step)
   result = TrainResult({}, {}, {}, start_step, memory)
@@ -182,10 +150,27 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
       checkpointer.close()  # Saves in flight are of earlier, finite steps: let them finish.
       raise NonFiniteError(step, bad, last_saved, workdir)
 
+  skip_limit = config.train.skip_nonfinite_steps
+  consecutive_skips = 0
+
   def check(step, metrics) -> None:
-    """Stops at a step whose loss or gradient norm is not finite (two scalars fetched)."""
+    """Stops at a step whose loss or gradient norm is not finite (two scalars fetched), or
+    counts it if such steps are skipped, stopping after more than `skip_limit` in a row."""
+    nonlocal consecutive_skips
     loss, grad_norm = jax.device_get((metrics['loss'], metrics['grad_norm']))
-    stop_if_not_finite(step, {'train loss': float(loss), 'gradient norm': float(grad_norm)})
+    values = {'train loss': float(loss), 'gradient norm': float(grad_norm)}
+    if all(math.isfinite(v) for v in values.values()):
+      consecutive_skips = 0
+      return
+    consecutive_skips += 1
+    if consecutive_skips <= skip_limit:
+      result.skipped_steps.append(step)
+      logging.warning('Step %d: %s; skipped (its update was not applied): %d in a row, %d in '
+                      'all; train.skip_nonfinite_steps=%d in a row are allowed.', step,
+                      ', '.join(f'{k} {v}' for k, v in values.items()), consecutive_skips,
+                      len(result.skipped_steps), skip_limit)
+      return
+    stop_if_not_finite(step, values)
 
   def flush(pending):
     step, metrics = pending
@@ -240,9 +225,20 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   except jax.errors.JaxRuntimeError:
     distributed.await_failure_report()
     raise
+  except BaseException:
+    # Saves in flight are of earlier, finite steps: let them finish, quietly, so that the
+    # error that stopped the run is the one reported.
+    with contextlib.suppress(Exception):
+      checkpointer.close()
+    raise
   finally:
     preemption.close()
   checkpointer.close()
+  if checkpointer.blocked_s:
+    logging.info('Checkpoints: %d saved (%s), the loop waited median %.0f ms, max %.0f ms per '
+                 'save', len(checkpointer.blocked_s),
+                 'asynchronously' if config.train.async_checkpoints else 'synchronously',
+                 1e3 * np.median(checkpointer.blocked_s), 1e3 * max(checkpointer.blocked_s))
   if preemption.signal_name and result.final_step < num_steps:
     logging.info('Stopped by %s after step %d of %d; its checkpoint is in %s. Rerun the same '
                  'command to resume.', preemption.signal_name, result.final_step, num_steps,

@@ -28,9 +28,16 @@ from launch.command import add_command_argument, command_after_dashes
 
 
 def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
+  """A free port whose next port is free too (engine.distributed's start-up roll call)."""
+  while True:
+    with socket.socket() as s, socket.socket() as after:
+      s.bind(('127.0.0.1', 0))
+      port = s.getsockname()[1]
+      try:
+        after.bind(('127.0.0.1', port + 1))
+      except OSError:
+        continue
+      return port
 
 
 def process_env(base: dict, index: int, num_processes: int, devices: int, port: int) -> dict:

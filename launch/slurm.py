@@ -8,6 +8,9 @@ It writes a batch script (`--script`, default ./engine_job.sbatch) and runs `sba
 `--dry_run` prints the script and the sbatch command instead. Inside the job, `srun` starts the
 tasks and engine.distributed lets JAX's SLURM detection find the coordinator, the process count
 and each process's index. `--kill-on-bad-exit=1` makes srun stop every task when one fails.
+SLURM sends every task SIGTERM `--stop_grace_s` before the time limit (and when the job is
+preempted or cancelled, with the cluster's KillWait before SIGKILL): each finishes its step,
+checkpoints and exits 0; with `--requeue` a preempted job is requeued and resumes from there.
 
 --tasks=per_gpu (default) runs one process per GPU (each sees its own GPU); --tasks=per_host runs
 one process per node that drives all of its GPUs.
@@ -24,7 +27,8 @@ from launch.command import add_command_argument, command_after_dashes
 
 
 def batch_script(command: list[str], nodes: int, gpus_per_node: int, tasks: str,
-                 time_limit: str, partition: str | None, job_name: str, setup: str) -> str:
+                 time_limit: str, partition: str | None, job_name: str, setup: str,
+                 stop_grace_s: int = 120, requeue: bool = False) -> str:
   per_gpu = tasks == 'per_gpu'
   lines = [
       '#!/bin/bash',
@@ -35,7 +39,12 @@ def batch_script(command: list[str], nodes: int, gpus_per_node: int, tasks: str,
   ]
   if per_gpu:
     lines.append('#SBATCH --gpus-per-task=1')  # Each process sees only its own GPU.
-  lines += [f'#SBATCH --time={time_limit}', f'#SBATCH --output={job_name}-%j.out']
+  lines += [f'#SBATCH --time={time_limit}', f'#SBATCH --output={job_name}-%j.out',
+            # SIGTERM to every task this long before the time limit: each finishes its step,
+            # checkpoints it and exits 0 (engine/preemption.py).
+            f'#SBATCH --signal=TERM@{stop_grace_s}']
+  if requeue:  # A preempted or timed-out job goes back in the queue and resumes from there.
+    lines += ['#SBATCH --requeue', '#SBATCH --open-mode=append']
   if partition:
     lines.append(f'#SBATCH --partition={partition}')
   lines += ['', 'set -euo pipefail']
@@ -56,6 +65,11 @@ def main(argv=None) -> int:
   parser.add_argument('--setup', default='',
                       help='Shell line run before srun, e.g. "source .venv/bin/activate".')
   parser.add_argument('--script', default='engine_job.sbatch', help='Where to write the script.')
+  parser.add_argument('--stop_grace_s', type=int, default=120,
+                      help='SIGTERM the tasks this many seconds before the time limit, so they '
+                      'checkpoint and stop.')
+  parser.add_argument('--requeue', action='store_true',
+                      help='Requeue the job when it is preempted; the rerun resumes.')
   parser.add_argument('--dry_run', action='store_true', help='Print; write and submit nothing.')
   add_command_argument(parser)
   args = parser.parse_args(argv)
@@ -63,7 +77,8 @@ def main(argv=None) -> int:
   if args.nodes < 1 or args.gpus_per_node < 1:
     parser.error('--nodes and --gpus_per_node must be >= 1')
   script = batch_script(command, args.nodes, args.gpus_per_node, args.tasks, args.time,
-                        args.partition, args.job_name, args.setup)
+                        args.partition, args.job_name, args.setup, args.stop_grace_s,
+                        args.requeue)
   submit = ['sbatch', args.script]
   if args.dry_run:
     print(f'# {args.script}\n{script}')

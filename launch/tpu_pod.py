@@ -11,12 +11,20 @@ What it does, in order (print it with --dry_run):
      unpacks it into --remote_dir, runs --setup (installs the engine and jax[tpu]), then the
      command. engine.distributed finds the pod by itself (JAX's TPU cluster detection), so the
      command is the same as on one machine. Use a gs:// workdir so that all workers share it.
+
+Stopping: SIGTERM or Ctrl-C to this launcher while the command runs sends SIGTERM to the
+command on every worker (another `ssh --worker=all`, running pkill): each process finishes its
+step, checkpoints it and exits 0 (engine/preemption.py); whatever still runs after
+--stop_grace_s is left to the ssh session's end. A preempted or maintained TPU VM is handled on
+the workers themselves by JAX's preemption service.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -40,6 +48,35 @@ def plan(tpu: str, zone: str, project: str | None, remote_dir: str, setup: str,
   ]
 
 
+def stop_command(tpu: str, zone: str, project: str | None, command: list[str]) -> list[str]:
+  """The command that sends SIGTERM to `command` on every worker."""
+  where = ['--zone', zone, '--worker=all'] + (['--project', project] if project else [])
+  pattern = shlex.quote(re.escape(' '.join(command)))
+  return ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', tpu, *where, '--command',
+          f'pkill -TERM -f -- {pattern} || true']
+
+
+def _run_forwarding_stops(step: list[str], stop: list[str], grace_s: float) -> int:
+  """Runs `step`; on SIGTERM / SIGINT, runs `stop` and gives `step` `grace_s` to end."""
+  proc = subprocess.Popen(step)
+
+  def forward(signum, frame):
+    del frame
+    print(f'[tpu_pod] signal {signum}: asking every worker to checkpoint and stop', flush=True)
+    subprocess.run(stop, check=False)
+    try:
+      proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+      proc.terminate()
+
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return proc.wait()
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--tpu', required=True, help='TPU VM name.')
@@ -48,18 +85,28 @@ def main(argv=None) -> int:
   parser.add_argument('--remote_dir', default='~/engine')
   parser.add_argument('--setup', default=DEFAULT_SETUP,
                       help='Shell command run in remote_dir before the command.')
+  parser.add_argument('--stop_grace_s', type=float, default=120,
+                      help='After forwarding SIGTERM / Ctrl-C, how long the workers get to '
+                      'checkpoint and stop.')
   parser.add_argument('--dry_run', action='store_true', help='Print the commands; run nothing.')
   add_command_argument(parser)
   args = parser.parse_args(argv)
   command = command_after_dashes(parser, args)
-  for step in plan(args.tpu, args.zone, args.project, args.remote_dir, args.setup, command):
+  steps = plan(args.tpu, args.zone, args.project, args.remote_dir, args.setup, command)
+  stop = stop_command(args.tpu, args.zone, args.project, command)
+  for i, step in enumerate(steps):
     print(shlex.join(step), flush=True)
-    if not args.dry_run:
-      result = subprocess.run(step)
-      if result.returncode:
-        print(f'[tpu_pod] failed with status {result.returncode}: {shlex.join(step)}',
-              file=sys.stderr)
-        return result.returncode
+    if args.dry_run:
+      continue
+    if i == len(steps) - 1:  # The command itself: stops are forwarded to the workers.
+      code = _run_forwarding_stops(step, stop, args.stop_grace_s)
+    else:
+      code = subprocess.run(step).returncode
+    if code:
+      print(f'[tpu_pod] failed with status {code}: {shlex.join(step)}', file=sys.stderr)
+      return code
+  if args.dry_run:
+    print(f'# on SIGTERM / Ctrl-C: {shlex.join(stop)}')
   return 0
 
 

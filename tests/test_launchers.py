@@ -1,10 +1,17 @@
 """The launchers' dry runs print exactly what they would run; the local launcher's plumbing."""
 
-import io
 import contextlib
+import io
+import os
 import shlex
+import signal
+import subprocess
+import sys
+import time
 
 from launch import local, slurm, tpu_pod
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _output(main, argv):
@@ -23,7 +30,7 @@ def test_tpu_pod_dry_run_prints_sync_then_run_on_all_workers():
                                      '--dry_run', '--', *COMMAND])
   assert code == 0
   lines = out.strip().splitlines()
-  assert len(lines) == 3
+  assert len(lines) == 4
   assert lines[0] == "bash -c 'git ls-files -z | xargs -0 tar czf /tmp/engine_code.tgz'"
   assert shlex.split(lines[1]) == [
       'gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', '/tmp/engine_code.tgz',
@@ -35,6 +42,9 @@ def test_tpu_pod_dry_run_prints_sync_then_run_on_all_workers():
   assert remote.startswith('mkdir -p ~/engine && tar xzf ~/engine_code.tgz -C ~/engine && '
                            'cd ~/engine && python3 -m pip install')
   assert remote.endswith(shlex.join(COMMAND))
+  stop = shlex.split(lines[3].removeprefix('# on SIGTERM / Ctrl-C: '))
+  assert stop[:6] == ssh[:6] and '--worker=all' in stop
+  assert stop[-1].startswith('pkill -TERM -f -- ')
 
 
 def test_slurm_dry_run_prints_the_batch_script_and_sbatch(tmp_path):
@@ -46,9 +56,40 @@ def test_slurm_dry_run_prints_the_batch_script_and_sbatch(tmp_path):
   assert not script.exists()  # A dry run writes nothing.
   for line in ['#SBATCH --nodes=4', '#SBATCH --ntasks-per-node=8', '#SBATCH --gpus-per-node=8',
                '#SBATCH --gpus-per-task=1', '#SBATCH --time=02:00:00',
-               '#SBATCH --partition=gpu', 'srun --kill-on-bad-exit=1 ' + shlex.join(COMMAND),
+               '#SBATCH --partition=gpu', '#SBATCH --signal=TERM@120', 'srun --kill-on-bad-exit=1 ' + shlex.join(COMMAND),
                f'sbatch {script}']:
     assert line in out.splitlines(), line
+
+
+def test_slurm_requeue_and_stop_grace():
+  _, out = _output(slurm.main, ['--nodes=2', '--requeue', '--stop_grace_s=300', '--dry_run', '--',
+                                *COMMAND])
+  lines = out.splitlines()
+  assert '#SBATCH --signal=TERM@300' in lines and '#SBATCH --requeue' in lines
+
+
+def test_tpu_pod_forwards_sigterm_to_every_worker(tmp_path):
+  # A fake gcloud: records its arguments; the remote command 'runs' until the launcher gives up.
+  log = tmp_path / 'calls'
+  fake = tmp_path / 'bin' / 'gcloud'
+  fake.parent.mkdir()
+  fake.write_text(f'#!/bin/bash\necho "$*" >> {log}\n'
+                  'case "$*" in *pkill*) exit 0;; *--command*) exec sleep 60;; esac\n')
+  fake.chmod(0o755)
+  env = dict(os.environ, PATH=f'{fake.parent}:{os.environ["PATH"]}')
+  launcher = subprocess.Popen(
+      [sys.executable, '-m', 'launch.tpu_pod', '--tpu=pod-1', '--zone=z', '--stop_grace_s=1',
+       '--', *COMMAND], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True)
+  deadline = time.monotonic() + 60
+  while not (log.exists() and '--command mkdir' in log.read_text()):
+    assert time.monotonic() < deadline and launcher.poll() is None
+    time.sleep(0.1)
+  launcher.send_signal(signal.SIGTERM)
+  output, _ = launcher.communicate(timeout=60)
+  assert 'asking every worker to checkpoint and stop' in output
+  stops = [line for line in log.read_text().splitlines() if 'pkill -TERM' in line]
+  assert len(stops) == 1 and '--worker=all' in stops[0] and 'engine\\.main' in stops[0]
 
 
 def test_slurm_one_task_per_host():

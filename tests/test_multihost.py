@@ -162,6 +162,32 @@ def test_without_a_launcher_the_survivor_stops_naming_the_lost_process(tmp_path)
   print(f'process 0 stopped {stop_seconds:.2f} s after process 1 was killed')
 
 
+def test_processes_that_never_start_are_named_within_the_heartbeat_timeout(tmp_path):
+  """Processes 0 and 1 of 3 start, 2 never does; and a process 1 whose process 0 never starts."""
+  from launch.local import free_port, process_env
+  base = dict(os.environ)
+
+  def start(index, of, port):
+    return subprocess.Popen(
+        [sys.executable, '-m', 'engine.main', '--heartbeat_timeout_s=3',
+         '--config=tests/multihost_experiment.py', f'--workdir={tmp_path / str(port)}'],
+        cwd=ROOT, env=process_env(base, index, of, 1, port), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+  three, alone = free_port(), free_port()
+  started = time.monotonic()
+  procs = [start(0, 3, three), start(1, 3, three), start(1, 2, alone)]
+  outputs = [p.communicate(timeout=120)[0] for p in procs]
+  seconds = time.monotonic() - started
+  assert [p.returncode for p in procs] == [1, 1, 1], outputs
+  assert 'error: process 2 of 3 did not start within 3 s' in outputs[0], outputs[0][-2000:]
+  assert 'error: process 2 of 3 did not start within 3 s' in outputs[1], outputs[1][-2000:]
+  assert 'error: process 0 (the coordinator, 127.0.0.1:' in outputs[2], outputs[2][-2000:]
+  assert all('Traceback' not in out for out in outputs)
+  assert seconds < 60, seconds  # The timeout plus the start-up; not JAX's 120 s and an abort.
+  print(f'all three stopped {seconds:.1f} s after they were started')
+
+
 def _logged_steps(workdir) -> int:
   path = os.path.join(workdir, 'metrics.jsonl')
   return len(_logged_losses(workdir)) if os.path.exists(path) else 0

@@ -89,6 +89,33 @@ def test_a_step_that_is_not_finite_stops_the_run_and_is_never_saved(
   assert not [p for p in os.listdir(tmp_path / 'checkpoints') if 'tmp' in p]
 
 
+def test_skip_nonfinite_steps_keeps_the_state_and_counts_them(monkeypatch, tmp_path):
+  """With train.skip_nonfinite_steps, a step whose gradients are NaN changes nothing and the run
+  goes on; one more in a row than allowed stops it as before."""
+  from engine.parallel import auto, manual
+  for module in (auto, manual):
+    def poisoned(setup, state, loss, grads, grad_norm, original=module.apply_update):
+      bad = (state['step'] + 1 == 3) | (state['step'] + 1 >= 5)  # Steps 3, 5, 6, ...
+      nan = jnp.where(bad, jnp.nan, 1.0)
+      return original(setup, state, loss * nan, jax.tree.map(lambda g: g * nan, grads),
+                      grad_norm * nan)
+    monkeypatch.setattr(module, 'apply_update', poisoned)
+  config = _resumable_config((2, 2, 2), 6)
+  config.parallelism.mode = 'manual'
+  config.train.skip_nonfinite_steps = 1
+  with pytest.raises(NonFiniteError, match='Step 6: the train loss is nan'):
+    train(config, str(tmp_path))
+  # Steps 3 and 5 were skipped (one in a row each time); step 6 was the second in a row, so it
+  # stopped the run unsaved. Checkpoints 2 and 4 were written.
+  checkpointer = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3)
+  assert checkpointer.latest_step() == 4
+  checkpointer.close()
+  lines = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  assert [l['step'] for l in lines if 'train/loss' in l and np.isnan(l['train/loss'])] == [3, 5]
+  # The skipped steps left the parameters finite: step 4 (after skipped 3) trained normally.
+  assert np.isfinite([l['train/loss'] for l in lines if l['step'] == 4 and 'train/loss' in l])
+
+
 @pytest.fixture(scope='module')
 def uninterrupted_6_steps(tmp_path_factory):
   return train(_resumable_config((2, 2, 2), 6), str(tmp_path_factory.mktemp('full')))

@@ -26,7 +26,7 @@ from engine import config as config_lib
 from engine import parallel
 from engine.analysis import benchmark, collectives, comm_theory, compare_report
 from engine.analysis.reference import ReferenceRun
-from engine.metrics import quiet_library_logs
+from engine.library_output import quiet_library_output
 from engine.train import setup
 
 
@@ -187,7 +187,7 @@ def main():
 
   def run(argv):
     del argv
-    quiet_library_logs()
+    quiet_library_output()
     if steps.value < 1 or warmup.value < 0 or not math.isfinite(atol.value):
       raise app.UsageError('--steps must be >= 1, --warmup >= 0 and --atol finite.')
     report = compare(config.value, workdir.value, modes.value, steps.value, warmup.value,

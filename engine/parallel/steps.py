@@ -86,6 +86,10 @@ def apply_update(setup: TrainSetup, state, loss, grads, grad_norm):
   grads = clip_by_global_norm(grads, grad_norm, optimizer.clip_norm)
   updates, opt_state = optimizer.tx.update(grads, state['opt_state'], state['params'])
   params = optax.apply_updates(state['params'], updates)
+  if setup.options.skip_nonfinite:  # Loss and norm are global: every device agrees.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    params, opt_state = keep(params, state['params']), keep(opt_state, state['opt_state'])
   metrics = {'loss': loss, 'grad_norm': grad_norm,
              'learning_rate': optimizer.schedule(state['step'])}
   return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics

@@ -1,0 +1,212 @@
+"""Bad flags in one line. absl and ml_collections report them with tracebacks, usage pages or
+the config library's internals; `parse_flags` turns each into one line, `error: ...`, naming the
+flag and the fix (exit status 2). The common cases are checked on argv before the experiment file
+runs; --debug raises instead, with the traceback."""
+
+import difflib
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from absl import flags
+from ml_collections import ConfigDict
+
+from engine import config as config_lib
+from engine.config import ConfigError
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+  """Ends the run with one line naming the problem and the fix; a traceback would bury it."""
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(code)
+
+
+_HELP = ('--help', '--helpshort', '--helpfull', '--helpxml', '-?')
+# With these, argv is not the whole story (flags from files, unknown flags allowed): absl alone.
+_NOT_CHECKED = ('--flagfile', '-flagfile', '--undefok', '-undefok')
+_TYPE_NAMES = {int: 'an integer', float: 'a number', bool: 'true or false'}
+_OVERRIDE = re.compile(r'^--?(?:no)?config\.([^=]*)')
+
+
+def _flag_args(argv: Sequence[str]) -> list[str]:
+  """The arguments absl reads as flags: those before a lone '--'."""
+  args = list(argv[1:])
+  return args[:args.index('--')] if '--' in args else args
+
+
+def _given(argv: Sequence[str], name: str) -> str | None:
+  """The last value given to --name (as --name=value or --name value), or None."""
+  value, args = None, _flag_args(argv)
+  for i, arg in enumerate(args):
+    if re.match(rf'^--?{re.escape(name)}=', arg):
+      value = arg.split('=', 1)[1]
+    elif re.match(rf'^--?{re.escape(name)}$', arg):
+      value = args[i + 1] if i + 1 < len(args) else ''
+  return value
+
+
+def _debug_requested(argv: Sequence[str]) -> bool:
+  debug = False
+  for arg in _flag_args(argv):
+    if arg in ('--debug', '-debug'):
+      debug = True
+    elif arg in ('--nodebug', '-nodebug'):
+      debug = False
+    elif re.match(r'^--?debug=', arg):
+      debug = arg.split('=', 1)[1].lower() in ('true', 't', '1')
+  return debug
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+  """`error` and the errors it was raised from or while handling, outermost first."""
+  chain = [error]
+  while True:
+    inner = chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else
+                                    chain[-1].__context__)
+    if inner is None:
+      return chain
+    chain.append(inner)
+
+
+def innermost(error: BaseException) -> str:
+  """The first line of the original error under the wrappers (ml_collections, absl)."""
+  error = _chain(error)[-1]
+  text = str(error.args[0] if len(error.args) == 1 else error).strip()
+  return text.splitlines()[0] if text else type(error).__name__
+
+
+def _example(name: str) -> str:
+  """'--name=DEFAULT' for a config key or flag with a default, else ''."""
+  if name.startswith('config.'):
+    default = config_lib.flat_defaults().get(name.split('.', 1)[1])
+  else:
+    default = flags.FLAGS[name].default if name in flags.FLAGS else None
+  if default is None or isinstance(default, ConfigDict):
+    return ''
+  return f', e.g. --{name}={str(default).lower() if isinstance(default, bool) else default}'
+
+
+def _is_flag(name: str) -> bool:
+  """Whether --name is a flag: a defined one, a boolean's --noname, or a help flag."""
+  if name in flags.FLAGS or f'--{name}' in _HELP:
+    return True
+  return (name.startswith('no') and name[2:] in flags.FLAGS and
+          flags.FLAGS[name[2:]].boolean)
+
+
+def _check_argv(argv: Sequence[str]) -> None:
+  """The mistakes found on argv alone, before the experiment file runs: an unknown flag, a
+  missing flag or experiment file, overrides before --config, keys the config does not have."""
+  for arg in _flag_args(argv):
+    flag = re.match(r'^--?([A-Za-z_][\w.]*)', arg)
+    if flag and not (_OVERRIDE.match(arg) or _is_flag(flag.group(1))):
+      raise flags.UnrecognizedFlagError(flag.group(1), arg)
+  if any(arg.split('=')[0] in _HELP for arg in _flag_args(argv)):
+    missing = []  # Help needs neither.
+  else:
+    missing = [name for name in ('config', 'workdir') if _given(argv, name) is None]
+  if missing == ['config']:
+    raise ConfigError('--config is required: the experiment file, e.g. '
+                      '--config=experiments/tiny.py.')
+  if missing == ['workdir']:
+    raise ConfigError('--workdir is required: the directory for checkpoints and metrics (rerun '
+                      'with the same one to resume), e.g. --workdir=/tmp/tiny.')
+  if missing:
+    raise ConfigError('--config and --workdir are required, e.g. python -m engine.main '
+                      '--config=experiments/tiny.py --workdir=/tmp/tiny.')
+  experiment = _given(argv, 'config')
+  if experiment is None:
+    return  # Help without an experiment.
+  path = experiment.split(':', 1)[0]
+  fix = 'pass an experiment file, e.g. --config=experiments/tiny.py'
+  if not path:
+    raise ConfigError(f'--config is empty; {fix}.')
+  if os.path.isdir(path):
+    raise ConfigError(f'--config={experiment}: {path} is a directory; {fix}.')
+  if not os.path.isfile(path):
+    raise ConfigError(f'--config={experiment}: {path} does not exist; {fix} (the experiments '
+                      'are in experiments/).')
+  args = _flag_args(argv)
+  first_config = min(i for i, arg in enumerate(args) if re.match(r'^--?config(=|$)', arg))
+  defaults = config_lib.flat_defaults()
+  for i, arg in enumerate(args):
+    match = _OVERRIDE.match(arg)
+    if not match:
+      continue
+    key = match.group(1)
+    if i < first_config:
+      raise ConfigError(f'{arg} comes before --config, which it overrides; give '
+                        '--config=EXPERIMENT first, then the overrides.')
+    if key not in defaults:
+      section, _, name = key.rpartition('.')
+      if section in defaults:  # A misspelt key of a real section: suggest only its own keys.
+        close = difflib.get_close_matches(name, [k.rpartition('.')[2] for k in defaults
+                                                 if k.rpartition('.')[0] == section], n=1)
+        close = [f'{section}.{c}' for c in close]
+      else:
+        close = difflib.get_close_matches(key, [k for k, v in defaults.items()
+                                                if not isinstance(v, ConfigDict)], n=1)
+      hint = f' (did you mean {close[0]}?)' if close else ''
+      raise ConfigError(f'{arg}: the config has no key {key}{hint}; the keys and their defaults '
+                        'are in engine/config.py, default_config().')
+    if isinstance(defaults[key], ConfigDict):
+      first = next(k for k in defaults if k.startswith(key + '.'))
+      raise ConfigError(f'{arg}: {key} is a section of the config, not a value; set its keys '
+                        f'one by one{_example("config." + first)}.')
+
+
+def _flag_error(error: Exception, argv: Sequence[str]) -> str:
+  """One line for an error raised while absl parsed `argv` (the experiment file runs then)."""
+  if isinstance(error, ConfigError):  # From _check_argv: says it all.
+    return str(error)
+  experiment = _given(argv, 'config')
+  raised = [e for e in _chain(error) if isinstance(e, ConfigError)]
+  if raised:  # By the experiment file, e.g. a bad experiment argument (ml_collections wraps it).
+    return f'--config={experiment}: {raised[-1]}'
+  if isinstance(error, flags.UnrecognizedFlagError):
+    names = [n for n in flags.FLAGS if not n.startswith('config.') and len(n) > 1]
+    close = difflib.get_close_matches(error.flagname, names, n=1)
+    hint = f' (did you mean --{close[0]}?)' if close else ''
+    return (f'--{error.flagname} is not a flag{hint}; python -m engine.main --helpfull lists '
+            'them, and config keys are set with --config.KEY=VALUE.')
+  message = str(error)
+  missing = re.match(r'Missing value for flag (-+[\w.]+)', message)
+  if missing:
+    return f'{missing.group(1)} has no value; write {missing.group(1)}=VALUE.'
+  bad_value = re.match(r'flag --([\w.]+)=(.*?): ', message)
+  if isinstance(error, flags.IllegalFlagValueError) and bad_value:
+    name, value = bad_value.group(1), _given(argv, bad_value.group(1))
+    if name.startswith('config.'):
+      kind = type(config_lib.flat_defaults().get(name.split('.', 1)[1]))
+    else:
+      kind = {'int': int, 'float': float, 'bool': bool}.get(
+          flags.FLAGS[name].flag_type() if name in flags.FLAGS else '')
+    if kind in _TYPE_NAMES and isinstance(error.__context__, ValueError):
+      return f'--{name}={value} is not {_TYPE_NAMES[kind]}; give one{_example(name)}.'
+    return f'--{name}={value}: {innermost(error).rstrip(".")}.'
+  if isinstance(error, flags.Error):
+    return f'{message.splitlines()[0]}; python -m engine.main --helpfull lists the flags.'
+  # Anything else was raised while the experiment file ran.
+  if isinstance(error, AttributeError) and 'get_config' in str(error):
+    return (f'--config={experiment}: the file defines no get_config(); an experiment file '
+            'defines get_config(arg=None) returning the config, as experiments/tiny.py does.')
+  return (f'--config={experiment} failed to load ({type(error).__name__}: {innermost(error)}); '
+          'fix the file, or see the traceback with --debug.')
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """absl's flag parsing, with every bad flag (a missing or unreadable experiment file, an
+  unknown key, a value of the wrong type) reported in one line, `error: ...`, exit status 2;
+  --debug raises instead, with the traceback."""
+  try:
+    if not any(arg.split('=')[0] in _NOT_CHECKED for arg in _flag_args(argv)):
+      _check_argv(argv)
+    return flags.FLAGS(list(argv))
+  except Exception as error:  # pylint: disable=broad-except
+    if _debug_requested(argv):
+      raise
+    fail(_flag_error(error, argv))
+
+

@@ -1,0 +1,72 @@
+"""The run's working directory: checks, the recorded config, and paths that may be remote.
+
+Every read and write of the workdir goes through `etils.epath` (as Orbax's do), so a workdir may
+be a local path or a bucket URI such as gs://bucket/run (remote schemes need their filesystem
+package: gcsfs for gs://, see README). Local paths are made absolute; URIs are kept as given.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_collections
+from etils import epath
+
+from engine.config import ConfigError
+
+CONFIG_FILE = 'config.json'
+
+
+def is_remote(path: str | epath.Path) -> bool:
+  return '://' in str(path)
+
+
+def resolve(path: str | epath.Path) -> epath.Path:
+  """`path` as an epath.Path: local paths made absolute, URIs (gs://...) untouched."""
+  path = epath.Path(path)
+  return path if is_remote(path) else path.expanduser().absolute()
+
+
+def prepare(workdir: str) -> epath.Path:
+  """The workdir, created if missing; it must be a directory this process can write."""
+  path = resolve(workdir)
+  if path.exists() and not path.is_dir():
+    raise ConfigError(f'--workdir={workdir} is a file, not a directory; pass a new path or the '
+                      'directory of the run to resume.')
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f'.write_test.{jax.process_index()}'
+    probe.write_text('')
+    probe.unlink()
+  except OSError as error:
+    raise ConfigError(f'--workdir={workdir} cannot be written ({error.strerror or error}); pass '
+                      'a path under a writable directory, or fix its permissions.') from error
+  return path
+
+
+def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
+  """Refuses to resume a checkpoint whose model or data config differ from this one: the state
+  would not fit, or the run would silently change. Mesh, mode and schedule may change."""
+  path = workdir / CONFIG_FILE
+  if not path.exists():
+    return
+  saved = json.loads(path.read_text())
+  for section in ('model', 'data'):
+    if saved.get(section) != json.loads(config[section].to_json()):
+      raise ConfigError(
+          f'--workdir={workdir} holds checkpoints of a run with a different {section} config; '
+          f'use a new --workdir, or the {section} settings of {path}.')
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
+  """Records the config once the run is known to start (never for a run that failed early)."""
+  if jax.process_index() == 0:
+    write_text_atomically(workdir / CONFIG_FILE, config.to_json(indent=2))
+
+
+def write_text_atomically(path: epath.Path, text: str) -> None:
+  """Writes `path` whole or not at all: to a temporary name, then renamed over it."""
+  tmp = path.parent / f'{path.name}.tmp'
+  tmp.write_text(text)
+  tmp.replace(path)
