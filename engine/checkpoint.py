@@ -217,8 +217,11 @@ class Checkpointer:
   def _check_steps(self, skip_damaged: bool) -> tuple[int | None, str]:
     damaged = []
     for step in sorted(self.manager.all_steps(), reverse=True):
+      start = time.perf_counter()
       cause = find_damage(self.directory / str(step))
       if cause is None:
+        logging.info('The checkpoint of step %d matches its checksums (checked in %.1f s)', step,
+                     time.perf_counter() - start)
         break
       damaged.append((step, cause))
     else:

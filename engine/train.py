@@ -14,7 +14,7 @@ from absl import logging
 from engine import config as config_lib
 from engine import data, distributed, models, parallel, sharding
 from engine import workdir as workdir_lib
-from engine.checkpoint import CheckpointError, Checkpointer, restore_params
+from engine.checkpoint import Checkpointer, restore_params
 from engine.mesh import make_mesh
 from engine.metrics import MetricsWriter, log_memory
 from engine.optimizer import make_optimizer

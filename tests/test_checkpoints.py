@@ -155,8 +155,9 @@ def test_kill_9_loses_only_the_steps_after_the_last_checkpoint(tmp_path):
   subprocess.run(again, cwd=ROOT, check=True, capture_output=True, timeout=300)
   full = _main(*_TINY, f'--workdir={tmp_path / "full"}', f'--config.train.num_steps={steps}')
   subprocess.run(full, cwd=ROOT, check=True, capture_output=True, timeout=300)
-  losses = lambda d: [(l['step'], l['train/loss']) for l in map(json.loads, open(d / 'metrics.jsonl'))
-                      if 'train/loss' in l]
+  losses = lambda d: [(line['step'], line['train/loss'])
+                      for line in map(json.loads, open(d / 'metrics.jsonl'))
+                      if 'train/loss' in line]
   assert losses(tmp_path) == losses(tmp_path / 'full')
   assert not [d for d in os.listdir(checkpoints) if not d.isdigit()]
 

@@ -33,7 +33,8 @@ def test_show_layout_prints_every_parameter_and_draws_the_layout():
   env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices.
   proc = subprocess.run(
       [sys.executable, '-m', 'engine.analysis.show_layout',
-       '--config=experiments/tiny.py:mesh=2x2x2', '--param=blocks/w_up_DF'], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+       '--config=experiments/tiny.py:mesh=2x2x2', '--param=blocks/w_up_DF'], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert "blocks/w_up_DF" in out and "P(None, 'fsdp', 'tensor')" in out

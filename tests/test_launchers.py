@@ -56,7 +56,8 @@ def test_slurm_dry_run_prints_the_batch_script_and_sbatch(tmp_path):
   assert not script.exists()  # A dry run writes nothing.
   for line in ['#SBATCH --nodes=4', '#SBATCH --ntasks-per-node=8', '#SBATCH --gpus-per-node=8',
                '#SBATCH --gpus-per-task=1', '#SBATCH --time=02:00:00',
-               '#SBATCH --partition=gpu', '#SBATCH --signal=TERM@120', 'srun --kill-on-bad-exit=1 ' + shlex.join(COMMAND),
+               '#SBATCH --partition=gpu', '#SBATCH --signal=TERM@120',
+               'srun --kill-on-bad-exit=1 ' + shlex.join(COMMAND),
                f'sbatch {script}']:
     assert line in out.splitlines(), line
 
