@@ -20,7 +20,7 @@ from engine.models import attention
 
 SOURCES = ('embedded', 'file', 'synthetic')
 TOKENIZERS = ('byte', 'char')
-MESH_AXES = ('data', 'fsdp', 'tensor')
+MESH_AXES = ('data', 'fsdp', 'tensor', 'context')
 DTYPES = ('float32', 'bfloat16')
 
 
@@ -84,6 +84,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # -1: all devices the other axes leave.
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  # Context (sequence) parallelism: each sequence split over this many devices; manual mode runs
+  # ring attention over them (engine/parallel/context.py).
+  c.mesh.context = 1
   # How many hosts (or TPU slices) the data / fsdp axes span: those axes are laid out across the
   # slow inter-host network and everything else within a host. 1 = no preference.
   c.mesh.dcn_data = 1
@@ -160,12 +163,15 @@ def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.Co
 
 
 def set_mesh_shape(config: ml_collections.ConfigDict, shape: str) -> None:
-  """Applies a 'DxFxT' mesh string (data x fsdp x tensor) from an experiment argument."""
+  """Applies a 'DxFxT' or 'DxFxTxC' mesh string (data x fsdp x tensor [x context]) from an
+  experiment argument."""
   sizes = shape.split('x')
-  if len(sizes) != 3 or not all(re.fullmatch(r'-?[0-9]+', size) for size in sizes):
-    raise ConfigError(f'mesh={shape} is not DATAxFSDPxTENSOR, three integers joined by x; give '
-                      'e.g. mesh=2x2x2 (-1: the devices the other axes leave, e.g. mesh=-1x1x2).')
-  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = (int(s) for s in sizes)
+  if len(sizes) not in (3, 4) or not all(re.fullmatch(r'-?[0-9]+', size) for size in sizes):
+    raise ConfigError(f'mesh={shape} is not DATAxFSDPxTENSOR[xCONTEXT], integers joined by x; '
+                      'give e.g. mesh=2x2x2 or mesh=2x1x2x2 (-1: the devices the other axes '
+                      'leave, e.g. mesh=-1x1x2).')
+  for axis, size in zip(MESH_AXES, sizes):
+    config.mesh[axis] = int(size)
 
 
 def flat_defaults() -> dict[str, object]:
@@ -195,7 +201,8 @@ def _unknown_keys(config: ConfigDict, schema: ConfigDict, prefix: str = '') -> l
 
 def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
   """Mesh axis sizes with the single -1 filled in; raises if they cannot cover the devices."""
-  sizes = {axis: int(mesh_config[axis]) for axis in MESH_AXES}  # dcn_* are checked separately.
+  # dcn_* are checked separately; an axis the config leaves out has size 1.
+  sizes = {axis: int(mesh_config.get(axis, 1)) for axis in MESH_AXES}
   free = [axis for axis, size in sizes.items() if size == -1]
   for axis, size in sizes.items():
     if size == 0 or size < -1:
@@ -211,8 +218,9 @@ def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
           f'{num_devices}.')
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
+    shown = [a for a in MESH_AXES if a != 'context' or sizes[a] != 1]
     raise ConfigError(
-        f'mesh: data*fsdp*tensor = {sizes["data"]}*{sizes["fsdp"]}*{sizes["tensor"]} = {fixed}, '
+        f'mesh: {"*".join(shown)} = {"*".join(str(sizes[a]) for a in shown)} = {fixed}, '
         f'but there are {num_devices} devices; make the product {num_devices} or set one axis '
         'to -1.')
   return sizes
@@ -377,6 +385,18 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(
         f'parallelism.rules={config.parallelism.rules!r} does not use mesh axes {unused} of size '
         '> 1, so they would only duplicate work; set them to 1 or pick rules that use them.')
+
+  context = mesh['context']
+  if context > 1 and config.data.seq_len % (2 * context):
+    raise ConfigError(
+        f'data.seq_len={config.data.seq_len} must be a multiple of 2*mesh.context={2 * context}: '
+        'each device holds two of the 2*context chunks of every sequence (one early, one late, '
+        'so that causal attention costs every device the same).')
+  if context > 1 and config.parallelism.mode == 'manual' and config.model.attention != 'einsum':
+    raise ConfigError(
+        f'model.attention={config.model.attention!r} with mesh.context={context} in manual mode: '
+        "ring attention computes its own blocks; set model.attention='einsum' (auto mode may "
+        'keep it).')
 
   batch_axes = rules.mesh_axes('batch', activation=True)
   batch_ways = math.prod(mesh[a] for a in batch_axes)

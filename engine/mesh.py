@@ -1,4 +1,4 @@
-"""The named device mesh (data, fsdp, tensor) built from the mesh config."""
+"""The named device mesh (data, fsdp, tensor, context) built from the mesh config."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engine.config import MESH_AXES, resolve_mesh_shape
 
 
 def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
-  """A mesh with axes ('data', 'fsdp', 'tensor') and Auto axis types (jit mode inserts the
+  """A mesh with axes ('data', 'fsdp', 'tensor', 'context') and Auto axis types (jit mode inserts the
   collectives; shard_map mode makes every axis manual inside its body).
 
   With mesh.dcn_data / mesh.dcn_fsdp > 1 the mesh is hybrid: those axes are split into groups
@@ -23,7 +23,8 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
   sizes = resolve_mesh_shape(mesh_config, len(devices))
   shape = tuple(sizes[axis] for axis in MESH_AXES)
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
-  dcn = (mesh_config.get('dcn_data', 1), mesh_config.get('dcn_fsdp', 1), 1)
+  dcn = (mesh_config.get('dcn_data', 1), mesh_config.get('dcn_fsdp', 1)) + (1,) * (
+      len(MESH_AXES) - 2)
   if math.prod(dcn) == 1:
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
   per_host = tuple(size // d for size, d in zip(shape, dcn))

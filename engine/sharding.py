@@ -68,16 +68,21 @@ class Rules:
 
 
 # The combined layout: batch over data and fsdp; parameters' embed over fsdp (ZeRO-3);
-# heads / MLP hidden / vocabulary over tensor (Megatron). Other presets are its restrictions.
+# heads / MLP hidden / vocabulary over tensor (Megatron); the sequence (activations' `length`)
+# over context. Other presets are its restrictions.
 _TENSOR_NAMES = ('heads', 'kv_heads', 'mlp', 'vocab')
+_CONTEXT = {'length': ('context',)}
 RULE_PRESETS: dict[str, Rules] = {
-    'data_parallel': Rules(params={}, activations={'batch': ('data',)}),
-    'fsdp': Rules(params={'embed': ('fsdp',)}, activations={'batch': ('data', 'fsdp')}),
+    'data_parallel': Rules(params={}, activations={'batch': ('data',), **_CONTEXT}),
+    'fsdp': Rules(params={'embed': ('fsdp',)},
+                  activations={'batch': ('data', 'fsdp'), **_CONTEXT}),
     'tensor': Rules(params={n: ('tensor',) for n in _TENSOR_NAMES},
-                    activations={'batch': ('data',), **{n: ('tensor',) for n in _TENSOR_NAMES}}),
+                    activations={'batch': ('data',), **{n: ('tensor',) for n in _TENSOR_NAMES},
+                                 **_CONTEXT}),
     'fsdp_tensor': Rules(
         params={'embed': ('fsdp',), **{n: ('tensor',) for n in _TENSOR_NAMES}},
-        activations={'batch': ('data', 'fsdp'), **{n: ('tensor',) for n in _TENSOR_NAMES}}),
+        activations={'batch': ('data', 'fsdp'), **{n: ('tensor',) for n in _TENSOR_NAMES},
+                     **_CONTEXT}),
 }
 
 

@@ -78,6 +78,10 @@ def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> Trai
   train_setup = make_setup(model, make_optimizer(config.optim, config.train.num_steps), mesh,
                            rules, options)
   config_lib.check_parameter_splits(train_setup.parameters(), dict(mesh.shape))
+  if mesh.shape['context'] > 1 and not model.context_parallel:
+    raise config_lib.ConfigError(
+        f'mesh.context={mesh.shape["context"]}: model {model.name!r} does not support context '
+        'parallelism (its ModelSpec has context_parallel=False); set mesh.context=1.')
   return train_setup
 
 

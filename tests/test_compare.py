@@ -45,7 +45,8 @@ def test_report_agrees_counts_collectives_and_writes_plots(tmp_path):
   assert open(tmp_path / 'loss.png', 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
   text = open(tmp_path / 'report.md').read()
   assert '## Communication per step and device' in text and 'AGREES' in text
-  assert json.load(open(tmp_path / 'report.json'))['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 2}
+  assert json.load(open(tmp_path / 'report.json'))['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 2,
+                                                               'context': 1}
 
 
 def test_summed_instead_of_averaged_gradients_are_reported_as_diverging(tmp_path, monkeypatch):

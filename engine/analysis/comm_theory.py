@@ -19,6 +19,11 @@ its executions in one step. Keys are (kind, mesh axes).
   backward (the gradient of its column-parallel partner's replicated input); with a
   vocab-parallel embedding and loss, one more activation all-reduce each way plus three
   [batch, length] reductions for the cross-entropy (max, sum of exponentials, target logit).
+- Context parallel (ring attention, engine/parallel/context.py): per layer, each device's keys
+  and values [batch, length / context, heads, head_dim] (query heads: grouped key / value heads
+  are expanded first) move context - 1 times around the ring, and their gradients move back as
+  often; under remat the forward pass, and its permutes, run twice. The sequence's devices count
+  as batch axes for the gradient all-reduce, and every activation above is 1 / context as long.
 Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
@@ -48,8 +53,12 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
   mesh_shape = dict(setup.mesh.shape)
   names = tuple(mesh_shape)
   rules = setup.rules
-  batch_axes = rules.mesh_axes('batch', activation=True)
-  local_batch = global_batch // math.prod(mesh_shape[a] for a in batch_axes)
+  context_axes = rules.mesh_axes('length', activation=True)
+  context = math.prod(mesh_shape[a] for a in context_axes)
+  local_batch = global_batch // math.prod(
+      mesh_shape[a] for a in rules.mesh_axes('batch', activation=True))
+  seq_len //= context  # Each device's part of every sequence.
+  batch_axes = rules.mesh_axes('batch', activation=True) + context_axes
   expected: dict[Key, int] = collections.defaultdict(int)
   reduce_bytes = np.dtype(setup.options.grad_reduce_dtype).itemsize
   activation_bytes = np.dtype(setup.options.compute_dtype).itemsize
@@ -74,6 +83,12 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
     row_parallel = _ordered(rules.mesh_axes(contracted, activation=True), names)
     if row_parallel:
       expected[('all-reduce', row_parallel)] += 2 * model.num_layers * activation
+  if context > 1:
+    heads_split = math.prod(mesh_shape[a] for a in rules.mesh_axes('heads', activation=True))
+    keys_or_values = activation // heads_split
+    forward_passes = 1 if setup.options.remat == 'none' else 2
+    expected[('collective-permute', _ordered(context_axes, names))] += (
+        model.num_layers * (forward_passes + 1) * (context - 1) * 2 * keys_or_values)
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
   if vocab_parallel:
     expected[('all-reduce', vocab_parallel)] += (

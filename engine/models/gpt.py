@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.attention import causal_attention
 from engine.models.layers import apply_layers, dense, param, stack_layers
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
@@ -85,8 +84,8 @@ class Block(nnx.Module):
     q_BLHK, k_BLHK, v_BLHK = (
         ops.constrain(dense(x_BLD, w_qkv_CDHK[c]), ('batch', 'length', 'heads', 'head_dim'))
         for c in range(3))
-    out_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, self.cfg.attention_scale_on,
-                                self.cfg.attention)
+    out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, self.cfg.attention_scale_on,
+                             self.cfg.attention)
     y_BLD = dense(out_BLHK, self.w_out_HKD[...], in_dims=2)
     return ops.finish_contraction(y_BLD, 'heads')
 
@@ -121,7 +120,7 @@ class GPT(nnx.Module):
     length = tokens_BL.shape[1]
     tok_embed_VD = self.tok_embed_VD[...]  # Read once; a tied head uses it again.
     x_BLD = ops.embed_lookup(tok_embed_VD, tokens_BL)
-    x_BLD = x_BLD + self.pos_embed_LD[:length]
+    x_BLD = x_BLD + jnp.take(self.pos_embed_LD[...], ops.positions(length), axis=0)
     x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
 
     # scan_layers=False unrolls the loop completely: straight-line HLO, one copy per layer.
@@ -157,4 +156,5 @@ def build(model_config, vocab_size: int) -> ModelSpec:
   return ModelSpec(
       name='gpt', factory=lambda rngs: GPT(cfg, rngs), vocab_size=vocab_size,
       embed_dim=cfg.embed_dim, num_layers=cfg.num_layers,
-      row_parallel_per_layer=('heads', 'mlp'), flops_per_token=flops_per_token)
+      row_parallel_per_layer=('heads', 'mlp'), flops_per_token=flops_per_token,
+      context_parallel=True)

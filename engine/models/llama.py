@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.attention import causal_attention
 from engine.models.layers import apply_layers, dense, param, stack_layers
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
@@ -90,7 +89,7 @@ class Block(nnx.Module):
   def attention(self, x_BLD, ops):
     cfg = self.cfg
     heads = ('batch', 'length', 'heads', 'head_dim')
-    positions_L = jnp.arange(x_BLD.shape[1])
+    positions_L = ops.positions(x_BLD.shape[1])
     x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
     q_BLHK = dense(x_BLD, self.w_q_DHK[...])
     q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope_base), heads)
@@ -100,7 +99,7 @@ class Block(nnx.Module):
     # Each query head's key / value head, laid out like the query heads.
     k_BLHK = ops.constrain(ops.kv_for_query_heads(k_BLNK, cfg.num_heads), heads)
     v_BLHK = ops.constrain(ops.kv_for_query_heads(v_BLNK, cfg.num_heads), heads)
-    out_BLHK = causal_attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_scale_on, cfg.attention)
+    out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_scale_on, cfg.attention)
     y_BLD = dense(out_BLHK, self.w_o_HKD[...], in_dims=2)
     return ops.finish_contraction(y_BLD, 'heads')
 
@@ -164,4 +163,5 @@ def build(model_config, vocab_size: int) -> ModelSpec:
   return ModelSpec(
       name='llama', factory=lambda rngs: Llama(cfg, rngs), vocab_size=vocab_size,
       embed_dim=D, num_layers=cfg.num_layers, row_parallel_per_layer=('heads', 'mlp'),
-      flops_per_token=flops_per_token, split_where_divisible=('kv_heads',))
+      flops_per_token=flops_per_token, split_where_divisible=('kv_heads',),
+      context_parallel=True)

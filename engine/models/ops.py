@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from engine.models.attention import causal_attention
+
 # The logical name of the axis that stacks layers (nnx.vmap / nnx.scan with
 # transform_metadata={nnx.PARTITION_NAME: LAYERS}). Parameters with this axis are prepared one
 # layer at a time, inside `layer`; all others once, before the model runs.
@@ -56,6 +58,21 @@ class LocalOps:
     """Grouped-query attention: the key (or value) head of every query head, laid out like the
     query heads. Query head h of `num_heads` reads key / value head h // (num_heads / N)."""
     return jnp.repeat(kv_BLNK, num_heads // kv_BLNK.shape[2], axis=2)
+
+  def inputs_and_targets(self, tokens_BL1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The tokens the model reads and the next tokens it predicts, from [batch, length + 1]
+    (a layout that splits the sequence keeps only this device's positions)."""
+    return tokens_BL1[:, :-1], tokens_BL1[:, 1:]
+
+  def positions(self, length: int) -> jax.Array:
+    """The position in the whole sequence of each of the `length` tokens the model holds."""
+    return jnp.arange(length)
+
+  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on: str = 'queries',
+                implementation: str = 'einsum') -> jax.Array:
+    """Causal self-attention over the whole sequence (engine.models.attention); a layout that
+    splits the sequence passes keys and values between its devices."""
+    return causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation)
 
   def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     return jnp.take(table_VD, tokens_BL, axis=0)

@@ -16,7 +16,10 @@ The module that `ModelSpec.create` returns must:
     the token embedding, `finish_contraction(y, name)` after a matmul that contracts a dimension
     the rules may split (Megatron's row-parallel layers), `column_parallel_input(x, name)` on an
     input that feeds several column-parallel matmuls, `constrain` on activations, and `layer`
-    around the application of each layer stacked along the `LAYERS` axis.
+    around the application of each layer stacked along the `LAYERS` axis;
+  - for context (sequence) parallelism (`context_parallel=True`), take positions from
+    `ops.positions` and compute attention with `ops.attention`: a device then holds only part of
+    each sequence.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class ModelSpec:
   # axes, and replicate otherwise (e.g. 'kv_heads': grouped-query attention with fewer key /
   # value heads than the tensor axis). Any other name must divide, or the run is refused.
   split_where_divisible: tuple[str, ...] = ()
+  # Whether the model reads positions and attends only through `ops`, so that a mesh may split
+  # its sequences (mesh.context > 1).
+  context_parallel: bool = False
 
   def create(self, rngs: nnx.Rngs) -> nnx.Module:
     """The model, unplaced. The engine places parameters itself (a jit with out_shardings from

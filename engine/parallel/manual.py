@@ -14,6 +14,9 @@ The collectives come from the same rules that give auto mode its shardings:
   broadcast of the replicated activation into the backward `psum`.
 - A vocabulary sharded over `tensor` gets a vocab-parallel embedding lookup (masked local lookup,
   `psum`) and a vocab-parallel cross-entropy (`pmax` / `psum` of the logsumexp terms).
+- A sequence split over `context` (activations' `length`): each device keeps two chunks of every
+  sequence and attention passes keys and values around the ring with `ppermute`
+  (engine/parallel/context.py); the context axis counts as a batch axis for the averages below.
 - Gradients follow the pattern in DESIGN.md ("the gradient trap"): each parameter is cast to
   varying over the batch axes it is replicated on, the gradient is taken with respect to that
   local copy, and one explicit `pmean` over those axes averages it. Where the cast happens
@@ -34,6 +37,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine.models.ops import LocalOps
+from engine.parallel import context
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
                                    map_params, next_token_loss)
 from engine.sharding import named, spec_axes
@@ -50,7 +54,13 @@ class ManualOps(LocalOps):
 
   def __init__(self, setup: TrainSetup, gather: bool = True, average_in_backward: bool = False):
     self.rules = setup.rules
-    self.batch_axes = setup.rules.mesh_axes('batch', activation=True)
+    # Context parallelism: the axis that splits every sequence (engine/parallel/context.py).
+    context_axes = setup.rules.mesh_axes('length', activation=True)
+    self.context_axis = context_axes[0] if context_axes else None
+    self.context_size = setup.mesh.shape[self.context_axis] if context_axes else 1
+    # Every device along these axes sees different tokens: losses and gradients are averaged
+    # over them (the sequence's devices hold equal token counts, so their mean is the mean).
+    self.batch_axes = setup.rules.mesh_axes('batch', activation=True) + context_axes
     self.average_in_backward = average_in_backward
     self.mesh_shape = dict(setup.mesh.shape)
     self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
@@ -143,6 +153,22 @@ class ManualOps(LocalOps):
     """(axes, first id of this device's vocabulary shard) for a vocab split over `tensor`."""
     axes = self.rules.mesh_axes('vocab', activation=True)
     return axes, self._shard_index(axes) * local_vocab
+
+  def inputs_and_targets(self, tokens_BL1):
+    if self.context_axis is None:
+      return super().inputs_and_targets(tokens_BL1)
+    return context.local_sequence(tokens_BL1, self.context_axis, self.context_size)
+
+  def positions(self, length):
+    if self.context_axis is None:
+      return super().positions(length)
+    return context.local_positions(length, self.context_axis, self.context_size)
+
+  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum'):
+    if self.context_axis is None:
+      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation)
+    return context.ring_attention(q_BLHK, k_BLHK, v_BLHK, self.context_axis, self.context_size,
+                                  scale_on)
 
   def embed_lookup(self, table_VD, tokens_BL):
     axes, first = self._vocab_shard(table_VD.shape[0])

@@ -50,8 +50,8 @@ REMAT_POLICIES = {
 def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) -> jax.Array:
   """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
   model = ops.prepare_params(nnx.merge(graphdef, params))
-  logits_BLV = model(tokens_BL1[:, :-1], ops)
-  return ops.cross_entropy(logits_BLV, tokens_BL1[:, 1:])
+  inputs_BL, targets_BL = ops.inputs_and_targets(tokens_BL1)
+  return ops.cross_entropy(model(inputs_BL, ops), targets_BL)
 
 
 def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbatches: int,

@@ -1,0 +1,121 @@
+"""Context (sequence) parallelism in manual mode: the load-balanced split of every sequence over
+the `context` axis, and ring attention over it.
+
+Load balance. Under a causal mask, late positions attend to more keys than early ones, so a
+contiguous split would give the last device most of the work. Instead every sequence is cut into
+2C chunks (C = the context axis size) and device c holds chunks c and 2C-1-c: one early, one
+late ("zigzag"), so every device does the same work.
+
+Ring attention. Each device keeps its queries and passes its keys and values around the ring
+with `ppermute`, C-1 times; the softmax is accumulated online (running maximum, normaliser and
+weighted sum, in float32), so no device ever holds the whole sequence's keys. With the zigzag
+layout, of the four (query chunk, key chunk) blocks a visiting device brings, one is always fully
+visible (late queries, early keys), one fully masked (early queries, late keys) and skipped, and
+exactly one of the two others is fully visible: every device computes two unmasked blocks per
+ring step. The backward pass is JAX's transpose: each permute becomes one in the other direction.
+
+Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, K head_dim;
+C the context axis size, T = L / (2C) the chunk length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = jnp.finfo(jnp.float32).min
+
+
+def chunk_starts(axis: str, size: int, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """Where this device's two chunks start in the whole sequence (traced: depends on the device)."""
+  index = jax.lax.axis_index(axis)
+  return index * chunk, (2 * size - 1 - index) * chunk
+
+
+def local_sequence(tokens_BL1: jax.Array, axis: str, size: int):
+  """This device's inputs and targets [B, 2T] from the whole sequences [B, L + 1]."""
+  length = tokens_BL1.shape[1] - 1
+  chunk = length // (2 * size)
+  first, second = chunk_starts(axis, size, chunk)
+  take = lambda start, offset: jax.lax.dynamic_slice_in_dim(tokens_BL1, start + offset, chunk, 1)
+  inputs = jnp.concatenate([take(first, 0), take(second, 0)], axis=1)
+  targets = jnp.concatenate([take(first, 1), take(second, 1)], axis=1)
+  return inputs, targets
+
+
+def local_positions(local_length: int, axis: str, size: int) -> jax.Array:
+  """The whole-sequence position of each of this device's `local_length` = 2T tokens."""
+  chunk = local_length // 2
+  first, second = chunk_starts(axis, size, chunk)
+  offsets = jnp.arange(chunk)
+  return jnp.concatenate([first + offsets, second + offsets])
+
+
+def _block(q_BQHK, k_BSHK, v_BSHK, scale: float, causal: bool):
+  """Softmax statistics of one (query chunk, key chunk) block: running max m [B, H, Q],
+  normaliser l [B, H, Q] and unnormalised output o [B, Q, H, K], all float32."""
+  logits_BHQS = jnp.einsum('BQHK,BSHK->BHQS', q_BQHK, k_BSHK,
+                           preferred_element_type=jnp.float32)
+  if scale != 1.0:
+    logits_BHQS = logits_BHQS * scale
+  if causal:  # Same chunk: position q sees keys up to itself.
+    length = q_BQHK.shape[1]
+    logits_BHQS = jnp.where(jnp.tril(jnp.ones((length, length), bool)), logits_BHQS, _MASKED)
+  m_BHQ = logits_BHQS.max(-1)
+  p_BHQS = jnp.exp(logits_BHQS - m_BHQ[..., None])
+  o_BQHK = jnp.einsum('BHQS,BSHK->BQHK', p_BHQS.astype(v_BSHK.dtype), v_BSHK,
+                      preferred_element_type=jnp.float32)
+  return m_BHQ, p_BHQS.sum(-1), o_BQHK
+
+
+def _merge(a, b):
+  """Two blocks' statistics for the same queries, as if computed over both key sets."""
+  (m1, l1, o1), (m2, l2, o2) = a, b
+  m = jnp.maximum(m1, m2)
+  c1, c2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+  per_query = lambda c: c.transpose(0, 2, 1)[..., None]  # [B, H, Q] -> [B, Q, H, 1]
+  return m, l1 * c1 + l2 * c2, o1 * per_query(c1) + o2 * per_query(c2)
+
+
+def _select(pick_first, a, b):
+  return jax.tree.map(lambda x, y: jnp.where(pick_first, x, y), a, b)
+
+
+def ring_attention(q_BLHK, k_BLHK, v_BLHK, axis: str, size: int,
+                   scale_on: str = 'queries') -> jax.Array:
+  """Causal attention of this device's queries (its two chunks) over the whole sequence, whose
+  keys and values travel around the `axis` ring. Equal to engine.models.attention's
+  causal_attention on the whole sequence, up to float32 rounding."""
+  scale = q_BLHK.shape[-1] ** -0.5
+  if scale_on == 'queries':
+    q_BLHK, scale = q_BLHK * jnp.asarray(scale, q_BLHK.dtype), 1.0
+  chunk = q_BLHK.shape[1] // 2
+  halves = lambda x: (x[:, :chunk], x[:, chunk:])
+  q_early, q_late = halves(q_BLHK)
+  me = jax.lax.axis_index(axis)
+
+  # Own keys: early queries see early keys causally; late queries see all early keys and late
+  # keys causally.
+  (k_early, k_late), (v_early, v_late) = halves(k_BLHK), halves(v_BLHK)
+  early = _block(q_early, k_early, v_early, scale, causal=True)
+  late = _merge(_block(q_late, k_early, v_early, scale, causal=False),
+                _block(q_late, k_late, v_late, scale, causal=True))
+
+  to_next = [(i, (i + 1) % size) for i in range(size)]
+  kv = (k_BLHK, v_BLHK)
+  for step in range(1, size):
+    kv = jax.lax.ppermute(kv, axis, to_next)
+    source = (me - step) % size  # Whose keys these are: its chunks are `source`, 2C-1-source.
+    (k_early, k_late), (v_early, v_late) = halves(kv[0]), halves(kv[1])
+    # Late queries see every early chunk of another device.
+    late = _merge(late, _block(q_late, k_early, v_early, scale, causal=False))
+    # Early queries see an early chunk before theirs; late queries a late chunk before theirs.
+    # Exactly one holds; compute that block only.
+    earlier = source < me
+    block = _block(jnp.where(earlier, q_early, q_late), jnp.where(earlier, k_early, k_late),
+                   jnp.where(earlier, v_early, v_late), scale, causal=False)
+    early = _select(earlier, _merge(early, block), early)
+    late = _select(earlier, late, _merge(late, block))
+
+  finish = lambda stats: stats[2] / stats[1].transpose(0, 2, 1)[..., None]
+  return jnp.concatenate([finish(early), finish(late)], axis=1).astype(v_BLHK.dtype)

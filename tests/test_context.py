@@ -1,0 +1,77 @@
+"""Context (sequence) parallelism: sequences split over the `context` axis in both modes (ring
+attention in manual mode) match the single-device run; the ring's permutes are what theory says."""
+
+import pytest
+
+from engine import parallel
+from engine.analysis import collectives, comm_theory
+from engine.config import ConfigError, validate
+from engine.train import build_setup
+from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
+
+STEPS = 3
+
+
+def _config(mesh=(1, 1, 1, 1), model='gpt'):
+  config = tiny_config(mesh=mesh[:3], steps=STEPS)
+  config.mesh.context = mesh[3]
+  config.model.name = model
+  if model == 'llama':
+    config.model.num_kv_heads = 2  # Grouped-query: 2 key / value heads for 4 query heads.
+  return config
+
+
+@pytest.fixture(scope='module')
+def references():
+  return {model: single_device_run(_config(model=model), STEPS) for model in ('gpt', 'llama')}
+
+
+@pytest.mark.parametrize('model, mesh, mode', [
+    ('gpt', (1, 1, 1, 8), 'manual'), ('gpt', (1, 1, 1, 8), 'auto'),
+    ('gpt', (2, 1, 1, 4), 'manual'), ('gpt', (2, 1, 1, 4), 'auto'),
+    ('gpt', (4, 1, 1, 2), 'manual'),
+    # Three axes at once: fsdp, tensor (grouped key / value heads split) and context.
+    ('llama', (1, 2, 2, 2), 'manual'), ('llama', (1, 2, 2, 2), 'auto'),
+    ('llama', (1, 1, 2, 4), 'manual'),
+], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else v)
+def test_matches_single_device(model, mesh, mode, references):
+  assert_same_run(engine_run(_config(mesh, model), mode, STEPS), references[model])
+
+
+@pytest.mark.parametrize('mesh', [(1, 1, 1, 8), (1, 1, 2, 4)], ids=['context8', 'tensor2_context4'])
+def test_ring_moves_each_key_value_block_context_minus_1_times_each_way(mesh):
+  config = _config(mesh)
+  train_setup = build_setup(config, 256)
+  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
+  compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
+      train_setup.abstract_state(), batch).compile()
+  found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
+  table = collectives.summarize(found)
+  context, tensor = mesh[3], mesh[2]
+  layers = config.model.num_layers
+  permutes = table[('collective-permute', ('context',))]
+  # Per layer: keys and values, context - 1 ring steps, forward and backward.
+  assert permutes['executions'] == layers * 2 * (context - 1) * 2
+  local_block = (config.data.global_batch_size * config.data.seq_len // context *
+                 config.model.embed_dim // tensor * 4)  # [B, L / C, H / T, K] float32
+  assert permutes['bytes'] == permutes['executions'] * local_block
+  # And the communication theory says the same, for the permutes and the gradient reduction.
+  theory = comm_theory.expected_bytes(train_setup, config.data.global_batch_size,
+                                      config.data.seq_len)
+  assert theory[('collective-permute', ('context',))] == permutes['bytes']
+  gradients = table[('all-reduce', ('context',))]['array_bytes']
+  assert gradients - theory[('all-reduce', ('context',))] < 64, (gradients, theory)  # Scalars.
+  assert {kind for kind, _ in table} <= {'all-reduce', 'collective-permute'}
+
+
+def test_sequences_must_split_into_two_chunks_per_device():
+  config = _config((1, 1, 1, 8))
+  config.data.seq_len = config.model.max_len = 24  # 2 * 8 = 16 does not divide it.
+  with pytest.raises(ConfigError, match=r'data.seq_len=24 must be a multiple of '
+                     r'2\*mesh.context=16'):
+    validate(config, 8)
+  config = _config((1, 1, 1, 8))
+  config.parallelism.mode = 'manual'
+  config.model.attention = 'dot_product_attention'
+  with pytest.raises(ConfigError, match="ring attention computes its own blocks"):
+    validate(config, 8)
