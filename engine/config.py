@@ -20,7 +20,7 @@ from engine.models import attention
 
 SOURCES = ('embedded', 'file', 'synthetic')
 TOKENIZERS = ('byte', 'char')
-MESH_AXES = ('data', 'fsdp', 'tensor', 'context')
+MESH_AXES = ('data', 'fsdp', 'tensor', 'context', 'stage')
 DTYPES = ('float32', 'bfloat16')
 
 
@@ -87,6 +87,9 @@ def default_config() -> ml_collections.ConfigDict:
   # Context (sequence) parallelism: each sequence split over this many devices; manual mode runs
   # ring attention over them (engine/parallel/context.py).
   c.mesh.context = 1
+  # Pipeline parallelism: the stacked layers split into this many stages, fed train.microbatches
+  # micro-batches on a GPipe schedule (engine/parallel/pipeline.py).
+  c.mesh.stage = 1
   # How many hosts (or TPU slices) the data / fsdp axes span: those axes are laid out across the
   # slow inter-host network and everything else within a host. 1 = no preference.
   c.mesh.dcn_data = 1
@@ -163,13 +166,13 @@ def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.Co
 
 
 def set_mesh_shape(config: ml_collections.ConfigDict, shape: str) -> None:
-  """Applies a 'DxFxT' or 'DxFxTxC' mesh string (data x fsdp x tensor [x context]) from an
-  experiment argument."""
+  """Applies a 'DxFxT', 'DxFxTxC' or 'DxFxTxCxS' mesh string (data x fsdp x tensor [x context
+  [x stage]]) from an experiment argument."""
   sizes = shape.split('x')
-  if len(sizes) not in (3, 4) or not all(re.fullmatch(r'-?[0-9]+', size) for size in sizes):
-    raise ConfigError(f'mesh={shape} is not DATAxFSDPxTENSOR[xCONTEXT], integers joined by x; '
-                      'give e.g. mesh=2x2x2 or mesh=2x1x2x2 (-1: the devices the other axes '
-                      'leave, e.g. mesh=-1x1x2).')
+  if len(sizes) not in (3, 4, 5) or not all(re.fullmatch(r'-?[0-9]+', size) for size in sizes):
+    raise ConfigError(f'mesh={shape} is not DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], integers joined '
+                      'by x; give e.g. mesh=2x2x2 or mesh=2x1x1x2x2 (-1: the devices the other '
+                      'axes leave, e.g. mesh=-1x1x2).')
   for axis, size in zip(MESH_AXES, sizes):
     config.mesh[axis] = int(size)
 
@@ -218,7 +221,7 @@ def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
           f'{num_devices}.')
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
-    shown = [a for a in MESH_AXES if a != 'context' or sizes[a] != 1]
+    shown = [a for a in MESH_AXES if a not in ('context', 'stage') or sizes[a] != 1]
     raise ConfigError(
         f'mesh: {"*".join(shown)} = {"*".join(str(sizes[a]) for a in shown)} = {fixed}, '
         f'but there are {num_devices} devices; make the product {num_devices} or set one axis '
@@ -397,6 +400,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
         f'model.attention={config.model.attention!r} with mesh.context={context} in manual mode: '
         "ring attention computes its own blocks; set model.attention='einsum' (auto mode may "
         'keep it).')
+
+  stages = mesh['stage']
+  if stages > 1 and config.model.num_layers % stages:
+    raise ConfigError(
+        f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} '
+        'pipeline stages of equal depth; choose a stage count that divides it.')
+  if stages > 1 and config.train.microbatches < stages:
+    raise ConfigError(
+        f'train.microbatches={config.train.microbatches} is fewer than mesh.stage={stages}: the '
+        'pipeline would never fill; give at least as many micro-batches as stages (more shrink '
+        f'the idle fraction, (stages - 1) / (microbatches + stages - 1)).')
 
   batch_axes = rules.mesh_axes('batch', activation=True)
   batch_ways = math.prod(mesh[a] for a in batch_axes)

@@ -44,7 +44,10 @@ class Rules:
 
   def gather_axes(self, logical: str | None) -> MeshAxes:
     """Mesh axes over which a parameter dimension is stored split but computed whole (FSDP):
-    manual mode all-gathers the dimension over them before use."""
+    manual mode all-gathers the dimension over them before use. Pipeline stages (`layers`) are
+    never gathered: each stage computes only its own layers."""
+    if logical == 'layers':
+      return ()
     kept = self.mesh_axes(logical, activation=True)
     return tuple(a for a in self.mesh_axes(logical) if a not in kept)
 
@@ -69,18 +72,19 @@ class Rules:
 
 # The combined layout: batch over data and fsdp; parameters' embed over fsdp (ZeRO-3);
 # heads / MLP hidden / vocabulary over tensor (Megatron); the sequence (activations' `length`)
-# over context. Other presets are its restrictions.
+# over context; stacked layers over stage (pipeline). Other presets are its restrictions.
 _TENSOR_NAMES = ('heads', 'kv_heads', 'mlp', 'vocab')
 _CONTEXT = {'length': ('context',)}
+_STAGE = {'layers': ('stage',)}  # Stacked layers split into pipeline stages.
 RULE_PRESETS: dict[str, Rules] = {
-    'data_parallel': Rules(params={}, activations={'batch': ('data',), **_CONTEXT}),
-    'fsdp': Rules(params={'embed': ('fsdp',)},
+    'data_parallel': Rules(params={**_STAGE}, activations={'batch': ('data',), **_CONTEXT}),
+    'fsdp': Rules(params={'embed': ('fsdp',), **_STAGE},
                   activations={'batch': ('data', 'fsdp'), **_CONTEXT}),
-    'tensor': Rules(params={n: ('tensor',) for n in _TENSOR_NAMES},
+    'tensor': Rules(params={**{n: ('tensor',) for n in _TENSOR_NAMES}, **_STAGE},
                     activations={'batch': ('data',), **{n: ('tensor',) for n in _TENSOR_NAMES},
                                  **_CONTEXT}),
     'fsdp_tensor': Rules(
-        params={'embed': ('fsdp',), **{n: ('tensor',) for n in _TENSOR_NAMES}},
+        params={'embed': ('fsdp',), **{n: ('tensor',) for n in _TENSOR_NAMES}, **_STAGE},
         activations={'batch': ('data', 'fsdp'), **{n: ('tensor',) for n in _TENSOR_NAMES},
                      **_CONTEXT}),
 }

@@ -95,8 +95,8 @@ BAD_INPUTS = [
      '--config=experiments/tiny.py:steps=abc: experiment argument steps=abc is not an integer; '
      'give one, e.g. steps=600.'),
     (['--config=experiments/tiny.py:mesh=2x2', RUN], 2, '--config=experiments/tiny.py:mesh=2x2: '
-     'mesh=2x2 is not DATAxFSDPxTENSOR[xCONTEXT], integers joined by x; give e.g. mesh=2x2x2 or '
-     'mesh=2x1x2x2 (-1: the devices the other axes leave, e.g. mesh=-1x1x2).'),
+     'mesh=2x2 is not DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], integers joined by x; give e.g. '
+     'mesh=2x2x2 or mesh=2x1x1x2x2 (-1: the devices the other axes leave, e.g. mesh=-1x1x2).'),
     # Overrides: keys and types.
     ([TINY, RUN, '--config.model.num_layerz=3'], 2, '--config.model.num_layerz=3: the config has '
      'no key model.num_layerz (did you mean model.num_layers?); the keys and their defaults are in '

@@ -33,9 +33,9 @@ def test_mesh_product_must_equal_device_count():
 
 def test_mesh_minus_one_fills_the_rest():
   assert resolve_mesh_shape({'data': -1, 'fsdp': 2, 'tensor': 1}, 8) == {
-      'data': 4, 'fsdp': 2, 'tensor': 1, 'context': 1}
+      'data': 4, 'fsdp': 2, 'tensor': 1, 'context': 1, 'stage': 1}
   assert resolve_mesh_shape({'data': 2, 'fsdp': 1, 'tensor': 1, 'context': -1}, 8) == {
-      'data': 2, 'fsdp': 1, 'tensor': 1, 'context': 4}
+      'data': 2, 'fsdp': 1, 'tensor': 1, 'context': 4, 'stage': 1}
   _expect(tiny_config(mesh=(-1, 3, 1)), 'does not divide', 'mesh.data=-1')
   _expect(tiny_config(mesh=(-1, -1, 1)), 'only one axis may be -1')
   _expect(tiny_config(mesh=(0, 8, 1)), 'mesh.data=0')

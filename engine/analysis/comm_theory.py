@@ -24,6 +24,13 @@ its executions in one step. Keys are (kind, mesh axes).
   are expanded first) move context - 1 times around the ring, and their gradients move back as
   often; under remat the forward pass, and its permutes, run twice. The sequence's devices count
   as batch axes for the gradient all-reduce, and every activation above is 1 / context as long.
+- Pipeline (engine/parallel/pipeline.py, GPipe): the activations of one micro-batch
+  [batch / microbatches, length, embed] move to the next stage microbatches + stages - 2 times
+  in the forward pass and as often back; the last stage's output [batch, length, embed] is
+  broadcast to every stage (one all-reduce), and the embedding's gradient gathered back from
+  stage 0 (another). Stacked layers' gradients are split over `stage`, so each stage reduces
+  only its own. Under FSDP the stacked layers' gradients are reduce-scattered once per pipeline
+  iteration, which this theory does not model.
 Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
@@ -89,6 +96,13 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
     forward_passes = 1 if setup.options.remat == 'none' else 2
     expected[('collective-permute', _ordered(context_axes, names))] += (
         model.num_layers * (forward_passes + 1) * (context - 1) * 2 * keys_or_values)
+  stage_axes = _ordered(rules.mesh_axes(LAYERS), names)
+  if stage_axes:
+    stages = math.prod(mesh_shape[a] for a in stage_axes)
+    microbatches = setup.options.microbatches
+    expected[('collective-permute', stage_axes)] += (
+        2 * (microbatches + stages - 2) * activation // microbatches)
+    expected[('all-reduce', stage_axes)] += 2 * activation
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
   if vocab_parallel:
     expected[('all-reduce', vocab_parallel)] += (

@@ -72,4 +72,4 @@ def apply_layers(layers: nnx.Module, x: jax.Array, ops, unroll: int = 1) -> jax.
   def run(layer, x):
     return ops.layer(lambda layer, x: layer(x, ops))(layer, x)
 
-  return run(layers, x)
+  return ops.stack(run, layers, x)

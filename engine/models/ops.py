@@ -41,6 +41,12 @@ class LocalOps:
     prepare that layer's parameters (FSDP gathers them) and rematerialise it."""
     return fn
 
+  def stack(self, run: Callable, layers: nnx.Module, x: jax.Array) -> jax.Array:
+    """Applies the stacked `layers` to `x` with `run(layers, x)` (engine.models.layers'
+    apply_layers calls this): a layout that splits the stack into pipeline stages schedules it
+    over micro-batches."""
+    return run(layers, x)
+
   def column_parallel_input(self, x: jax.Array, logical: str) -> jax.Array:
     """Marks `x` as the input of several column-parallel matmuls whose outputs carry the logical
     dimension `logical` (separate query / key / value projections, an MLP's gate and up): a

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine.models.ops import LocalOps
+from engine.parallel import pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
                                    map_params, next_token_loss)
 from engine.state import TrainSetup
@@ -23,6 +24,7 @@ class AutoOps(LocalOps):
     self.rules = setup.rules
     self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
     self.remat_policy = REMAT_POLICIES[setup.options.remat]  # None: no rematerialisation.
+    self.microbatches = setup.options.microbatches
 
   def constrain(self, x, logical_axes, activation=True):
     spec = self.rules.spec(logical_axes, activation=activation)
@@ -41,6 +43,14 @@ class AutoOps(LocalOps):
     if self.remat_policy is None:
       return prepared
     return nnx.remat(prepared, policy=self.remat_policy)
+
+  def stack(self, run, layers, x):
+    if not self.rules.mesh_axes('layers'):
+      return super().stack(run, layers, x)
+    stages = self.mesh.shape['stage']
+    by_stage = lambda a: jax.lax.with_sharding_constraint(
+        a, NamedSharding(self.mesh, P('stage', *([None] * (a.ndim - 1)))))
+    return pipeline.auto_pipeline(run, layers, x, stages, self.microbatches, by_stage)
 
   def embed_lookup(self, table_VD, tokens_BL):
     # XLA partitions a gather from a table split only along the vocabulary as a masked local
@@ -62,9 +72,12 @@ def build_steps(setup: TrainSetup) -> Steps:
   def loss_fn(params, tokens_BL1):
     return next_token_loss(params, setup.graphdef, tokens_BL1, ops)
 
+  # With pipeline stages the micro-batches feed the schedule (ops.stack) instead.
+  accumulated = 1 if setup.rules.mesh_axes('layers') else setup.options.microbatches
+
   def gradients(params, tokens_BL1):
     return accumulate_gradients(
-        jax.value_and_grad(loss_fn), params, tokens_BL1, setup.options.microbatches,
+        jax.value_and_grad(loss_fn), params, tokens_BL1, accumulated,
         lambda micro: jax.lax.with_sharding_constraint(micro, micro_batches))
 
   def train_step(state, tokens_BL1):

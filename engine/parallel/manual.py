@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine.models.ops import LocalOps
-from engine.parallel import context
+from engine.parallel import context, pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
                                    map_params, next_token_loss)
 from engine.sharding import named, spec_axes
@@ -61,6 +61,11 @@ class ManualOps(LocalOps):
     # Every device along these axes sees different tokens: losses and gradients are averaged
     # over them (the sequence's devices hold equal token counts, so their mean is the mean).
     self.batch_axes = setup.rules.mesh_axes('batch', activation=True) + context_axes
+    # Pipeline parallelism: the axis that splits the stacked layers (engine/parallel/pipeline.py).
+    stage_axes = setup.rules.mesh_axes('layers')
+    self.stage_axis = stage_axes[0] if stage_axes else None
+    self.stages = setup.mesh.shape[self.stage_axis] if stage_axes else 1
+    self.microbatches = setup.options.microbatches
     self.average_in_backward = average_in_backward
     self.mesh_shape = dict(setup.mesh.shape)
     self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
@@ -115,6 +120,12 @@ class ManualOps(LocalOps):
     def prepared_layer(layer, *args):
       return fn(self.prepare_params(layer, skip_stacked=False), *args)
     return nnx.remat(prepared_layer, policy=self.remat_policy)
+
+  def stack(self, run, layers, x):
+    if self.stage_axis is None:
+      return super().stack(run, layers, x)
+    return pipeline.manual_pipeline(run, layers, x, self.stage_axis, self.stages,
+                                    self.microbatches)
 
   def column_parallel_input(self, x, logical):
     # x is whole on every device of these axes. Cast to varying once, so the backward pass adds
@@ -196,7 +207,10 @@ class ManualOps(LocalOps):
 
 
 def build_steps(setup: TrainSetup) -> Steps:
-  microbatches = setup.options.microbatches
+  # With pipeline stages the micro-batches feed the schedule (ops.stack); gradients are taken
+  # once for the whole batch.
+  pipelined = bool(setup.rules.mesh_axes('layers'))
+  microbatches = 1 if pipelined else setup.options.microbatches
   ops = ManualOps(setup, average_in_backward=microbatches == 1)
   state_specs = setup.state_specs()
   param_specs = state_specs['params']

@@ -1,0 +1,79 @@
+"""Pipeline parallelism: stacked layers split over `stage`, micro-batches on a GPipe schedule in
+both modes, against the single-device run; the manual schedule's permutes; memory per stage."""
+
+import pytest
+
+from engine import parallel
+from engine.analysis import collectives, comm_theory
+from engine.config import ConfigError, validate
+from engine.models.ops import LAYERS
+from engine.parallel.pipeline import bubble_fraction
+from engine.train import build_setup
+from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
+
+STEPS = 3
+
+
+def _config(mesh=(1, 1, 1, 1, 1), model='gpt', layers=2, microbatches=1):
+  config = tiny_config(mesh=mesh[:3], steps=STEPS)
+  config.mesh.context, config.mesh.stage = mesh[3:]
+  config.model.name = model
+  config.model.num_layers = layers
+  config.train.microbatches = microbatches
+  if model == 'llama':
+    config.model.num_kv_heads = 2
+  return config
+
+
+@pytest.fixture(scope='module')
+def references():
+  return {(model, layers): single_device_run(_config(model=model, layers=layers), STEPS)
+          for model, layers in (('gpt', 2), ('gpt', 4), ('llama', 2))}
+
+
+@pytest.mark.parametrize('model, layers, mesh, microbatches, mode', [
+    ('gpt', 2, (4, 1, 1, 1, 2), 2, 'manual'), ('gpt', 2, (4, 1, 1, 1, 2), 2, 'auto'),
+    ('gpt', 4, (2, 1, 1, 1, 4), 4, 'manual'), ('gpt', 4, (2, 1, 1, 1, 4), 4, 'auto'),
+    # Three axes at once: fsdp x tensor x stage, and tensor x context x stage.
+    ('llama', 2, (1, 2, 2, 1, 2), 4, 'manual'), ('llama', 2, (1, 2, 2, 1, 2), 4, 'auto'),
+    ('gpt', 2, (1, 1, 2, 2, 2), 2, 'manual'), ('gpt', 2, (1, 1, 2, 2, 2), 2, 'auto'),
+], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_matches_single_device(model, layers, mesh, microbatches, mode, references):
+  run = engine_run(_config(mesh, model, layers, microbatches), mode, STEPS)
+  assert_same_run(run, references[(model, layers)])
+
+
+@pytest.mark.parametrize('stages', [2, 4])
+def test_manual_schedule_permutes_and_parameter_memory(stages):
+  microbatches = 4
+  config = _config((8 // stages, 1, 1, 1, stages), layers=4, microbatches=microbatches)
+  train_setup = build_setup(config, 256)
+  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
+  compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
+      train_setup.abstract_state(), batch).compile()
+  table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
+                                                              train_setup.mesh))
+  permutes = table[('collective-permute', ('stage',))]
+  # GPipe: microbatches + stages - 2 shifts forward, as many backward, of one micro-batch.
+  assert permutes['executions'] == 2 * (microbatches + stages - 2)
+  local_batch = config.data.global_batch_size // (8 // stages)
+  micro = local_batch // microbatches * config.data.seq_len * config.model.embed_dim * 4
+  assert permutes['array_bytes'] == permutes['executions'] * micro
+  theory = comm_theory.expected_bytes(train_setup, config.data.global_batch_size,
+                                      config.data.seq_len)
+  assert theory[('collective-permute', ('stage',))] == permutes['array_bytes']
+  assert theory[('all-reduce', ('stage',))] == table[('all-reduce', ('stage',))]['array_bytes']
+  # Each stage stores 1 / stages of the stacked layers.
+  for p in train_setup.parameters():
+    if p.logical_axes[0] == LAYERS:
+      assert p.shard_shape[0] == config.model.num_layers // stages, p.path
+  assert bubble_fraction(stages, microbatches) == (stages - 1) / (microbatches + stages - 1)
+
+
+def test_stage_counts_are_checked():
+  config = _config((1, 1, 1, 1, 8), layers=4, microbatches=8)
+  with pytest.raises(ConfigError, match='model.num_layers=4 does not split into mesh.stage=8'):
+    validate(config, 8)
+  config = _config((4, 1, 1, 1, 2), layers=2, microbatches=1)
+  with pytest.raises(ConfigError, match='train.microbatches=1 is fewer than mesh.stage=2'):
+    validate(config, 8)
