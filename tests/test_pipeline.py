@@ -43,10 +43,11 @@ def test_matches_single_device(model, layers, mesh, microbatches, mode, referenc
   assert_same_run(run, references[(model, layers)])
 
 
-@pytest.mark.parametrize('stages', [2, 4])
-def test_manual_schedule_permutes_and_parameter_memory(stages):
-  microbatches = 4
-  config = _config((8 // stages, 1, 1, 1, stages), layers=4, microbatches=microbatches)
+@pytest.mark.parametrize('mesh', [(4, 1, 1, 1, 2), (2, 1, 1, 1, 4), (1, 2, 1, 1, 4)],
+                         ids=['data4_stage2', 'data2_stage4', 'fsdp2_stage4'])
+def test_manual_schedule_permutes_and_parameter_memory(mesh):
+  microbatches, stages = 4, mesh[4]
+  config = _config(mesh, layers=4, microbatches=microbatches)
   train_setup = build_setup(config, 256)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
@@ -56,13 +57,18 @@ def test_manual_schedule_permutes_and_parameter_memory(stages):
   permutes = table[('collective-permute', ('stage',))]
   # GPipe: microbatches + stages - 2 shifts forward, as many backward, of one micro-batch.
   assert permutes['executions'] == 2 * (microbatches + stages - 2)
-  local_batch = config.data.global_batch_size // (8 // stages)
+  local_batch = config.data.global_batch_size // (mesh[0] * mesh[1])
   micro = local_batch // microbatches * config.data.seq_len * config.model.embed_dim * 4
   assert permutes['array_bytes'] == permutes['executions'] * micro
   theory = comm_theory.expected_bytes(train_setup, config.data.global_batch_size,
                                       config.data.seq_len)
   assert theory[('collective-permute', ('stage',))] == permutes['array_bytes']
-  assert theory[('all-reduce', ('stage',))] == table[('all-reduce', ('stage',))]['array_bytes']
+  # Every collective as the theory says: gradients synchronised once per step, not once per
+  # pipeline iteration (scalars, a few bytes, aside).
+  measured = {key: row['array_bytes'] for key, row in table.items() if row['array_bytes']}
+  assert measured.keys() == theory.keys()
+  for key, value in theory.items():
+    assert 0 <= measured[key] - value < 64, (key, measured[key], value)
   # Each stage stores 1 / stages of the stacked layers.
   for p in train_setup.parameters():
     if p.logical_axes[0] == LAYERS:

@@ -29,8 +29,8 @@ its executions in one step. Keys are (kind, mesh axes).
   in the forward pass and as often back; the last stage's output [batch, length, embed] is
   broadcast to every stage (one all-reduce), and the embedding's gradient gathered back from
   stage 0 (another). Stacked layers' gradients are split over `stage`, so each stage reduces
-  only its own. Under FSDP the stacked layers' gradients are reduce-scattered once per pipeline
-  iteration, which this theory does not model.
+  only its own, once per step; under FSDP each weight is gathered once per step, as with
+  micro-batches.
 Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in

@@ -211,7 +211,10 @@ def build_steps(setup: TrainSetup) -> Steps:
   # once for the whole batch.
   pipelined = bool(setup.rules.mesh_axes('layers'))
   microbatches = 1 if pipelined else setup.options.microbatches
-  ops = ManualOps(setup, average_in_backward=microbatches == 1)
+  # Where the backward pass runs each layer more than once (micro-batches accumulated, or the
+  # pipeline's iterations), gradients are synchronised after it, once, not in it.
+  sync_after = microbatches > 1 or pipelined
+  ops = ManualOps(setup, average_in_backward=not sync_after)
   state_specs = setup.state_specs()
   param_specs = state_specs['params']
   batch_spec = setup.batch_sharding().spec
@@ -263,7 +266,7 @@ def build_steps(setup: TrainSetup) -> Steps:
     return loss, average(map_param_values(grads, ops.scattered))
 
   def gradients(params, tokens_BL1):
-    if microbatches == 1:
+    if not sync_after:
       grads_fn = local_gradients
     else:
       grads_fn = gradients_gathered_once if gathers else accumulated_gradients
