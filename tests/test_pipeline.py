@@ -1,6 +1,10 @@
 """Pipeline parallelism: stacked layers split over `stage`, micro-batches on a GPipe schedule in
 both modes, against the single-device run; the manual schedule's permutes; memory per stage."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from engine import parallel
@@ -12,6 +16,7 @@ from engine.train import build_setup
 from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
 STEPS = 3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(mesh=(1, 1, 1, 1, 1), model='gpt', layers=2, microbatches=1):
@@ -83,3 +88,27 @@ def test_stage_counts_are_checked():
   config = _config((4, 1, 1, 1, 2), layers=2, microbatches=1)
   with pytest.raises(ConfigError, match='train.microbatches=1 is fewer than mesh.stage=2'):
     validate(config, 8)
+
+
+_FOUR_AXES = '''
+import sys
+from tests.helpers import assert_same_run, engine_run, single_device_run
+from tests.test_pipeline import _config
+import jax
+assert jax.device_count() == 16, jax.device_count()
+mesh = (2, 1, 2, 2, 2)  # data x tensor x context x stage, 16 devices.
+reference = single_device_run(_config(layers=2), 3)
+for mode in ('manual', 'auto'):
+  assert_same_run(engine_run(_config(mesh, layers=2, microbatches=2), mode, 3), reference)
+  print(mode, 'matches', flush=True)
+'''
+
+
+def test_four_axes_at_once_on_16_devices():
+  """data 2 x tensor 2 x context 2 x stage 2 needs 16 devices: a child process has them."""
+  env = dict(os.environ, XLA_FLAGS=os.environ['XLA_FLAGS'] +
+             ' --xla_force_host_platform_device_count=16')
+  proc = subprocess.run([sys.executable, '-c', _FOUR_AXES], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'manual matches' in proc.stdout and 'auto matches' in proc.stdout
