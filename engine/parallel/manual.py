@@ -17,6 +17,9 @@ The collectives come from the same rules that give auto mode its shardings:
 - A sequence split over `context` (activations' `length`): each device keeps two chunks of every
   sequence and attention passes keys and values around the ring with `ppermute`
   (engine/parallel/context.py); the context axis counts as a batch axis for the averages below.
+- Stacked layers split over `stage` run as a GPipe pipeline (engine/parallel/pipeline.py): the
+  micro-batches' activations move to the next stage with `ppermute`, and gradients are
+  synchronised once after the backward pass (the pipeline runs each layer several times).
 - Gradients follow the pattern in DESIGN.md ("the gradient trap"): each parameter is cast to
   varying over the batch axes it is replicated on, the gradient is taken with respect to that
   local copy, and one explicit `pmean` over those axes averages it. Where the cast happens
