@@ -11,6 +11,8 @@ matplotlib.use('Agg')  # Files only; no display on training machines.
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from engine.parallel.pipeline import bubble_fraction  # noqa: E402
+
 PLOTS = ('loss.png', 'step_time.png', 'communication.png')
 
 
@@ -105,7 +107,14 @@ def markdown(report: dict) -> str:
     rows.append(cells)
   out += _table(header, rows) + ['']
   microbatches = report.get('microbatches', 1)
-  if microbatches > 1:
+  stages = report['mesh'].get('stage', 1)
+  if stages > 1:
+    out += [f'Pipeline: {stages} stages fed {microbatches} micro-batches on the GPipe schedule; '
+            'each stage idles (stages - 1) / (microbatches + stages - 1) = '
+            f'**{bubble_fraction(stages, microbatches):.3f}** of the step (the bubble the '
+            'schedule implies; measuring it takes a per-device trace). Micro-batches feed the '
+            'pipeline here, not gradient accumulation.', '']
+  elif microbatches > 1:
     out += [f'{microbatches} micro-batches per optimizer step. The theory synchronises each '
             'gradient once per step, as manual mode does (under FSDP it gathers every weight once '
             'per step); a measured / theory ratio near '
