@@ -26,19 +26,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.parallel.steps import split_microbatches
+
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
   """The fraction of a GPipe step each stage spends idle."""
   return (stages - 1) / (microbatches + stages - 1)
 
 
-def _microbatches(x_BLD: jax.Array, microbatches: int) -> jax.Array:
-  """[B, ...] -> [M, B / M, ...]: micro-batch i holds rows i, i + M, ... (as accumulation)."""
-  batch = x_BLD.shape[0]
-  return x_BLD.reshape(batch // microbatches, microbatches, *x_BLD.shape[1:]).swapaxes(0, 1)
-
-
 def _whole_batch(x_MbLD: jax.Array) -> jax.Array:
+  """The inverse of split_microbatches."""
   return x_MbLD.swapaxes(0, 1).reshape(-1, *x_MbLD.shape[2:])
 
 
@@ -47,7 +44,7 @@ def manual_pipeline(run: Callable, layers: nnx.Module, x_BLD: jax.Array, axis: s
   """Inside shard_map: this device's stage of `layers` (its share of the stack) on the GPipe
   schedule; returns the last stage's output for the whole local batch, on every stage."""
   stage = jax.lax.axis_index(axis)
-  x_MbLD = _microbatches(x_BLD, microbatches)
+  x_MbLD = split_microbatches(x_BLD, microbatches)
   to_next = [(i, i + 1) for i in range(stages - 1)]
   state_bLD = jnp.zeros_like(x_MbLD[0])
   outputs = []
@@ -78,7 +75,7 @@ def auto_pipeline(run: Callable, layers: nnx.Module, x_BLD: jax.Array, stages: i
     return run(nnx.merge(graphdef, stage_params), x_bLD)
 
   each_stage = jax.vmap(one_stage, spmd_axis_name='stage')
-  x_MbLD = _microbatches(x_BLD, microbatches)
+  x_MbLD = split_microbatches(x_BLD, microbatches)
   state_SbLD = constrain_stages(jnp.zeros((stages, *x_MbLD.shape[1:]), x_BLD.dtype))
   outputs = []
   for t in range(microbatches + stages - 1):

@@ -54,6 +54,12 @@ def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) 
   return ops.cross_entropy(model(inputs_BL, ops), targets_BL)
 
 
+def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
+  """[B, ...] -> [k, B / k, ...] (k = microbatches): micro-batch i holds rows i, i + k, i + 2k,
+  ..., so every device holds an equal share of each when the rows are split over devices."""
+  return x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
+
+
 def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbatches: int,
                          constrain=lambda micro_KBL1: micro_KBL1):
   """Mean loss and gradients over `microbatches` slices of the batch, summed in a scan.
@@ -63,9 +69,7 @@ def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbat
   lays the [k, B / k, L1] stack out accordingly in auto mode."""
   if microbatches == 1:
     return value_and_grad(params, tokens_BL1)
-  batch, length = tokens_BL1.shape
-  micro_KBL1 = constrain(
-      tokens_BL1.reshape(batch // microbatches, microbatches, length).swapaxes(0, 1))
+  micro_KBL1 = constrain(split_microbatches(tokens_BL1, microbatches))
   # The traced call only gives the sums their types (varying mesh axes included, in manual
   # mode); nothing uses its values, so XLA drops it as dead code.
   zeros = jax.tree.map(jnp.zeros_like, value_and_grad(params, micro_KBL1[0]))
