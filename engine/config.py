@@ -116,8 +116,14 @@ def default_config() -> ml_collections.ConfigDict:
   # 0: a step whose loss or gradient norm is not finite stops the run. N > 0: such a step's
   # update is not applied and the run goes on, up to N such steps in a row.
   c.train.skip_nonfinite_steps = 0
-  # Gradients over this many slices of each batch, accumulated, then applied once.
+  # Gradients over this many slices of each batch, accumulated, then applied once (with
+  # mesh.stage > 1: the micro-batches that flow through the pipeline).
   c.train.microbatches = 1
+  # Pipeline schedule (mesh.stage > 1): 1 = GPipe; R > 1 = circular, each stage holding R
+  # groups of model.num_layers / (stage * R) layers, which shrinks the idle fraction to
+  # (stage - 1) / (R * microbatches + stage - 1) for R times the activation transfers. The
+  # stacked parameters are stored as [R, layers / R, ...]: a checkpoint resumes with the same R.
+  c.train.pipeline_repeats = 1
   # Start from the parameters (not the optimizer state) of another run's latest checkpoint:
   # that run's --workdir. Used only when this workdir has no checkpoint yet.
   c.train.init_from = ''
@@ -329,7 +335,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
       'model.num_layers', 'model.num_heads', 'model.embed_dim', 'model.mlp_dim', 'model.max_len',
       'model.vocab_multiple', 'data.seq_len', 'data.global_batch_size', 'train.num_steps',
       'train.log_every', 'train.eval_every', 'train.eval_batches', 'train.checkpoint_every',
-      'train.keep_checkpoints', 'train.microbatches', 'optim.learning_rate', 'model.norm_eps',
+      'train.keep_checkpoints', 'train.microbatches', 'train.pipeline_repeats',
+      'optim.learning_rate', 'model.norm_eps',
       'model.rope_base', 'data.embedded_max_bytes', 'data.synthetic_tokens'])
   if config.model.vocab_size != -1 and config.model.vocab_size <= 0:
     raise ConfigError(f'model.vocab_size={config.model.vocab_size} must be positive, or -1 to '
@@ -406,6 +413,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(
         f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} '
         'pipeline stages of equal depth; choose a stage count that divides it.')
+  repeats = config.train.pipeline_repeats
+  if repeats > 1 and stages == 1:
+    raise ConfigError(
+        f'train.pipeline_repeats={repeats}: the circular pipeline schedule needs mesh.stage > 1; '
+        'set it to 1, or split the mesh into stages.')
+  if repeats > 1 and config.model.num_layers % (stages * repeats):
+    raise ConfigError(
+        f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} x '
+        f'train.pipeline_repeats={repeats} groups of equal depth; choose counts whose product '
+        'divides it.')
   if stages > 1 and config.train.microbatches < stages:
     raise ConfigError(
         f'train.microbatches={config.train.microbatches} is fewer than mesh.stage={stages}: the '

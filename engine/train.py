@@ -70,7 +70,9 @@ def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> Trai
   """Mesh, rules, model and optimizer of a validated config: everything but the data."""
   mesh = make_mesh(config.mesh)
   rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
-  model = models.build(config.model, resolve_vocab_size(config.model, tokenizer_vocab))
+  model = dataclasses.replace(
+      models.build(config.model, resolve_vocab_size(config.model, tokenizer_vocab)),
+      layer_groups=config.train.pipeline_repeats)
   options = StepOptions(compute_dtype=config.model.dtype, remat=config.model.remat,
                         microbatches=config.train.microbatches,
                         grad_reduce_dtype=config.parallelism.grad_reduce_dtype,

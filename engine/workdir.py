@@ -47,7 +47,8 @@ def prepare(workdir: str) -> epath.Path:
 
 def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
   """Refuses to resume a checkpoint whose model or data config differ from this one: the state
-  would not fit, or the run would silently change. Mesh, mode and schedule may change."""
+  would not fit, or the run would silently change. Mesh, mode and schedule may change (but
+  not the circular pipeline's layer grouping)."""
   path = workdir / CONFIG_FILE
   if not path.exists():
     return
@@ -57,6 +58,12 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> N
       raise ConfigError(
           f'--workdir={workdir} holds checkpoints of a run with a different {section} config; '
           f'use a new --workdir, or the {section} settings of {path}.')
+  # The circular pipeline stores stacked parameters in groups: another grouping would not fit.
+  repeats = saved.get('train', {}).get('pipeline_repeats', 1)
+  if repeats != config.train.pipeline_repeats:
+    raise ConfigError(
+        f'--workdir={workdir} holds checkpoints stored for train.pipeline_repeats={repeats}; '
+        f'resume with --config.train.pipeline_repeats={repeats}, or use a new --workdir.')
 
 
 def write_config(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:

@@ -96,16 +96,28 @@ def engine_run(config, mode, num_steps) -> Run:
              _flat(state['params']))
 
 
+def _ungrouped(value, shape):
+  value = np.asarray(value)
+  if value.shape[2:] == shape[1:] and value.ndim == len(shape) + 1:
+    return value.reshape(shape)
+  return value
+
+
 def assert_same_run(run: Run, reference: Run, atol=ATOL, param_atol=PARAM_ATOL):
-  """Losses, gradient norms (relative), every first-step gradient and every final parameter."""
+  """Losses, gradient norms (relative), every first-step gradient and every final parameter.
+
+  A circular pipeline stores stacked parameters grouped, [R, L / R, ...]: compared as [L, ...]
+  (the same layers in the same order)."""
   np.testing.assert_allclose(run.losses, reference.losses, atol=atol, rtol=0)
   np.testing.assert_allclose(run.grad_norms, reference.grad_norms, rtol=atol, atol=0)
   assert run.first_gradients.keys() == reference.first_gradients.keys()
   for path, expected in reference.first_gradients.items():
     # Relative to the gradient's own scale: gradients range over orders of magnitude.
     scale = max(float(np.abs(expected).max()), 1e-30)
-    np.testing.assert_allclose(run.first_gradients[path] / scale, expected / scale, atol=atol,
+    actual = _ungrouped(run.first_gradients[path], expected.shape)
+    np.testing.assert_allclose(actual / scale, expected / scale, atol=atol,
                                rtol=0, err_msg=f'gradient of {path}')
   for path, expected in reference.params.items():
-    np.testing.assert_allclose(run.params[path], expected, atol=param_atol, rtol=0,
+    np.testing.assert_allclose(_ungrouped(run.params[path], expected.shape), expected,
+                               atol=param_atol, rtol=0,
                                err_msg=f'parameter {path}')

@@ -185,6 +185,8 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.train.microbatches=3'], 2, 'train.microbatches=3 does not divide the 2 '
      'rows each device holds (data.global_batch_size=16 over 8 batch shards); choose a divisor of '
      '2, or a larger batch.'),
+    ([TINY, RUN, '--config.train.pipeline_repeats=2'], 2, 'train.pipeline_repeats=2: the circular '
+     'pipeline schedule needs mesh.stage > 1; set it to 1, or split the mesh into stages.'),
     (['--config=experiments/tiny.py:mesh=4x2x1', RUN, '--config.parallelism.rules=data_parallel'],
      2, "parallelism.rules='data_parallel' does not use mesh axes ['fsdp'] of size > 1, so they "
      'would only duplicate work; set them to 1 or pick rules that use them.'),

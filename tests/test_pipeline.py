@@ -1,5 +1,6 @@
-"""Pipeline parallelism: stacked layers split over `stage`, micro-batches on a GPipe schedule in
-both modes, against the single-device run; the manual schedule's permutes; memory per stage."""
+"""Pipeline parallelism: stacked layers split over `stage`, micro-batches on the GPipe and the
+circular schedules in both modes, against the single-device run; the manual schedule's permutes;
+memory per stage."""
 
 import os
 import subprocess
@@ -9,8 +10,9 @@ import pytest
 
 from engine import parallel
 from engine.analysis import collectives, comm_theory
+from engine.analysis.benchmark import fit_bubble
 from engine.config import ConfigError, validate
-from engine.models.ops import LAYERS
+from engine.models.layers import LAYERS, REPEATS
 from engine.parallel.pipeline import bubble_fraction
 from engine.train import build_setup
 from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
@@ -19,12 +21,13 @@ STEPS = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _config(mesh=(1, 1, 1, 1, 1), model='gpt', layers=2, microbatches=1):
+def _config(mesh=(1, 1, 1, 1, 1), model='gpt', layers=2, microbatches=1, repeats=1):
   config = tiny_config(mesh=mesh[:3], steps=STEPS)
   config.mesh.context, config.mesh.stage = mesh[3:]
   config.model.name = model
   config.model.num_layers = layers
   config.train.microbatches = microbatches
+  config.train.pipeline_repeats = repeats
   if model == 'llama':
     config.model.num_kv_heads = 2
   return config
@@ -36,23 +39,28 @@ def references():
           for model, layers in (('gpt', 2), ('gpt', 4), ('llama', 2))}
 
 
-@pytest.mark.parametrize('model, layers, mesh, microbatches, mode', [
-    ('gpt', 2, (4, 1, 1, 1, 2), 2, 'manual'), ('gpt', 2, (4, 1, 1, 1, 2), 2, 'auto'),
-    ('gpt', 4, (2, 1, 1, 1, 4), 4, 'manual'), ('gpt', 4, (2, 1, 1, 1, 4), 4, 'auto'),
+@pytest.mark.parametrize('model, layers, mesh, microbatches, repeats, mode', [
+    ('gpt', 2, (4, 1, 1, 1, 2), 2, 1, 'manual'), ('gpt', 2, (4, 1, 1, 1, 2), 2, 1, 'auto'),
+    ('gpt', 4, (2, 1, 1, 1, 4), 4, 1, 'manual'), ('gpt', 4, (2, 1, 1, 1, 4), 4, 1, 'auto'),
     # Three axes at once: fsdp x tensor x stage, and tensor x context x stage.
-    ('llama', 2, (1, 2, 2, 1, 2), 4, 'manual'), ('llama', 2, (1, 2, 2, 1, 2), 4, 'auto'),
-    ('gpt', 2, (1, 1, 2, 2, 2), 2, 'manual'), ('gpt', 2, (1, 1, 2, 2, 2), 2, 'auto'),
+    ('llama', 2, (1, 2, 2, 1, 2), 4, 1, 'manual'), ('llama', 2, (1, 2, 2, 1, 2), 4, 1, 'auto'),
+    ('gpt', 2, (1, 1, 2, 2, 2), 2, 1, 'manual'), ('gpt', 2, (1, 1, 2, 2, 2), 2, 1, 'auto'),
+    # Circular: 2 groups of 2 stages; with more micro-batches than stages, each waits on stage 0
+    # for its second round.
+    ('gpt', 4, (4, 1, 1, 1, 2), 4, 2, 'manual'), ('gpt', 4, (4, 1, 1, 1, 2), 4, 2, 'auto'),
 ], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_matches_single_device(model, layers, mesh, microbatches, mode, references):
-  run = engine_run(_config(mesh, model, layers, microbatches), mode, STEPS)
+def test_matches_single_device(model, layers, mesh, microbatches, repeats, mode, references):
+  run = engine_run(_config(mesh, model, layers, microbatches, repeats), mode, STEPS)
   assert_same_run(run, references[(model, layers)])
 
 
-@pytest.mark.parametrize('mesh', [(4, 1, 1, 1, 2), (2, 1, 1, 1, 4), (1, 2, 1, 1, 4)],
-                         ids=['data4_stage2', 'data2_stage4', 'fsdp2_stage4'])
-def test_manual_schedule_permutes_and_parameter_memory(mesh):
+@pytest.mark.parametrize('mesh, repeats', [((4, 1, 1, 1, 2), 1), ((2, 1, 1, 1, 4), 1),
+                                           ((1, 2, 1, 1, 4), 1), ((4, 1, 1, 1, 2), 2)],
+                         ids=['data4_stage2', 'data2_stage4', 'fsdp2_stage4',
+                              'data4_stage2_circular2'])
+def test_manual_schedule_permutes_and_parameter_memory(mesh, repeats):
   microbatches, stages = 4, mesh[4]
-  config = _config(mesh, layers=4, microbatches=microbatches)
+  config = _config(mesh, layers=4, microbatches=microbatches, repeats=repeats)
   train_setup = build_setup(config, 256)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
@@ -60,8 +68,8 @@ def test_manual_schedule_permutes_and_parameter_memory(mesh):
   table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
                                                               train_setup.mesh))
   permutes = table[('collective-permute', ('stage',))]
-  # GPipe: microbatches + stages - 2 shifts forward, as many backward, of one micro-batch.
-  assert permutes['executions'] == 2 * (microbatches + stages - 2)
+  # repeats x microbatches + stages - 2 shifts forward, as many backward, of one micro-batch.
+  assert permutes['executions'] == 2 * (repeats * microbatches + stages - 2)
   local_batch = config.data.global_batch_size // (mesh[0] * mesh[1])
   micro = local_batch // microbatches * config.data.seq_len * config.model.embed_dim * 4
   assert permutes['array_bytes'] == permutes['executions'] * micro
@@ -74,11 +82,17 @@ def test_manual_schedule_permutes_and_parameter_memory(mesh):
   assert measured.keys() == theory.keys()
   for key, value in theory.items():
     assert 0 <= measured[key] - value < 64, (key, measured[key], value)
-  # Each stage stores 1 / stages of the stacked layers.
-  for p in train_setup.parameters():
-    if p.logical_axes[0] == LAYERS:
-      assert p.shard_shape[0] == config.model.num_layers // stages, p.path
-  assert bubble_fraction(stages, microbatches) == (stages - 1) / (microbatches + stages - 1)
+  # Each stage stores 1 / stages of the stacked layers (circular: of every group).
+  stacked = [p for p in train_setup.parameters() if LAYERS in p.logical_axes]
+  assert stacked
+  for p in stacked:
+    if repeats == 1:
+      assert p.logical_axes[0] == LAYERS and p.shard_shape[0] == 4 // stages, p.path
+    else:
+      assert p.logical_axes[:2] == (REPEATS, LAYERS), p.path
+      assert p.shard_shape[:2] == (repeats, 4 // (stages * repeats)), p.path
+  assert bubble_fraction(stages, microbatches, repeats) == (
+      (stages - 1) / (repeats * microbatches + stages - 1))
 
 
 def test_stage_counts_are_checked():
@@ -87,6 +101,14 @@ def test_stage_counts_are_checked():
     validate(config, 8)
   config = _config((4, 1, 1, 1, 2), layers=2, microbatches=1)
   with pytest.raises(ConfigError, match='train.microbatches=1 is fewer than mesh.stage=2'):
+    validate(config, 8)
+  config = _config((4, 1, 1, 1, 2), layers=2, microbatches=2, repeats=2)
+  with pytest.raises(ConfigError, match=r'num_layers=2 does not split into mesh.stage=2 x '
+                                        r'train.pipeline_repeats=2 groups'):
+    validate(config, 8)
+  config = _config((8, 1, 1, 1, 1), layers=2, repeats=2)
+  with pytest.raises(ConfigError, match='pipeline_repeats=2: the circular pipeline schedule '
+                                        'needs mesh.stage > 1'):
     validate(config, 8)
 
 
@@ -112,3 +134,14 @@ def test_four_axes_at_once_on_16_devices():
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'manual matches' in proc.stdout and 'auto matches' in proc.stdout
+
+
+def test_bubble_fit_recovers_the_schedule_bubble():
+  """engine.analysis.bubble's fit, on step times that follow the schedule exactly: c per
+  iteration of L / (S R) layers, R M + S - 1 iterations, nothing else."""
+  stages, repeats, per_iteration = 4, 2, 0.01
+  counts = [4, 8, 12, 16]
+  seconds = [per_iteration * (repeats * m + stages - 1) for m in counts]
+  slope, measured = fit_bubble(counts, seconds)
+  assert slope == pytest.approx(per_iteration * repeats)
+  assert measured == pytest.approx([bubble_fraction(stages, m, repeats) for m in counts])

@@ -65,19 +65,24 @@ def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
 
 def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSetup]],
                  num_steps: int, warmup: int = 2, observe: Callable | None = None,
-                 each_round: Callable[[bool], None] | None = None) -> list[ModeRun]:
+                 each_round: Callable[[bool], None] | None = None,
+                 batch_sizes: list[int] | None = None) -> list[ModeRun]:
   """Compiles every (mode, setup), then runs their steps interleaved on the same batches.
 
   `observe(step, run, state, host_batch)` is called after each variant's step, outside the timed
   region (step counts from 1, warm-up included). `each_round(timed)` takes a turn in every
-  round like one more variant (an external reference's step, for instance).
+  round like one more variant (an external reference's step, for instance). `batch_sizes`
+  (default: the config's for all) gives each variant its global batch: the first rows of each
+  host's share of the largest.
   """
-  global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
-  runs = [compile_mode(s, mode, s.abstract_batch(global_batch, seq_len))
-          for mode, s in variants]
+  seq_len = config.data.seq_len
+  batch_sizes = batch_sizes or [config.data.global_batch_size] * len(variants)
+  runs = [compile_mode(s, mode, s.abstract_batch(size, seq_len))
+          for (mode, s), size in zip(variants, batch_sizes)]
   states = [run.setup.init(config.seed)[0] for run in runs]
-  batches = data.windows_dataset(corpus.train_tokens, seq_len, global_batch, config.seed,
-                                 jax.process_index(), jax.process_count())
+  processes = jax.process_count()
+  batches = data.windows_dataset(corpus.train_tokens, seq_len, max(batch_sizes), config.seed,
+                                 jax.process_index(), processes)
   for i in range(warmup + num_steps):
     # Whoever runs first in a round finds the caches cold after the others; rotating the order
     # every round spreads that over all of them.
@@ -89,7 +94,8 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
         each_round(i >= warmup)
         continue
       run = runs[k]
-      batch = data.to_global(host_batch, run.setup.batch_sharding(), global_batch)
+      batch = data.to_global(host_batch[:batch_sizes[k] // processes],
+                             run.setup.batch_sharding(), batch_sizes[k])
       start = time.perf_counter()
       states[k], metrics = run.compiled(states[k], batch)
       jax.block_until_ready((states[k], metrics))
@@ -110,6 +116,13 @@ def run_interleaved(config, corpus: data.Corpus, train_setup: TrainSetup, modes:
   """`run_variants` for several modes on one setup (engine.train.setup(config))."""
   return run_variants(config, corpus, [(mode, train_setup) for mode in modes], num_steps,
                       warmup, observe)
+
+
+def fit_bubble(microbatches: list[int], seconds: list[float]) -> tuple[float, list[float]]:
+  """(seconds per micro-batch, measured bubble at each count) from the least-squares line
+  t = slope x M + intercept through the step times."""
+  slope, _ = np.polyfit(np.asarray(microbatches, float), np.asarray(seconds, float), 1)
+  return float(slope), [1 - slope * m / t for m, t in zip(microbatches, seconds)]
 
 
 def measurements(run: ModeRun, tokens_per_step: int, model_flops_per_step: float,

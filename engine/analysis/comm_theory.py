@@ -24,9 +24,10 @@ its executions in one step. Keys are (kind, mesh axes).
   are expanded first) move context - 1 times around the ring, and their gradients move back as
   often; under remat the forward pass, and its permutes, run twice. The sequence's devices count
   as batch axes for the gradient all-reduce, and every activation above is 1 / context as long.
-- Pipeline (engine/parallel/pipeline.py, GPipe): the activations of one micro-batch
-  [batch / microbatches, length, embed] move to the next stage microbatches + stages - 2 times
-  in the forward pass and as often back; the last stage's output [batch, length, embed] is
+- Pipeline (engine/parallel/pipeline.py): the activations of one micro-batch
+  [batch / microbatches, length, embed] move to the next stage repeats x microbatches +
+  stages - 2 times in the forward pass and as often back (repeats = 1: GPipe; > 1: the circular
+  schedule); the last stage's output [batch, length, embed] is
   broadcast to every stage (one all-reduce), and the embedding's gradient gathered back from
   stage 0 (another). Stacked layers' gradients are split over `stage`, so each stage reduces
   only its own, once per step; under FSDP each weight is gathered once per step, as with
@@ -99,9 +100,9 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
   stage_axes = _ordered(rules.mesh_axes(LAYERS), names)
   if stage_axes:
     stages = math.prod(mesh_shape[a] for a in stage_axes)
-    microbatches = setup.options.microbatches
+    microbatches, repeats = setup.options.microbatches, model.layer_groups
     expected[('collective-permute', stage_axes)] += (
-        2 * (microbatches + stages - 2) * activation // microbatches)
+        2 * (repeats * microbatches + stages - 2) * activation // microbatches)
     expected[('all-reduce', stage_axes)] += 2 * activation
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
   if vocab_parallel:

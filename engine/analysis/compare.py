@@ -149,7 +149,8 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
   report = {
       'mesh': dict(train_setup.mesh.shape), 'modes': modes, 'steps': warmup + steps,
       'timed_steps': steps, 'warmup': warmup, 'atol': atol, 'tokens_per_step': tokens,
-      'microbatches': config.train.microbatches, 'dtype': config.model.dtype,
+      'microbatches': config.train.microbatches,
+      'pipeline_repeats': config.train.pipeline_repeats, 'dtype': config.model.dtype,
       'losses': {run.mode: run.losses for run in runs},
       'speed': {run.mode: {
           'compile_s': run.compile_seconds, 'median_ms': run.median_ms(),

@@ -109,11 +109,14 @@ def markdown(report: dict) -> str:
   microbatches = report.get('microbatches', 1)
   stages = report['mesh'].get('stage', 1)
   if stages > 1:
-    out += [f'Pipeline: {stages} stages fed {microbatches} micro-batches on the GPipe schedule; '
-            'each stage idles (stages - 1) / (microbatches + stages - 1) = '
-            f'**{bubble_fraction(stages, microbatches):.3f}** of the step (the bubble the '
-            'schedule implies; measuring it takes a per-device trace). Micro-batches feed the '
-            'pipeline here, not gradient accumulation.', '']
+    repeats = report.get('pipeline_repeats', 1)
+    schedule = 'GPipe' if repeats == 1 else f'circular ({repeats} layer groups per stage)'
+    out += [f'Pipeline: {stages} stages fed {microbatches} micro-batches on the {schedule} '
+            'schedule; each stage idles (stages - 1) / (repeats x microbatches + stages - 1) = '
+            f'**{bubble_fraction(stages, microbatches, repeats):.3f}** of the step (the bubble '
+            'the schedule implies; `python -m engine.analysis.bubble` measures it from step '
+            'times at several micro-batch counts). Micro-batches feed the pipeline here, not '
+            'gradient accumulation.', '']
   elif microbatches > 1:
     out += [f'{microbatches} micro-batches per optimizer step. The theory synchronises each '
             'gradient once per step, as manual mode does (under FSDP it gathers every weight once '

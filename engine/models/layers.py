@@ -4,6 +4,11 @@ stack of identical layers created with `nnx.vmap` and applied with `nnx.scan`.
 Stacking adds the leading LAYERS logical axis to every parameter of the layer; scanning removes
 it again inside the loop, and `ops.layer` prepares each layer's parameters there. Compile time
 does not grow with depth.
+
+A circular pipeline (train.pipeline_repeats = R > 1) needs the stack in R consecutive groups:
+`group_layers` reshapes every stacked parameter [L, ...] to [R, L / R, ...] (logical axes
+REPEATS, LAYERS, ...), the same values in the same order, so that splitting LAYERS over stages
+gives each stage one slice of every group.
 """
 
 from __future__ import annotations
@@ -15,7 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.ops import LAYERS
+# The logical name of the axis that stacks layers (nnx.vmap / nnx.scan with
+# transform_metadata={nnx.PARTITION_NAME: LAYERS}). Parameters with this axis are prepared one
+# layer at a time, inside `ops.layer`; all others once, before the model runs.
+LAYERS = 'layers'
+# The axis of a stack's groups (group_layers), ahead of LAYERS.
+REPEATS = 'repeats'
 
 _LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}
 
@@ -73,3 +83,50 @@ def apply_layers(layers: nnx.Module, x: jax.Array, ops, unroll: int = 1) -> jax.
     return ops.layer(lambda layer, x: layer(x, ops))(layer, x)
 
   return ops.stack(run, layers, x)
+
+
+def _stacked_axes(variable: nnx.Variable) -> tuple:
+  return tuple(variable.get_metadata().get('out_sharding') or ())
+
+
+def group_layers(module: nnx.Module, repeats: int) -> nnx.Module:
+  """`module` with every stacked parameter [L, ...] reshaped in place to [repeats, L / repeats,
+  ...]: layer r * L / repeats + i is layer i of group r."""
+  if repeats == 1:
+    return module
+  for _, node in nnx.iter_graph(module):
+    if isinstance(node, nnx.Variable) and _stacked_axes(node)[:1] == (LAYERS,):
+      value = node.get_value()
+      if value.shape[0] % repeats:
+        raise ValueError(f'{value.shape[0]} stacked layers do not form {repeats} equal groups')
+      node.set_value(value.reshape(repeats, value.shape[0] // repeats, *value.shape[1:]))
+      node.set_metadata(out_sharding=(REPEATS,) + _stacked_axes(node))
+  return module
+
+
+def num_groups(layers: nnx.Module) -> int:
+  """How many groups `group_layers` made of this stack (1: not grouped)."""
+  for variable in jax.tree.leaves(nnx.state(layers), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    if _stacked_axes(variable)[:1] == (REPEATS,):
+      return variable.get_value().shape[0]
+  return 1
+
+
+def layer_group(layers: nnx.Module, index) -> nnx.Module:
+  """Group `index` (an int, or a traced integer) of a grouped stack: a plain stack of L / R
+  layers."""
+  graphdef, state = nnx.split(layers)
+
+  def pick(variable):
+    axes = _stacked_axes(variable)
+    if axes[:1] != (REPEATS,):
+      return variable
+    value = variable.get_value()
+    if isinstance(index, int):
+      value = value[index]
+    else:
+      value = jax.lax.dynamic_index_in_dim(value, index, 0, keepdims=False)
+    return variable.replace(value, out_sharding=axes[1:])
+
+  return nnx.merge(graphdef, jax.tree.map(pick, state,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))

@@ -21,11 +21,7 @@ import optax
 from flax import nnx
 
 from engine.models.attention import causal_attention
-
-# The logical name of the axis that stacks layers (nnx.vmap / nnx.scan with
-# transform_metadata={nnx.PARTITION_NAME: LAYERS}). Parameters with this axis are prepared one
-# layer at a time, inside `layer`; all others once, before the model runs.
-LAYERS = 'layers'
+from engine.models.layers import LAYERS, layer_group, num_groups  # noqa: F401 (LAYERS: re-export)
 
 
 class LocalOps:
@@ -44,8 +40,14 @@ class LocalOps:
   def stack(self, run: Callable, layers: nnx.Module, x: jax.Array) -> jax.Array:
     """Applies the stacked `layers` to `x` with `run(layers, x)` (engine.models.layers'
     apply_layers calls this): a layout that splits the stack into pipeline stages schedules it
-    over micro-batches."""
-    return run(layers, x)
+    over micro-batches. A grouped stack (engine.models.layers.group_layers) runs group by
+    group, the same layers in the same order."""
+    groups = num_groups(layers)
+    if groups == 1:
+      return run(layers, x)
+    for index in range(groups):
+      x = run(layer_group(layers, index), x)
+    return x
 
   def column_parallel_input(self, x: jax.Array, logical: str) -> jax.Array:
     """Marks `x` as the input of several column-parallel matmuls whose outputs carry the logical

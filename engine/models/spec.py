@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 from flax import nnx
 
+from engine.models.layers import group_layers
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
@@ -51,9 +53,12 @@ class ModelSpec:
   # Whether the model reads positions and attends only through `ops`, so that a mesh may split
   # its sequences (mesh.context > 1).
   context_parallel: bool = False
+  # Set by the engine, not the model (train.pipeline_repeats): the stacked layers' parameters
+  # in this many consecutive groups, [groups, layers / groups, ...], for a circular pipeline.
+  layer_groups: int = 1
 
   def create(self, rngs: nnx.Rngs) -> nnx.Module:
     """The model, unplaced. The engine places parameters itself (a jit with out_shardings from
     the rules), so Flax's eager sharding, which reads the names as mesh axes, is off."""
     with nnx.use_eager_sharding(False):
-      return self.factory(rngs)
+      return group_layers(self.factory(rngs), self.layer_groups)

@@ -1,15 +1,24 @@
 """Pipeline parallelism: the stacked layers split into `stage` groups of consecutive layers, the
-batch into micro-batches that flow from stage to stage on a GPipe schedule.
+batch into micro-batches that flow from stage to stage.
 
-Iteration t (of microbatches + stages - 1): stage 0 takes micro-batch t, every other stage what
-its predecessor produced at t - 1; each stage applies its own layers; the last stage's output is
-micro-batch t - (stages - 1)'s. The backward pass runs the schedule in reverse (JAX's transpose
-of the forward loop). A stage idles for stages - 1 of the iterations: the bubble, a fraction
-(stages - 1) / (microbatches + stages - 1) of the step.
+GPipe (train.pipeline_repeats = 1): iteration t (of microbatches + stages - 1) stage 0 takes
+micro-batch t, every other stage what its predecessor produced at t - 1; each stage applies its
+own L / stages layers; the last stage's output is micro-batch t - (stages - 1)'s. A stage idles
+for stages - 1 of the iterations: the bubble.
 
-Only the stacked layers are pipelined. The embedding before them and the head and loss after
-them run on every stage (their parameters are replicated over `stage`), on the last stage's
-output, which is broadcast to all stages (manual: a masked psum; auto: the compiler's choice).
+Circular (pipeline_repeats = R > 1; Megatron's interleaved schedule, MaxText's circular one):
+the stack is R groups of consecutive layers (engine.models.layers.group_layers), every group
+split over the stages, so stage s holds slices s, s + S, s + 2S, ... of the depth, L / (S R)
+layers each. A micro-batch circles the stages R times: the last stage's output returns to stage
+0 (kept there until its turn, microbatches - stages iterations later) for the next group. Stage
+s works on item k = t - s, micro-batch k mod M of group k // M; R M + S - 1 iterations of
+L / (S R) layers each: the bubble, (S - 1) / (R M + S - 1) of the step, shrinks R-fold in
+time, for R times the permutes.
+
+The backward pass runs the schedule in reverse (JAX's transpose of the forward loop). Only the
+stacked layers are pipelined. The embedding before them and the head and loss after them run on
+every stage (their parameters are replicated over `stage`), on the last stage's output, which
+is broadcast to all stages (manual: a masked psum; auto: the compiler's choice).
 
 Manual mode shifts activations to the next stage with `ppermute` inside shard_map; auto mode
 expresses the same schedule on a [stages, ...] array sharded over `stage`, shifted by one along
@@ -26,12 +35,42 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.models.layers import layer_group, num_groups
 from engine.parallel.steps import split_microbatches
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-  """The fraction of a GPipe step each stage spends idle."""
-  return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+  """The fraction of a step each stage spends idle (repeats > 1: the circular schedule)."""
+  return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+class _Schedule:
+  """Which work item each stage holds at each iteration, for both modes (see the docstring)."""
+
+  def __init__(self, stages: int, microbatches: int, repeats: int):
+    self.stages, self.microbatches, self.repeats = stages, microbatches, repeats
+    self.iterations = repeats * microbatches + stages - 1
+
+  def group(self, t, stage):
+    """The layer group stage `stage` (an int, or traced) applies at iteration t (clamped in the
+    bubble)."""
+    if isinstance(stage, int):
+      return min(max((t - stage) // self.microbatches, 0), self.repeats - 1)
+    return jnp.clip((t - stage) // self.microbatches, 0, self.repeats - 1)
+
+  def finished(self, t: int) -> int:
+    """The item the last stage finishes at iteration t: r * M + m (group r, micro-batch m)."""
+    return t - (self.stages - 1)
+
+  def is_output(self, t: int) -> bool:
+    """Whether the last stage finishes a micro-batch's final group at iteration t."""
+    return self.finished(t) >= (self.repeats - 1) * self.microbatches
+
+  def returns_at(self, t: int) -> int | None:
+    """The iteration at which stage 0 takes back what the last stage finishes at t (its next
+    group), or None."""
+    done = self.finished(t)
+    return done + self.microbatches if 0 <= done < (self.repeats - 1) * self.microbatches else None
 
 
 def _whole_batch(x_MbLD: jax.Array) -> jax.Array:
@@ -44,18 +83,25 @@ def manual_pipeline(run: Callable, layers: nnx.Module, x_BLD: jax.Array, axis: s
   """Inside shard_map: this device's stage of `layers` (its share of the stack) on the GPipe
   schedule; returns the last stage's output for the whole local batch, on every stage."""
   stage = jax.lax.axis_index(axis)
+  schedule = _Schedule(stages, microbatches, num_groups(layers))
   x_MbLD = split_microbatches(x_BLD, microbatches)
-  to_next = [(i, i + 1) for i in range(stages - 1)]
+  # The circular schedule sends the last stage's output round to stage 0 as well.
+  circular = schedule.repeats > 1
+  to_next = [(i, (i + 1) % stages) for i in range(stages if circular else stages - 1)]
   state_bLD = jnp.zeros_like(x_MbLD[0])
-  outputs = []
-  for t in range(microbatches + stages - 1):
-    if t < microbatches:
-      state_bLD = jnp.where(stage == 0, x_MbLD[t], state_bLD)
-    state_bLD = run(layers, state_bLD)
-    if t >= stages - 1:
+  returning, outputs = {}, []
+  for t in range(schedule.iterations):
+    first = x_MbLD[t] if t < microbatches else returning.pop(t, None)
+    if first is not None:
+      state_bLD = jnp.where(stage == 0, first, state_bLD)
+    group = layer_group(layers, schedule.group(t, stage)) if circular else layers
+    state_bLD = run(group, state_bLD)
+    if schedule.is_output(t):
       outputs.append(state_bLD)
-    if t < microbatches + stages - 2:
+    if t < schedule.iterations - 1:
       state_bLD = jax.lax.ppermute(state_bLD, axis, to_next)
+    if (back := schedule.returns_at(t)) is not None:
+      returning[back] = state_bLD  # On stage 0 now: the last stage's output.
   y_MbLD = jnp.stack(outputs)
   # Only the last stage holds the result: broadcast it (the transpose sends the gradient back).
   y_MbLD = jax.lax.psum(jnp.where(stage == stages - 1, y_MbLD, 0), axis)
@@ -66,10 +112,18 @@ def auto_pipeline(run: Callable, layers: nnx.Module, x_BLD: jax.Array, stages: i
                   microbatches: int, constrain_stages: Callable) -> jax.Array:
   """Under jit: the same schedule with a leading stage dimension. `constrain_stages(a)` lays
   `a`'s first dimension out over the `stage` axis."""
-  graphdef, params = nnx.split(layers)
-  # [layers, ...] -> [stages, layers per stage, ...]: stage s holds layers s*n .. s*n + n - 1.
-  staged = jax.tree.map(
-      lambda p: constrain_stages(p.reshape(stages, p.shape[0] // stages, *p.shape[1:])), params)
+  schedule = _Schedule(stages, microbatches, num_groups(layers))
+  groups = [layer_group(layers, r) for r in range(schedule.repeats)]
+  graphdef, _ = nnx.split(groups[0])
+
+  # [layers, ...] -> [stages, layers per stage, ...]: stage s holds layers s*n .. s*n + n - 1
+  # (of each group).
+  def by_stage(group):
+    return jax.tree.map(
+        lambda p: constrain_stages(p.reshape(stages, p.shape[0] // stages, *p.shape[1:])),
+        nnx.split(group)[1])
+
+  staged = [by_stage(group) for group in groups]
 
   def one_stage(stage_params, x_bLD):
     return run(nnx.merge(graphdef, stage_params), x_bLD)
@@ -77,12 +131,28 @@ def auto_pipeline(run: Callable, layers: nnx.Module, x_BLD: jax.Array, stages: i
   each_stage = jax.vmap(one_stage, spmd_axis_name='stage')
   x_MbLD = split_microbatches(x_BLD, microbatches)
   state_SbLD = constrain_stages(jnp.zeros((stages, *x_MbLD.shape[1:]), x_BLD.dtype))
-  outputs = []
-  for t in range(microbatches + stages - 1):
-    # The shift: stage s takes what stage s - 1 produced; stage 0 the next micro-batch.
-    first = x_MbLD[t] if t < microbatches else jnp.zeros_like(x_MbLD[0])
+  returning, outputs = {}, []
+  for t in range(schedule.iterations):
+    # The shift: stage s takes what stage s - 1 produced; stage 0 the next micro-batch (or one
+    # back for its next group).
+    first = x_MbLD[t] if t < microbatches else returning.pop(t, jnp.zeros_like(x_MbLD[0]))
     state_SbLD = constrain_stages(jnp.concatenate([first[None], state_SbLD[:-1]]))
-    state_SbLD = constrain_stages(each_stage(staged, state_SbLD))
-    if t >= stages - 1:
+    state_SbLD = constrain_stages(each_stage(_stage_groups(staged, schedule, t), state_SbLD))
+    if schedule.is_output(t):
       outputs.append(state_SbLD[-1])
+    if (back := schedule.returns_at(t)) is not None:
+      returning[back] = state_SbLD[-1]
   return _whole_batch(jnp.stack(outputs)).astype(x_BLD.dtype)
+
+
+def _stage_groups(staged: list, schedule: _Schedule, t: int):
+  """The [stages, ...] parameters each stage applies at iteration t: group r of stage s where
+  schedule.group(t, s) = r (a select per group, elementwise, so each stage's slice stays put)."""
+  chosen = [schedule.group(t, s) for s in range(schedule.stages)]
+  params = staged[chosen[0]]
+  for r in sorted(set(chosen) - {chosen[0]}):
+    mask_S = jnp.array([c == r for c in chosen])
+    params = jax.tree.map(
+        lambda new, old: jnp.where(mask_S.reshape(-1, *[1] * (old.ndim - 1)), new, old),
+        staged[r], params)
+  return params

@@ -1,0 +1,103 @@
+"""The pipeline bubble measured: step time against the number of micro-batches.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.bubble \
+      --config=experiments/tiny.py:mesh=2x1x1x1x4 --config.model.num_layers=8 \
+      --config.train.microbatches=4 --microbatches=4,8,12,16 --steps=10
+
+A stage spends every iteration of the schedule computing, on a micro-batch or (in the bubble) on
+nothing useful, so a step takes t(M) = c (R M + S - 1) + k for M micro-batches of a fixed size
+(S stages, R = train.pipeline_repeats, k the work outside the pipeline that does not grow with
+M). Each micro-batch count runs with the batch scaled to keep the micro-batch size, all counts
+and modes interleaved on the same data (engine.analysis.benchmark); a least-squares line through
+the median step times gives the time per micro-batch (the slope), and the measured bubble at M
+is the share of the step not explained by it, 1 - slope x M / t(M): the schedule's idle
+iterations plus whatever else does not scale with the batch (the optimizer update, launch
+overheads). Printed beside the bubble the schedule implies, (S - 1) / (R M + S - 1).
+"""
+
+from __future__ import annotations
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+from engine import config as config_lib
+from engine import parallel
+from engine.analysis import benchmark
+from engine.flag_errors import fail
+from engine.library_output import quiet_library_output
+from engine.parallel.pipeline import bubble_fraction
+from engine.train import build_setup, setup
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (a mesh with '
+                                          'mesh.stage > 1).', lock_config=False)
+_MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to run.')
+_MICROBATCHES = flags.DEFINE_list('microbatches', [], 'Micro-batch counts to time (at least '
+                                  'two; default: 1, 2, 3 and 4 x train.microbatches).')
+_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps per variant.')
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps per variant.')
+flags.mark_flags_as_required(['config'])
+
+
+def _counts(config) -> list[int]:
+  counts = [int(m) for m in _MICROBATCHES.value] or [
+      k * config.train.microbatches for k in (1, 2, 3, 4)]
+  if len(set(counts)) < 2:
+    raise config_lib.ConfigError(f'--microbatches={counts}: give at least two different counts '
+                                 'to fit a line through.')
+  return sorted(set(counts))
+
+
+def main(argv):
+  del argv
+  quiet_library_output()
+  try:
+    measure(_CONFIG.value)
+  except config_lib.ConfigError as e:
+    fail(str(e))
+
+
+def measure(config) -> None:
+  """Times every micro-batch count in both modes and prints the table."""
+  unknown = [m for m in _MODES.value if m not in parallel.STEP_BUILDERS]
+  if unknown:
+    raise config_lib.ConfigError(f'--modes: {unknown} unknown; choose from '
+                                 f'{sorted(parallel.STEP_BUILDERS)}.')
+  if config.mesh.stage < 2:
+    raise config_lib.ConfigError(f'mesh.stage={config.mesh.stage}: the bubble is a pipeline\'s; '
+                                 'use a mesh with stage > 1 (e.g. :mesh=2x1x1x1x4).')
+  counts = _counts(config)
+  first = config.train.microbatches
+  rows_per_micro = config.data.global_batch_size // first
+  corpus, variants, sizes = None, [], []
+  for count in counts:
+    config.train.microbatches = count
+    config.data.global_batch_size = rows_per_micro * count
+    if corpus is None:
+      corpus, count_setup = setup(config)  # Validates; reads the data once.
+    else:
+      config_lib.validate(config, jax.device_count(), jax.process_count())
+      count_setup = build_setup(config, corpus.tokenizer.vocab_size)
+    variants += [(mode, count_setup) for mode in _MODES.value]
+    sizes += [config.data.global_batch_size] * len(_MODES.value)
+  runs = benchmark.run_variants(config, corpus, variants, _STEPS.value, _WARMUP.value,
+                                batch_sizes=sizes)
+  stages, repeats = config.mesh.stage, config.train.pipeline_repeats
+  print(f'Pipeline bubble: {stages} stages, pipeline_repeats {repeats} '
+        f'({"GPipe" if repeats == 1 else "circular"}), micro-batches of {rows_per_micro} rows, '
+        f'mesh {runs[0].mesh}; median of {_STEPS.value} steps each.\n')
+  print('| mode | micro-batches | batch | step ms | implied bubble | measured bubble |')
+  print('|---|---:|---:|---:|---:|---:|')
+  slopes = []
+  for mode in _MODES.value:
+    mode_runs = [run for run in runs if run.mode == mode]
+    slope, measured = benchmark.fit_bubble(counts, [run.median_ms() / 1e3 for run in mode_runs])
+    slopes.append(f'{mode} {1e3 * slope:.2f} ms')
+    for count, run, bubble in zip(counts, mode_runs, measured):
+      print(f'| {mode} | {count} | {rows_per_micro * count} | {run.median_ms():.1f} | '
+            f'{bubble_fraction(stages, count, repeats):.3f} | {bubble:.3f} |')
+  print(f'\nFitted time per micro-batch: {", ".join(slopes)}.')
+
+
+if __name__ == '__main__':
+  app.run(main)
