@@ -282,9 +282,15 @@ def _require_divisible(value: int, value_key: str, by: int, by_name: str) -> Non
         f'{by_name} divides {value_key}.')
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int,
-             num_processes: int = 1) -> ml_collections.ConfigDict:
-  """Checks the whole config; returns it unchanged or raises ConfigError naming key and fix."""
+def count_slices(devices) -> int:
+  """How many TPU slices the devices form (1 off multi-slice TPU pods)."""
+  return len({getattr(d, 'slice_index', 0) for d in devices})
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1,
+             num_slices: int = 1) -> ml_collections.ConfigDict:
+  """Checks the whole config; returns it unchanged or raises ConfigError naming key and fix.
+  `num_slices` > 1 (several TPU slices): the dcn axes split the mesh by slice, not by process."""
   unknown = _unknown_keys(config, default_config())
   if unknown:
     raise ConfigError(
@@ -384,7 +390,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
       raise ConfigError(f'mesh.dcn_{axis}={dcn} must be >= 1 and divide mesh.{axis}={mesh[axis]} '
                         f'(the {axis} axis is split into dcn_{axis} groups across hosts).')
   hosts = config.mesh.dcn_data * config.mesh.dcn_fsdp
-  if hosts > 1 and hosts != num_processes:
+  if hosts > 1 and num_slices > 1 and hosts != num_slices:
+    raise ConfigError(
+        f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of TPU slices '
+        f'({num_slices}), one group of devices per slice.')
+  if hosts > 1 and num_slices == 1 and hosts != num_processes:
     raise ConfigError(
         f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of processes '
         f'({num_processes}), one group of devices per host; set them to 1 to let the mesh follow '

@@ -66,9 +66,11 @@ def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
   return model_config.vocab_size
 
 
-def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> TrainSetup:
-  """Mesh, rules, model and optimizer of a validated config: everything but the data."""
-  mesh = make_mesh(config.mesh)
+def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int,
+                devices=None) -> TrainSetup:
+  """Mesh, rules, model and optimizer of a validated config: everything but the data. The mesh
+  spans `devices` (default: this run's; engine.plan passes a TPU topology's)."""
+  mesh = make_mesh(config.mesh, devices)
   rules = sharding.rules_for(config.parallelism.rules, dict(mesh.shape))
   model = dataclasses.replace(
       models.build(config.model, resolve_vocab_size(config.model, tokenizer_vocab)),
@@ -90,7 +92,8 @@ def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int) -> Trai
 def setup(config: ml_collections.ConfigDict) -> tuple[data.Corpus, TrainSetup]:
   """Validates the config (before anything compiles), reads the data, lays out model and
   optimizer."""
-  config_lib.validate(config, jax.device_count(), jax.process_count())
+  config_lib.validate(config, jax.device_count(), jax.process_count(),
+                      config_lib.count_slices(jax.devices()))
   corpus = data.load_corpus(config.data, config.seed)
   return corpus, build_setup(config, corpus.tokenizer.vocab_size)
 

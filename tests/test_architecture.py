@@ -67,7 +67,7 @@ def test_models_depend_on_nothing_but_models():
 
 
 # Tools' commands that live at the top of the package for a short name (`python -m engine.bench`).
-TOOL_COMMANDS = {'engine.bench'}
+TOOL_COMMANDS = {'engine.bench', 'engine.plan'}
 
 
 def _is_tool(name: str) -> bool:

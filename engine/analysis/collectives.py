@@ -5,8 +5,12 @@
 
 Each collective's replica groups (explicit `{{0,1},...}`, iota `[4,2]<=[2,2,2]T(0,2,1)`, or
 Shardy's `mesh['axis_0'=2,...] {'axis_0'}`) are turned into the names of the mesh axes the group
-spans. Collectives inside `while` bodies (the layer scan) count once per iteration, using XLA's
-known trip count. Bytes are per device and per execution: the size of the collective's result.
+spans. Collectives inside `while` bodies (the layer scan, TPU's windowed einsums) count once per
+iteration, using XLA's known trip count, or, where the compiled HLO does not record one (XLA:TPU
+does not), the trip count read off the loop itself: a counter set to a constant before the loop,
+stepped by a constant in the body and compared with a constant in the condition. Bytes are per
+device and per execution: the size of the collective's result (of an async `-start`, the result
+part of its (operand, result, context...) tuple).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import re
 
 import numpy as np
 
+from engine.analysis import hlo_loops
+
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
                 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
-_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) \(.*\{$')
 _INSTRUCTION = re.compile(
     r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (' + '|'.join(KINDS) + r'|while|call|conditional)'
     r'(-start)?\((.*)$')
@@ -110,7 +115,7 @@ def _parse(hlo_text: str):
   """computation -> [(name, type, op, is_start, rest of line)] for the ops we follow."""
   computations, current, entry = collections.defaultdict(list), None, None
   for line in hlo_text.splitlines():
-    if m := _COMPUTATION.match(line):
+    if m := hlo_loops.COMPUTATION.match(line):
       current = m.group(1)
       if line.startswith('ENTRY'):
         entry = current
@@ -119,10 +124,21 @@ def _parse(hlo_text: str):
   return computations, entry
 
 
+def _results(type_text: str, shapes: list) -> list:
+  """The result buffers of an async start, (operands, results) on GPU and CPU; XLA:TPU spells
+  collective-permute-start (operand, result, u32[], u32[]): its context scalars are left out."""
+  dtypes = [d for d, _ in _SHAPE.findall(type_text)]
+  end = len(shapes)
+  while end > 2 and shapes[end - 1][0] == () and dtypes[end - 1] in ('u32', 's32'):
+    end -= 1
+  return shapes[end // 2:end]
+
+
 def count_collectives(hlo_text: str, mesh) -> list[Collective]:
   """Every collective the compiled program runs per step, with the mesh axes it spans."""
   mesh_shape = dict(mesh.shape)
   computations, entry = _parse(hlo_text)
+  parsed = []  # Every instruction, parsed only when a loop lacks a known trip count.
   found: list[Collective] = []
 
   def visit(computation: str, executions: int, depth: int = 0):
@@ -132,15 +148,27 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
       if op == 'while':
         trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
         body = re.search(r'body=%?([\w.\-]+)', rest)
+        cond = re.search(r'condition=%?([\w.\-]+)', rest)
+        init = re.match(r'\s*%?([\w.\-]+)\)', rest)
+        if trip:
+          trips = int(trip.group(1))
+        elif body and cond and init:
+          if not parsed:
+            parsed.extend(hlo_loops.parse_instructions(hlo_text))
+          trips = hlo_loops.trip_count(*parsed, computation, init.group(1), cond.group(1),
+                              body.group(1))
+          trips = 1 if trips is None else trips
+        else:
+          trips = 1
         if body:
-          visit(body.group(1), executions * (int(trip.group(1)) if trip else 1), depth + 1)
+          visit(body.group(1), executions * trips, depth + 1)
       elif op in ('call', 'conditional'):
         for callee in re.findall(r'(?:to_apply|calls|branch_computations)=\{?%?([\w.\-]+)', rest):
           visit(callee, executions, depth + 1)
       else:
         shapes = _shapes(type_text)
         if is_start and op in ('all-gather', 'collective-permute', 'all-to-all'):
-          shapes = shapes[len(shapes) // 2:]  # (operands, results): keep the results.
+          shapes = _results(type_text, shapes)
         found.append(Collective(
             kind=op, axes=group_axes(replica_groups(rest), mesh_shape),
             shapes=tuple(s for s, _ in shapes), buffer_bytes=tuple(b for _, b in shapes),

@@ -1,0 +1,390 @@
+"""Plan a pod run before booking it: the experiment's real train step compiled ahead of time for
+a TPU topology, on this machine, without a TPU (libtpu's compiler: `pip install -e '.[tpu]'`).
+
+  python -m engine.plan --config=experiments/llama_8b.py --topology=v5p:4x4x8 \
+      --meshes=16x8x1,1x32x4,1x128x1 --modes=auto,manual --out=/tmp/plan
+
+For every candidate layout (a mesh from --meshes, or the config's own) and mode, the train step
+is built by the code that trains (engine.train.build_setup and the mode's step builder, on the
+topology's devices instead of this machine's), lowered and compiled, never run. Each candidate
+gets:
+  - memory per device from the compiled program (arguments, temporaries, peak) against the
+    chip's HBM: fits or does not fit (a compile that runs out of HBM is a "does not fit" with
+    the compiler's numbers, not an error);
+  - its collectives by kind and mesh axes (engine.analysis.collectives on the TPU HLO) against
+    the communication theory (engine.analysis.comm_theory);
+  - a roofline estimate of the step time from the compiled cost analysis and the chip's
+    published figures (engine.analysis.chips): compute = FLOPs / peak, memory = bytes accessed /
+    HBM bandwidth, communication = each collective's bytes on the wire / interconnect bandwidth
+    (DCN bandwidth for axes split across slices). The step takes at least the largest of the
+    three (perfect overlap) and at most their sum (compute or memory, then communication): both
+    are printed, and the MFU the slower one implies;
+  - the config (JSON) and the command line that trains it.
+Candidates are ranked by the slower estimate, those that fit first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+
+# Several plans may load libtpu at once (it takes a lock by default); without a TPU host these
+# settings only keep libtpu from guessing (and warning about) one.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # The plan compiles for the topology; runs nothing.
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from engine import config as config_lib  # noqa: E402
+from engine import data, parallel  # noqa: E402
+from engine.analysis import benchmark, chips, collectives, comm_theory  # noqa: E402
+from engine.analysis.compare import communication_table  # noqa: E402
+from engine.flag_errors import fail  # noqa: E402
+from engine.library_output import quiet_library_output  # noqa: E402
+from engine.metrics import log_memory  # noqa: E402
+from engine.train import build_setup, resolve_vocab_size  # noqa: E402
+
+_TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
+# Default bandwidth between slices (data-centre network), GB/s per chip: an assumption, not a
+# published figure; set --dcn_gbps to your network's.
+DCN_GBPS = 12.5
+# Bytes each device sends per byte of a collective's result, for a group of n devices on a ring.
+_WIRE_FACTOR = {
+    'all-reduce': lambda n: 2 * (n - 1) / n,  # Reduce-scatter, then all-gather.
+    'all-gather': lambda n: (n - 1) / n,  # Result: the whole array.
+    'reduce-scatter': lambda n: n - 1,  # Result: one shard.
+    'all-to-all': lambda n: (n - 1) / n,
+    'collective-permute': lambda n: 1,
+}
+
+
+# Where XLA:TPU's collectives differ from the theory's (and from the CPU compile), measured on a
+# GPT-2-small-sized step for v5p 2x2x2 (BUILD.md, "Planning").
+TPU_NOTES = """Reading measured / theory on TPU: the theory counts what manual mode asks for, in \
+the dtypes it asks for. XLA:TPU (a) gathers FSDP weights in the compute dtype (bfloat16: \
+all-gather at 0.5) and once per step (no re-gather for the backward pass); (b) turns each \
+manual FSDP gradient's reduce-scatter into an all-reduce of the whole gradient followed by a \
+slice (reduce-scatter 0, all-reduce fsdp x its bytes in result units, about twice the wire \
+traffic); (c) in auto mode reduces data-parallel gradients where the weight-gradient matmuls \
+produce them, in bfloat16 (all-reduce near 0.5-0.65; a tied embedding's two gradient parts \
+reduced separately); (d) in auto FSDP runs most weight gathers and gradient reduce-scatters as \
+windowed einsums (collective matmuls): collective-permutes of shard-sized pieces, about 9/8 of \
+the all-gather bytes they replace, overlapped with the matmuls. Permutes over fsdp are those."""
+
+
+class PlanError(config_lib.ConfigError):
+  """A plan that cannot start (unknown topology, no libtpu)."""
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list:
+  """The devices of a TPU topology ('v5p:4x4x8'), for compiling, not running."""
+  if not _TOPOLOGY.match(topology):
+    raise PlanError(f'--topology={topology!r} is not a TPU topology; write VERSION:SHAPE with '
+                    'VERSION one of v4, v5e, v5p, v6e and SHAPE its chips per dimension, e.g. '
+                    'v5p:4x4x8 (v5p-256), v5e:4x4 (v5e-16), v6e:8x8.')
+  if num_slices < 1:
+    raise PlanError(f'--num_slices={num_slices} must be >= 1.')
+  try:
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    return list(topologies.get_topology_desc(
+        platform='tpu', topology_name=topology, num_slices=num_slices).devices)
+  except (RuntimeError, ValueError) as e:
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if 'INVALID_ARGUMENT' not in message:
+      raise PlanError(f'--topology={topology!r}: cannot build the TPU compiler ({message}); '
+                      "install it with pip install -e '.[tpu]'.") from e
+    raise PlanError(f'--topology={topology!r} is not a topology libtpu knows ({message}); '
+                    'check the shape against the version\'s slice shapes (v5p: AxBxC, v5e and '
+                    'v6e: AxB).') from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """What the roofline needs to know of the planned devices."""
+  chip: chips.Chip
+  devices_per_chip: int  # TPU v4's topology lists each TensorCore as a device.
+  num_devices: int
+  num_slices: int
+  dcn_gbps: float
+
+  @classmethod
+  def of(cls, devices, dcn_gbps: float = DCN_GBPS) -> Hardware:
+    chip = chips.chip_of(devices[0].device_kind)
+    if chip is None:
+      raise PlanError(f'{devices[0].device_kind!r} is not in engine/analysis/chips.py; add its '
+                      'published figures there.')
+    places = {(getattr(d, 'slice_index', 0), tuple(d.coords)) for d in devices}
+    return cls(chip, len(devices) // len(places), len(devices),
+               config_lib.count_slices(devices), dcn_gbps)
+
+  def per_device(self, per_chip: float) -> float:
+    return per_chip / self.devices_per_chip
+
+  @property
+  def hbm_bytes(self) -> float:
+    return self.per_device(self.chip.hbm_gib * 2**30)
+
+
+def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str, dcn_axes: set[str],
+             mesh_shape: dict[str, int], executed_flops: float) -> dict:
+  """Seconds per step for compute, HBM traffic and communication, and the two estimates.
+
+  XLA's cost analysis counts a loop body once, so with scanned layers its FLOPs and bytes cover
+  one layer of each loop: compute uses `executed_flops` (what the step really runs, per device)
+  where that is larger, and the HBM time is a lower bound."""
+  peak = hardware.per_device(hardware.chip.peak_tflops[dtype] * 1e12)
+  flops = max(float(cost.get('flops', 0.0)), executed_flops)
+  compute_s = flops / peak
+  memory_s = float(cost.get('bytes accessed', 0.0)) / hardware.per_device(
+      hardware.chip.hbm_gbps * 1e9)
+  comm_s = {'ici': 0.0, 'dcn': 0.0}
+  for (kind, axes), row in table.items():
+    group = math.prod(mesh_shape[a] for a in axes)
+    if group < 2 or not row['array_bytes']:
+      continue
+    wire = row['array_bytes'] * _WIRE_FACTOR[kind](group)
+    if dcn_axes & set(axes):
+      comm_s['dcn'] += wire / (hardware.dcn_gbps * 1e9)
+    else:
+      comm_s['ici'] += wire / hardware.per_device(hardware.chip.interconnect_gbps * 1e9)
+  communication_s = comm_s['ici'] + comm_s['dcn']
+  return {'compute_s': compute_s, 'memory_s': memory_s, 'ici_s': comm_s['ici'],
+          'dcn_s': comm_s['dcn'], 'overlapped_s': max(compute_s, memory_s, communication_s),
+          'serial_s': max(compute_s, memory_s) + communication_s,
+          'flops_per_device': flops, 'compiled_flops_per_device': float(cost.get('flops', 0.0)),
+          'bytes_accessed_per_device': float(cost.get('bytes accessed', 0.0))}
+
+
+# "... memory required for HLO temporaries (132.87G) exceeds available HBM (95.74G)."
+_OUT_OF_MEMORY = re.compile(r'\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)')
+
+
+def _out_of_memory(error: Exception) -> dict | None:
+  """The compiler's own figures when a program does not fit in HBM, else None."""
+  text = str(error)
+  if 'RESOURCE_EXHAUSTED' not in text and 'out of memory' not in text.lower():
+    return None
+  scale = {None: 1, '': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}
+  if m := _OUT_OF_MEMORY.search(text):
+    return {'needed_bytes': float(m.group(1)) * scale[m.group(2)],
+            'hbm_bytes': float(m.group(3)) * scale[m.group(4)]}
+  return {'needed_bytes': None, 'hbm_bytes': None}
+
+
+def executed_flops(model_flops: float, config) -> float:
+  """The FLOPs a step executes for the model's `model_flops` (6N + attention): full remat runs
+  every forward pass twice (8N), and a pipeline's stages also compute in the bubble."""
+  flops = model_flops * (4 / 3 if config.model.remat == 'full' else 1)
+  stages, repeats = config.mesh.stage, config.train.pipeline_repeats
+  if stages > 1:
+    work = repeats * config.train.microbatches
+    flops *= (work + stages - 1) / work
+  return flops
+
+
+def train_command(config_arg: str, overrides: list[str], mesh: dict[str, int], mode: str,
+                  config) -> str:
+  """The command line that trains this candidate: the plan's config file and overrides, its
+  mesh and its mode."""
+  mesh_flags = [f'--config.mesh.{a}={mesh[a]}' for a in config_lib.MESH_AXES]
+  mesh_flags += [f'--config.mesh.dcn_{a}={config.mesh[f"dcn_{a}"]}' for a in ('data', 'fsdp')
+                 if config.mesh[f'dcn_{a}'] > 1]
+  kept = [o for o in overrides
+          if not o.startswith(('--config.mesh.', '--config.parallelism.mode='))]
+  return ' '.join(['python -m engine.main', f'--config={config_arg}', *kept, *mesh_flags,
+                   f'--config.parallelism.mode={mode}', '--workdir=WORKDIR'])
+
+
+def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices, hardware: Hardware,
+                   vocab: int, num_processes: int) -> dict:
+  """Compiles one candidate (config with its mesh) for one mode; returns its plan row."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.parallelism.mode = mode
+  row = {'mode': mode, 'config': json.loads(config.to_json())}
+  try:
+    config_lib.validate(config, len(devices), num_processes, hardware.num_slices)
+  except config_lib.ConfigError as e:
+    sizes = 'x'.join(str(config.mesh[a]) for a in config_lib.MESH_AXES)
+    return {**row, 'mesh': sizes, 'status': 'invalid', 'error': str(e)}
+  train_setup = build_setup(config, vocab, devices)
+  mesh_shape = dict(train_setup.mesh.shape)
+  row.update(mesh=benchmark.mesh_name(mesh_shape), mesh_shape=mesh_shape)
+  global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
+  start = time.perf_counter()
+  try:
+    compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+        train_setup.abstract_state(), train_setup.abstract_batch(global_batch, seq_len)).compile()
+  except Exception as e:  # pylint: disable=broad-except
+    if (oom := _out_of_memory(e)) is None:
+      raise
+    return {**row, 'status': 'does not fit', 'compile_s': time.perf_counter() - start,
+            'memory': {'peak_estimate_bytes': oom['needed_bytes'],
+                       'temp_size_in_bytes': oom['needed_bytes']},
+            'hbm_bytes': hardware.hbm_bytes, 'error': str(e).splitlines()[0][:300]}
+  compile_s = time.perf_counter() - start
+  memory = log_memory(f'{mode} {row["mesh"]} train step', compiled)
+  found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
+  table = collectives.summarize(found)
+  theory = comm_theory.expected_bytes(train_setup, global_batch, seq_len)
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  dcn_axes = {a for a in ('data', 'fsdp') if config.mesh[f'dcn_{a}'] > 1}
+  tokens = global_batch * seq_len
+  model_flops = train_setup.model.flops_per_token(seq_len) * tokens
+  estimate = roofline(cost, table, hardware, config.model.dtype, dcn_axes, mesh_shape,
+                      executed_flops(model_flops, config) / hardware.num_devices)
+  peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
+  fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
+  run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
+  return {
+      **row, 'status': 'fits' if fits else 'does not fit', 'compile_s': compile_s,
+      'memory': memory, 'hbm_bytes': hardware.hbm_bytes, 'roofline': estimate,
+      'tokens_per_step': tokens, 'model_flops_per_step': model_flops,
+      'mfu': model_flops / (hardware.num_devices * peak * estimate['serial_s']),
+      'mfu_overlapped': model_flops / (hardware.num_devices * peak * estimate['overlapped_s']),
+      'communication': communication_table([run], theory),
+  }
+
+
+def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, modes: list[str],
+         meshes: list[str], dcn_gbps: float = DCN_GBPS) -> dict:
+  """Every candidate (mesh x mode) compiled for the topology, ranked."""
+  unknown = [m for m in modes if m not in parallel.STEP_BUILDERS]
+  if unknown:
+    raise PlanError(f'--modes: {unknown} unknown; choose from {sorted(parallel.STEP_BUILDERS)}.')
+  devices = topology_devices(topology, num_slices)
+  hardware = Hardware.of(devices, dcn_gbps)
+  num_processes = len({d.process_index for d in devices})
+  if config.model.vocab_size == -1:  # The tokenizer decides: read the data once.
+    vocab = data.load_corpus(config.data, config.seed).tokenizer.vocab_size
+  else:
+    vocab = config.model.vocab_size
+  vocab = resolve_vocab_size(config.model, vocab)
+  rows = []
+  for mesh in meshes or ['']:
+    candidate = ml_collections.ConfigDict(config.to_dict())
+    if mesh:
+      config_lib.set_mesh_shape(candidate, mesh)
+    for mode in modes:
+      logging.info('Compiling %s on %s for %s.', mode, mesh or 'the config\'s mesh', topology)
+      rows.append(plan_candidate(candidate, mode, devices, hardware, vocab, num_processes))
+  rank = lambda r: (r['status'] != 'fits', r.get('roofline', {}).get('serial_s', math.inf))
+  for place, row in enumerate(sorted(rows, key=rank), 1):
+    row['rank'] = place
+  return {'topology': topology, 'num_slices': num_slices, 'chip': hardware.chip.name,
+          'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
+          'processes': num_processes, 'hbm_bytes_per_device': hardware.hbm_bytes,
+          'dcn_gbps': dcn_gbps, 'candidates': rows}
+
+
+def _gib(n) -> str:
+  return '?' if n is None else f'{n / 2**30:.2f}'
+
+
+def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
+  """The plan as Markdown: the ranking, then each candidate's collectives against the theory."""
+  c0 = result['candidates'][0]['config']
+  lines = [
+      f'# Plan: {c0["model"]["name"]}, {c0["model"]["num_layers"]} layers, width '
+      f'{c0["model"]["embed_dim"]}, sequence {c0["data"]["seq_len"]}, batch '
+      f'{c0["data"]["global_batch_size"]}, {c0["model"]["dtype"]}, remat {c0["model"]["remat"]} '
+      f'on {result["topology"]} x {result["num_slices"]} slice(s): {result["devices"]} x '
+      f'{result["chip"]} devices, {_gib(result["hbm_bytes_per_device"])} GiB HBM each', '',
+      '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB | TFLOP / device | compute s '
+      '| HBM s | ICI s | DCN s | step s (overlapped - serial) | MFU (serial) | compile s |',
+      '|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|']
+  for r in sorted(result['candidates'], key=lambda r: r.get('rank', 0)):
+    if r['status'] == 'invalid':
+      lines.append(f'| - | {r["mesh"]} | {r["mode"]} | invalid: {r["error"]} |' + ' |' * 11)
+      continue
+    m, e = r['memory'], r.get('roofline')
+    cells = [str(r['rank']), r['mesh'], r['mode'], '**yes**' if r['status'] == 'fits' else 'no',
+             _gib(m.get('peak_estimate_bytes')), _gib(m.get('argument_size_in_bytes')),
+             _gib(m.get('temp_size_in_bytes'))]
+    if e:
+      cells += [f'{e["flops_per_device"] / 1e12:.1f}', f'{e["compute_s"]:.3f}',
+                f'{e["memory_s"]:.3f}', f'{e["ici_s"]:.3f}', f'{e["dcn_s"]:.3f}',
+                f'{e["overlapped_s"]:.3f} - {e["serial_s"]:.3f}', f'{100 * r["mfu"]:.1f} %']
+    else:
+      cells += ['-'] * 7
+    cells.append(f'{r["compile_s"]:.0f}')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  lines += ['', 'Peak: arguments + outputs + temporaries - donated, from the compiled program '
+            '(a compile that ran out of HBM: the HLO temporaries the compiler needed). Step time: '
+            'compute = FLOPs executed / peak (the model\'s 6N + attention, 8N under full remat, '
+            'plus the pipeline bubble; XLA\'s cost analysis counts a scanned layer once), HBM = '
+            'compiled bytes accessed / bandwidth (a lower bound, for the same reason), ICI and '
+            'DCN = bytes on the wire / bandwidth (ring algorithms; every link of the chip for '
+            'ICI: a lower bound); overlapped = the largest, serial = max(compute, HBM) + '
+            'communication. MFU: the model\'s FLOPs per serial step time.', '']
+  lines += [TPU_NOTES, '']
+  for r in result['candidates']:
+    if r['status'] == 'invalid' or 'communication' not in r:
+      continue
+    lines += [f'## {r["mesh"]}, {r["mode"]}: collectives per step and device', '',
+              '| kind | axes | executions | MiB | theory MiB | measured / theory |',
+              '|---|---|---:|---:|---:|---:|']
+    for row in r['communication']:
+      e = row[r['mode']]
+      ratio = f'{e["ratio"]:.2f}' if e['ratio'] is not None else (
+          'not in theory' if e['unexpected'] else '-')
+      lines.append(f'| {row["kind"]} | {row["axes"]} | {e["executions"]} | '
+                   f'{e["bytes"] / 2**20:.1f} | {row["theory_bytes"] / 2**20:.1f} | {ratio} |')
+    command = train_command(config_arg, list(overrides), r['mesh_shape'], r['mode'],
+                            ml_collections.ConfigDict(r['config']))
+    lines += ['', f'Train it: `{command}`', '']
+  return '\n'.join(lines)
+
+
+def main():
+  """Command line; flags are defined here, not at import, so tests can import this module."""
+  config = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
+                                           lock_config=False)
+  topology = flags.DEFINE_string('topology', None, 'TPU topology VERSION:SHAPE, e.g. v5p:4x4x8.')
+  num_slices = flags.DEFINE_integer('num_slices', 1, 'Slices joined by the data-centre network '
+                                    '(mesh.dcn_data x mesh.dcn_fsdp must equal it when > 1).')
+  modes = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compile.')
+  meshes = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]]; '
+                             'default: the config\'s own.')
+  dcn_gbps = flags.DEFINE_float('dcn_gbps', DCN_GBPS, 'Bandwidth between slices, GB/s per chip.')
+  out = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
+  flags.mark_flags_as_required(['config', 'topology'])
+
+  def run(argv):
+    del argv
+    quiet_library_output()
+    start = time.perf_counter()
+    try:
+      result = plan(config.value, topology.value, num_slices.value, modes.value, meshes.value,
+                    dcn_gbps.value)
+    except config_lib.ConfigError as e:
+      fail(str(e))
+    result['wall_s'] = time.perf_counter() - start
+    config_arg = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
+                      flags.FLAGS['config'].value)
+    overrides = [a for a in sys.argv[1:] if a.startswith('--config.')]
+    result['plan_command'] = ' '.join(['python -m engine.plan', *sys.argv[1:]])
+    report = markdown(result, config_arg, overrides) + f'\nPlanned in {result["wall_s"]:.0f} s.\n'
+    print(report)
+    if out.value:
+      with open(out.value + '.md', 'w') as f:
+        f.write(report)
+      with open(out.value + '.json', 'w') as f:
+        json.dump(result, f, indent=1, default=str)
+      logging.info('Wrote %s.md and %s.json', out.value, out.value)
+
+  app.run(run)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,139 @@
+"""engine.plan: the real train step compiled for a TPU topology (libtpu's compiler, on CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from engine import parallel
+from engine import plan as plan_lib
+from engine.analysis import collectives
+from engine.config import ConfigError
+from engine.main import run as run_main
+from engine.train import build_setup
+from experiments import tiny as tiny_experiment
+from tests.helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOPOLOGY = 'v5p:2x2x2'  # 8 chips: the same device count as the CPU tests' simulated mesh.
+
+
+def _config(model='gpt'):
+  """Two layers, but wide enough (1024, MLP 4096) that TPU's (8, 128) tiles pad nothing even
+  when fsdp splits a dimension eight ways."""
+  config = tiny_config(mesh=(8, 1, 1), steps=2)
+  config.model.name = model
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 1024, 4096, 8
+  config.model.vocab_size = 1024
+  if model == 'llama':
+    config.model.num_kv_heads = 2
+  return config
+
+
+@pytest.fixture(scope='module')
+def gpt_plan():
+  return plan_lib.plan(_config(), TOPOLOGY, 1, ['auto', 'manual'], ['8x1x1', '1x8x1'])
+
+
+def _cpu_collectives(config, mode):
+  """The same layout compiled for this machine's 8 simulated devices."""
+  train_setup = build_setup(config, config.model.vocab_size)
+  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
+  compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+      train_setup.abstract_state(), batch).compile()
+  table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
+                                                              train_setup.mesh))
+  return {key: row['array_bytes'] for key, row in table.items() if row['array_bytes']}
+
+
+def _tpu_collectives(row):
+  return {(r['kind'], tuple(r['axes'].split(',')) if r['axes'] != '-' else ()):
+          r[row['mode']]['bytes'] for r in row['communication'] if r[row['mode']]['bytes']}
+
+
+def test_gpt_plan_fits_ranks_and_falls_with_fsdp(gpt_plan):
+  rows = gpt_plan['candidates']
+  assert gpt_plan['chip'] == 'TPU v5p' and gpt_plan['devices'] == 8
+  assert [r['status'] for r in rows] == ['fits'] * 4
+  assert sorted(r['rank'] for r in rows) == [1, 2, 3, 4]
+  by = {(r['mesh'], r['mode']): r for r in rows}
+  for mode in ('auto', 'manual'):
+    data, fsdp = by[('data 8', mode)], by[('fsdp 8', mode)]
+    # Parameters and optimizer state: whole on every device under data parallelism, an eighth
+    # under fsdp (the batch and a few scalars aside).
+    ratio = fsdp['memory']['argument_size_in_bytes'] / data['memory']['argument_size_in_bytes']
+    assert 0.12 < ratio < 0.2, ratio
+    for row in (data, fsdp):
+      estimate = row['roofline']
+      assert estimate['serial_s'] >= estimate['overlapped_s'] > 0
+      assert estimate['ici_s'] > 0 and estimate['dcn_s'] == 0
+      assert 0 < row['mfu'] <= row['mfu_overlapped'] <= 1
+  report = plan_lib.markdown(gpt_plan, 'experiments/tiny.py')
+  assert report.count('Train it: `python -m engine.main --config=experiments/tiny.py') == 4
+
+
+def test_tpu_collectives_against_the_cpu_compile(gpt_plan):
+  """Manual mode's collectives on TPU, read from the TPU HLO (no recorded loop trip counts,
+  async permutes), against the CPU compile of the same layout."""
+  rows = {r['mesh_shape']['data']: r for r in gpt_plan['candidates'] if r['mode'] == 'manual'}
+  config = _config()
+  # Data parallel: the same all-reduces, byte for byte.
+  assert _tpu_collectives(rows[8]) == _cpu_collectives(config, 'manual')
+  # FSDP: XLA:TPU turns each gradient's reduce-scatter into an all-reduce of the whole gradient
+  # (then keeps its shard), and gathers each weight once per step where the CPU compile gathers
+  # it again for the backward pass: the plan's report says so.
+  config.mesh.data, config.mesh.fsdp = 1, 8
+  tpu, cpu = _tpu_collectives(rows[1]), _cpu_collectives(config, 'manual')
+  key = lambda kind: (kind, ('fsdp',))
+  assert key('reduce-scatter') not in tpu
+  assert tpu[key('all-reduce')] == 8 * cpu[key('reduce-scatter')] + cpu[key('all-reduce')]
+  # Each weight gathered once: the whole of every sharded parameter (an eighth of it held).
+  assert tpu[key('all-gather')] == 8 * cpu[key('reduce-scatter')] < cpu[key('all-gather')]
+
+
+def test_llama_on_fsdp_x_tensor_and_the_plan_config_trains(tmp_path):
+  overrides = ['--config.model.name=llama', '--config.model.num_kv_heads=2',
+               '--config.data.source=synthetic', '--config.train.num_steps=2']
+  config = tiny_experiment.get_config()
+  config.model.name, config.model.num_kv_heads = 'llama', 2
+  config.data.source, config.train.num_steps = 'synthetic', 2
+  result = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['1x4x2'])
+  (row,) = result['candidates']
+  assert row['status'] == 'fits' and row['mesh'] == 'fsdp 4 x tensor 2'
+  # The plan records the exact config, and the command it prints trains it (here, on 8
+  # simulated devices).
+  command = plan_lib.train_command('experiments/tiny.py', overrides, row['mesh_shape'],
+                                   row['mode'], ml_collections.ConfigDict(row['config']))
+  argv = command.replace('WORKDIR', str(tmp_path / 'run')).split()[3:]
+  assert run_main(argv) == 0
+  saved = json.loads((tmp_path / 'run' / 'config.json').read_text())
+  for section in ('model', 'data', 'mesh', 'parallelism', 'train', 'optim'):
+    assert saved[section] == row['config'][section], section
+
+
+def test_a_model_too_large_does_not_fit():
+  config = _config('llama')
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 8192, 32768, 64
+  config.model.num_layers, config.model.vocab_size = 16, 32768
+  result = plan_lib.plan(config, TOPOLOGY, 1, ['auto'], ['8x1x1'])
+  (row,) = result['candidates']
+  assert row['status'] == 'does not fit'
+  assert row['memory']['peak_estimate_bytes'] > result['hbm_bytes_per_device']
+
+
+@pytest.mark.parametrize('topology, message', [
+    ('v5p-8', "--topology='v5p-8' is not a TPU topology; write VERSION:SHAPE"),
+    ('v5p:3x3x3', "--topology='v5p:3x3x3' is not a topology libtpu knows"),
+])
+def test_unknown_topology_is_one_error_line(topology, message):
+  with pytest.raises(ConfigError, match=message):
+    plan_lib.topology_devices(topology)
+  if topology == 'v5p-8':  # The command line: one line, exit 2, nothing compiled.
+    proc = subprocess.run(
+        [sys.executable, '-m', 'engine.plan', '--config=experiments/tiny.py',
+         f'--topology={topology}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f'error: {message}')
