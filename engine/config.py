@@ -390,10 +390,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       raise ConfigError(f'mesh.dcn_{axis}={dcn} must be >= 1 and divide mesh.{axis}={mesh[axis]} '
                         f'(the {axis} axis is split into dcn_{axis} groups across hosts).')
   hosts = config.mesh.dcn_data * config.mesh.dcn_fsdp
-  if hosts > 1 and num_slices > 1 and hosts != num_slices:
+  if num_slices > 1 and hosts != num_slices:
     raise ConfigError(
         f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of TPU slices '
-        f'({num_slices}), one group of devices per slice.')
+        f'({num_slices}): the data-centre network joins the slices along those axes; set '
+        f'mesh.dcn_data={num_slices} (or split it with mesh.dcn_fsdp).')
   if hosts > 1 and num_slices == 1 and hosts != num_processes:
     raise ConfigError(
         f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of processes '

@@ -40,7 +40,6 @@ os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
 os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
 
-import jax  # noqa: E402
 import ml_collections  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -72,14 +71,20 @@ _WIRE_FACTOR = {
 # GPT-2-small-sized step for v5p 2x2x2 (BUILD.md, "Planning").
 TPU_NOTES = """Reading measured / theory on TPU: the theory counts what manual mode asks for, in \
 the dtypes it asks for. XLA:TPU (a) gathers FSDP weights in the compute dtype (bfloat16: \
-all-gather at 0.5) and once per step (no re-gather for the backward pass); (b) turns each \
-manual FSDP gradient's reduce-scatter into an all-reduce of the whole gradient followed by a \
-slice (reduce-scatter 0, all-reduce fsdp x its bytes in result units, about twice the wire \
-traffic); (c) in auto mode reduces data-parallel gradients where the weight-gradient matmuls \
-produce them, in bfloat16 (all-reduce near 0.5-0.65; a tied embedding's two gradient parts \
-reduced separately); (d) in auto FSDP runs most weight gathers and gradient reduce-scatters as \
-windowed einsums (collective matmuls): collective-permutes of shard-sized pieces, about 9/8 of \
-the all-gather bytes they replace, overlapped with the matmuls. Permutes over fsdp are those."""
+all-gather at 0.5) and once per step (no re-gather for the backward pass); (b) turns some FSDP \
+gradients' reduce-scatters (all, at GPT-2-small size; the head's float32 gradient at Llama-8B \
+size) into an all-reduce of the whole gradient followed by a slice: reduce-scatter below 1, and \
+an fsdp all-reduce the theory does not have, fsdp times the missing reduce-scatter bytes (in \
+auto mode with data parallelism too, over data and fsdp at once); (c) in auto mode reduces \
+data-parallel gradients where the weight-gradient matmuls produce them, in bfloat16 (all-reduce \
+near 0.5-0.65; a tied embedding's two gradient parts reduced separately); (d) in auto FSDP \
+runs most weight gathers and gradient reduce-scatters as windowed einsums (collective \
+matmuls): collective-permutes of shard-sized pieces, about 9/8 of the all-gather bytes they \
+replace, overlapped with the matmuls (permutes over fsdp are those). Under remat, on CPU as on \
+TPU, (e) some of the forward pass's tensor-parallel all-reduces run again in the backward pass: \
+tensor all-reduce about 1.2 with full remat. (f) Between slices XLA:TPU sends through the \
+data-centre network (Megascale): those collectives are the `dcn` rows, carrying what the \
+theory lists under the data (or fsdp) axis for the part of it that crosses slices."""
 
 
 class PlanError(config_lib.ConfigError):
@@ -135,7 +140,7 @@ class Hardware:
     return self.per_device(self.chip.hbm_gib * 2**30)
 
 
-def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str, dcn_axes: set[str],
+def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
              mesh_shape: dict[str, int], executed_flops: float) -> dict:
   """Seconds per step for compute, HBM traffic and communication, and the two estimates.
 
@@ -148,12 +153,13 @@ def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str, dcn_axes: 
   memory_s = float(cost.get('bytes accessed', 0.0)) / hardware.per_device(
       hardware.chip.hbm_gbps * 1e9)
   comm_s = {'ici': 0.0, 'dcn': 0.0}
+  sizes = {**mesh_shape, collectives.DCN: hardware.num_slices}
   for (kind, axes), row in table.items():
-    group = math.prod(mesh_shape[a] for a in axes)
-    if group < 2 or not row['array_bytes']:
+    group = math.prod(sizes[a] for a in axes)
+    if group < 2 or not row['array_bytes'] or kind not in _WIRE_FACTOR:
       continue
     wire = row['array_bytes'] * _WIRE_FACTOR[kind](group)
-    if dcn_axes & set(axes):
+    if collectives.DCN in axes:  # Between slices: Megascale's sends (engine.analysis.collectives).
       comm_s['dcn'] += wire / (hardware.dcn_gbps * 1e9)
     else:
       comm_s['ici'] += wire / hardware.per_device(hardware.chip.interconnect_gbps * 1e9)
@@ -213,10 +219,10 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices, hardwa
   row = {'mode': mode, 'config': json.loads(config.to_json())}
   try:
     config_lib.validate(config, len(devices), num_processes, hardware.num_slices)
-  except config_lib.ConfigError as e:
+    train_setup = build_setup(config, vocab, devices)
+  except config_lib.ConfigError as e:  # A candidate the engine would refuse: a row, not a stop.
     sizes = 'x'.join(str(config.mesh[a]) for a in config_lib.MESH_AXES)
     return {**row, 'mesh': sizes, 'status': 'invalid', 'error': str(e)}
-  train_setup = build_setup(config, vocab, devices)
   mesh_shape = dict(train_setup.mesh.shape)
   row.update(mesh=benchmark.mesh_name(mesh_shape), mesh_shape=mesh_shape)
   global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
@@ -238,10 +244,9 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices, hardwa
   theory = comm_theory.expected_bytes(train_setup, global_batch, seq_len)
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  dcn_axes = {a for a in ('data', 'fsdp') if config.mesh[f'dcn_{a}'] > 1}
   tokens = global_batch * seq_len
   model_flops = train_setup.model.flops_per_token(seq_len) * tokens
-  estimate = roofline(cost, table, hardware, config.model.dtype, dcn_axes, mesh_shape,
+  estimate = roofline(cost, table, hardware, config.model.dtype, mesh_shape,
                       executed_flops(model_flops, config) / hardware.num_devices)
   peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
   fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes

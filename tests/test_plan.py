@@ -137,3 +137,41 @@ def test_unknown_topology_is_one_error_line(topology, message):
          f'--topology={topology}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f'error: {message}')
+
+
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_executed_flops_match_the_compiled_unrolled_step(remat):
+  """The roofline's compute FLOPs (XLA's cost analysis counts a scanned layer once) against
+  XLA's own count for the same step with its layers unrolled."""
+  config = tiny_config(mesh=(8, 1, 1))
+  config.model.name, config.model.remat, config.model.scan_layers = 'llama', remat, False
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 512, 2048, 8
+  config.model.num_layers, config.model.vocab_size = 4, 1024
+  config.data.seq_len = config.model.max_len = 128
+  config.data.global_batch_size = 8
+  train_setup = build_setup(config, 1024)
+  compiled = parallel.STEP_BUILDERS['auto'](train_setup).train.lower(
+      train_setup.abstract_state(), train_setup.abstract_batch(8, 128)).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  model_flops = train_setup.model.flops_per_token(128) * 8 * 128
+  per_device = plan_lib.executed_flops(model_flops, config) / 8
+  assert cost['flops'] == pytest.approx(per_device, rel=0.08)
+
+
+def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
+  config = _config()
+  config.mesh.dcn_data = 2
+  result = plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
+  (row,) = result['candidates']
+  assert result['devices'] == 8 and row['status'] == 'fits'
+  # Gradients all-reduce over data, which spans the two slices: XLA:TPU compiles that to
+  # Megascale sends over the data-centre network (the `dcn` row), as many bytes as the theory's
+  # data all-reduce; fsdp stays inside each slice.
+  table = {(r['kind'], r['axes']): r for r in row['communication']}
+  assert table[('all-reduce', 'dcn')]['manual']['bytes'] == pytest.approx(
+      table[('all-reduce', 'data')]['theory_bytes'], rel=1e-3)
+  assert row['roofline']['dcn_s'] > 0 and row['roofline']['ici_s'] > 0
+  config.mesh.dcn_data = 1  # The slices must be joined along some axis: refused, as a row.
+  (row,) = plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])['candidates']
+  assert row['status'] == 'invalid' and 'number of TPU slices (2)' in row['error']

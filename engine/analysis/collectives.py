@@ -10,7 +10,8 @@ iteration, using XLA's known trip count, or, where the compiled HLO does not rec
 does not), the trip count read off the loop itself: a counter set to a constant before the loop,
 stepped by a constant in the body and compared with a constant in the condition. Bytes are per
 device and per execution: the size of the collective's result (of an async `-start`, the result
-part of its (operand, result, context...) tuple).
+part of its (operand, result, context...) tuple). Collectives between TPU slices, which XLA:TPU
+compiles to Megascale `send`s over the data-centre network, are listed under the axis `dcn`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
                 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
 _INSTRUCTION = re.compile(
-    r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (' + '|'.join(KINDS) + r'|while|call|conditional)'
+    r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (' + '|'.join(KINDS) + r'|while|call|conditional|send)'
     r'(-start)?\((.*)$')
+# Between TPU slices XLA:TPU sends through the data-centre network (Megascale) instead: a `send`
+# whose attributes name the collective. Such traffic is listed under this pseudo mesh axis.
+DCN = 'dcn'
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _SHAPE = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\]')
 
 
@@ -165,6 +170,13 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
       elif op in ('call', 'conditional'):
         for callee in re.findall(r'(?:to_apply|calls|branch_computations)=\{?%?([\w.\-]+)', rest):
           visit(callee, executions, depth + 1)
+      elif op == 'send':
+        if m := _MEGASCALE.search(rest):  # ALL_REDUCE -> all-reduce, ...
+          shapes = _shapes(type_text)
+          found.append(Collective(
+              kind=m.group(1).lower().replace('_', '-'), axes=(DCN,),
+              shapes=tuple(s for s, _ in shapes), buffer_bytes=tuple(b for _, b in shapes),
+              executions=executions, name=name, computation=computation))
       else:
         shapes = _shapes(type_text)
         if is_start and op in ('all-gather', 'collective-permute', 'all-to-all'):
