@@ -257,6 +257,11 @@ def _check_init_from(workdir: str) -> None:
   finished checkpoints by their step and unfinished ones with a temporary suffix."""
   if '://' in workdir:
     return  # A bucket: checked when the parameters are restored.
+  if workdir.startswith('hf:'):  # A Hugging Face checkpoint (engine/hf.py).
+    if not os.path.isfile(os.path.join(workdir[3:], 'config.json')):
+      raise ConfigError(f'train.init_from={workdir!r}: no config.json in {workdir[3:]!r}; pass '
+                        'hf:DIR with a Hugging Face checkpoint (config.json and *.safetensors).')
+    return
   directory = os.path.join(workdir, 'checkpoints')
   if not os.path.isdir(directory):
     raise ConfigError(

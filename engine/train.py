@@ -12,7 +12,7 @@ import numpy as np
 from absl import logging
 
 from engine import config as config_lib
-from engine import data, distributed, models, parallel, sharding
+from engine import data, distributed, hf, models, parallel, sharding
 from engine import workdir as workdir_lib
 from engine.checkpoint import Checkpointer, restore_params
 from engine.mesh import make_mesh
@@ -92,6 +92,7 @@ def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int,
 def setup(config: ml_collections.ConfigDict) -> tuple[data.Corpus, TrainSetup]:
   """Validates the config (before anything compiles), reads the data, lays out model and
   optimizer."""
+  hf.apply_model_config(config)  # train.init_from=hf:PATH: the model is PATH's.
   config_lib.validate(config, jax.device_count(), jax.process_count(),
                       config_lib.count_slices(jax.devices()))
   corpus = data.load_corpus(config.data, config.seed)
@@ -124,8 +125,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   start_step = checkpointer.choose_resume_step(config.train.skip_damaged_checkpoints)
   if start_step is None:
     # Another run's parameters are checked against this model before anything compiles.
-    params = (restore_params(config.train.init_from, abstract_state['params'])
-              if config.train.init_from else None)
+    if hf.path_of(config.train.init_from) is not None:
+      params = hf.load_params(hf.path_of(config.train.init_from), abstract_state['params'])
+    else:
+      params = (restore_params(config.train.init_from, abstract_state['params'])
+                if config.train.init_from else None)
     state, init_compiled = train_setup.init(config.seed)
     memory['init'] = log_memory('init', init_compiled)
     start_step = 0

@@ -1,0 +1,287 @@
+"""Hugging Face Llama checkpoints in and out: `train.init_from=hf:PATH` and `engine.export`.
+
+A checkpoint is a directory with `config.json` and `*.safetensors` files (one, or several named
+by `model.safetensors.index.json`). Hugging Face's `nn.Linear` weights are [out, in]; the
+engine's are [in, out] with the heads split out, its layers stacked along a leading axis:
+
+  model.embed_tokens.weight              [V, D]     tok_embed_VD              [V, D]
+  model.layers.{i}.input_layernorm       [D]        blocks/attn_norm/scale    [L, D]
+  model.layers.{i}.self_attn.q_proj      [H K, D]   blocks/w_q_DHK            [L, D, H, K]
+  model.layers.{i}.self_attn.k_proj      [N K, D]   blocks/w_k_DNK            [L, D, N, K]
+  model.layers.{i}.self_attn.v_proj      [N K, D]   blocks/w_v_DNK            [L, D, N, K]
+  model.layers.{i}.self_attn.o_proj      [D, H K]   blocks/w_o_HKD            [L, H, K, D]
+  model.layers.{i}.post_attention_layernorm [D]     blocks/mlp_norm/scale     [L, D]
+  model.layers.{i}.mlp.gate_proj         [F, D]     blocks/w_gate_DF          [L, D, F]
+  model.layers.{i}.mlp.up_proj           [F, D]     blocks/w_up_DF            [L, D, F]
+  model.layers.{i}.mlp.down_proj         [D, F]     blocks/w_down_FD          [L, F, D]
+  model.norm.weight                      [D]        final_norm/scale          [D]
+  lm_head.weight (or the embedding, tied) [V, D]    head_DV                   [D, V]
+
+The rotary convention is the same (rotate-half, as Hugging Face's Llama stores q and k), so no
+weight is permuted. Loading builds every parameter with `jax.make_array_from_callback`: each
+device's block is read from the files as that slice alone (safetensors reads slices without
+loading the tensor), so no host or device ever holds a whole parameter it does not own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+
+import jax
+import numpy as np
+from absl import logging
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from engine.config import ConfigError
+
+PREFIX = 'hf:'
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One engine parameter and the Hugging Face tensor(s) it holds."""
+  path: str  # '/'-joined engine path.
+  name: str  # Hugging Face name; '{i}' for the layer of a stacked parameter.
+  # same: identical layout; linear: transposed; heads_out: [H K, D] -> [D, H, K];
+  # heads_in: [D, H K] -> [H, K, D].
+  layout: str
+
+
+TENSORS = (
+    Tensor('tok_embed_VD', 'model.embed_tokens.weight', 'same'),
+    Tensor('blocks/attn_norm/scale', 'model.layers.{i}.input_layernorm.weight', 'same'),
+    Tensor('blocks/w_q_DHK', 'model.layers.{i}.self_attn.q_proj.weight', 'heads_out'),
+    Tensor('blocks/w_k_DNK', 'model.layers.{i}.self_attn.k_proj.weight', 'heads_out'),
+    Tensor('blocks/w_v_DNK', 'model.layers.{i}.self_attn.v_proj.weight', 'heads_out'),
+    Tensor('blocks/w_o_HKD', 'model.layers.{i}.self_attn.o_proj.weight', 'heads_in'),
+    Tensor('blocks/mlp_norm/scale', 'model.layers.{i}.post_attention_layernorm.weight', 'same'),
+    Tensor('blocks/w_gate_DF', 'model.layers.{i}.mlp.gate_proj.weight', 'linear'),
+    Tensor('blocks/w_up_DF', 'model.layers.{i}.mlp.up_proj.weight', 'linear'),
+    Tensor('blocks/w_down_FD', 'model.layers.{i}.mlp.down_proj.weight', 'linear'),
+    Tensor('final_norm/scale', 'model.norm.weight', 'same'),
+    Tensor('head_DV', 'lm_head.weight', 'linear'),
+)
+
+
+def path_of(init_from: str) -> str | None:
+  """The checkpoint directory of `train.init_from=hf:PATH`, or None for a workdir."""
+  return init_from[len(PREFIX):] if init_from.startswith(PREFIX) else None
+
+
+def read_config(path: str) -> dict:
+  config_file = os.path.join(path, 'config.json')
+  if not os.path.isfile(config_file):
+    raise ConfigError(f'train.init_from=hf:{path}: no config.json there; pass a directory '
+                      'holding a Hugging Face checkpoint (config.json and *.safetensors).')
+  with open(config_file) as f:
+    return json.load(f)
+
+
+def model_config(hf: dict, where: str) -> dict:
+  """The engine's `model` settings for a Hugging Face Llama config; ConfigError for anything
+  the engine's Llama does not compute the same way."""
+  architectures = hf.get('architectures') or []
+  if hf.get('model_type') != 'llama' or 'LlamaForCausalLM' not in architectures:
+    raise ConfigError(f'{where}: model_type={hf.get("model_type")!r}, architectures='
+                      f'{architectures}; only LlamaForCausalLM checkpoints can be loaded.')
+  heads, width = hf['num_attention_heads'], hf['hidden_size']
+  unsupported = {
+      'rope_scaling': hf.get('rope_scaling') not in (None, {}),
+      'attention_bias': bool(hf.get('attention_bias')),
+      'mlp_bias': bool(hf.get('mlp_bias')),
+      f'hidden_act={hf.get("hidden_act")!r}': hf.get('hidden_act', 'silu') != 'silu',
+      'head_dim != hidden_size / num_attention_heads':
+          hf.get('head_dim', width // heads) * heads != width,
+  }
+  found = [name for name, bad in unsupported.items() if bad]
+  if found:
+    raise ConfigError(f'{where}: {", ".join(found)} is not supported by the engine\'s Llama '
+                      '(no rotary scaling, no biases, SiLU, head_dim = width / heads).')
+  return {'name': 'llama', 'num_layers': hf['num_hidden_layers'], 'embed_dim': width,
+          'num_heads': heads, 'num_kv_heads': hf.get('num_key_value_heads', heads),
+          'mlp_dim': hf['intermediate_size'], 'vocab_size': hf['vocab_size'],
+          'rope_base': float(hf.get('rope_theta', 10_000.0)),
+          'norm_eps': float(hf.get('rms_norm_eps', 1e-6))}
+
+
+def apply_model_config(config) -> None:
+  """For `train.init_from=hf:PATH`: the model settings come from PATH/config.json."""
+  path = path_of(config.train.init_from)
+  if path is None:
+    return
+  settings = model_config(read_config(path), f'train.init_from=hf:{path}')
+  for key, value in settings.items():
+    if config.model[key] != value:
+      logging.info('model.%s=%r from %s/config.json', key, value, path)
+      config.model[key] = value
+
+
+class _Files:
+  """Every tensor of a checkpoint, by name, read in slices."""
+
+  def __init__(self, path: str):
+    index = os.path.join(path, 'model.safetensors.index.json')
+    if os.path.isfile(index):
+      with open(index) as f:
+        weight_map = json.load(f)['weight_map']
+      files = sorted(set(weight_map.values()))
+    else:
+      files = sorted(f for f in os.listdir(path) if f.endswith('.safetensors'))
+      weight_map = None
+    if not files:
+      raise ConfigError(f'train.init_from=hf:{path}: no *.safetensors files there.')
+    self.handles = {f: safe_open(os.path.join(path, f), framework='numpy') for f in files}
+    self.where = weight_map or {name: f for f, h in self.handles.items() for name in h.keys()}
+    self.path = path
+
+  def has(self, name: str) -> bool:
+    return name in self.where
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+  def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    return self.handles[self.where[name]].get_slice(name)[index]
+
+
+def _span(heads: slice, size: int) -> slice:
+  """The rows of a [heads * size] dimension that hold heads[...], whole heads."""
+  return slice(heads.start * size, heads.stop * size)
+
+
+def _read_block(files: _Files, name: str, layout: str, index: tuple[slice, ...],
+                shape: tuple[int, ...]) -> np.ndarray:
+  """The engine-layout block `index` (of an engine array of `shape`) of HF tensor `name`."""
+  index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+  if layout == 'same':
+    return files.read(name, index)
+  if layout == 'linear':
+    return files.read(name, index[::-1]).T
+  if layout == 'heads_out':  # Engine [D, H, K] from [H K, D].
+    d, h, k = index
+    block = files.read(name, (_span(h, shape[2]), d))
+    block = block.reshape(h.stop - h.start, shape[2], -1)[:, k]
+    return block.transpose(2, 0, 1)
+  assert layout == 'heads_in', layout  # Engine [H, K, D] from [D, H K].
+  h, k, d = index
+  block = files.read(name, (d, _span(h, shape[1])))
+  block = block.reshape(-1, h.stop - h.start, shape[1])[:, :, k]
+  return block.transpose(1, 2, 0)
+
+
+def _flat(params) -> dict[str, object]:
+  return {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def load_params(path: str, abstract_params):
+  """The checkpoint's parameters, each created in the sharding `abstract_params` carries."""
+  files = _Files(path)
+  tied = not files.has('lm_head.weight')
+  flat = _flat(abstract_params)
+  unknown = set(flat) - {t.path for t in TENSORS}
+  if unknown:
+    raise ConfigError(f'train.init_from=hf:{path}: the model has parameters no Hugging Face '
+                      f'Llama tensor maps to: {sorted(unknown)}.')
+  loaded = {}
+  for tensor in TENSORS:
+    target = flat[tensor.path]
+    name, layout = tensor.name, tensor.layout
+    if tensor.path == 'head_DV' and tied:
+      name, layout = 'model.embed_tokens.weight', 'linear'
+    lead = target.shape[:target.ndim - _LAYER_NDIM[layout]] if '{i}' in name else ()
+    inner = target.shape[len(lead):]
+
+    def block(index, name=name, layout=layout, lead=lead, inner=inner, dtype=target.dtype):
+      if not lead:
+        return _read_block(files, name, layout, index, inner).astype(dtype)
+      # The stacked dimensions: [L], or [R, L / R] grouped; layer = their row-major position.
+      ranges = [range(*s.indices(n)) for s, n in zip(index[:len(lead)], lead)]
+      layers = [_read_block(files, name.format(i=int(np.ravel_multi_index(at, lead))), layout,
+                            index[len(lead):], inner)
+                for at in itertools.product(*ranges)]
+      return np.stack(layers).reshape(*map(len, ranges), *layers[0].shape).astype(dtype)
+
+    _check_shape(files, name, layout, inner, path)
+    loaded[tensor.path] = jax.make_array_from_callback(target.shape, target.sharding, block)
+  logging.info('Loaded %d tensors from %s%s', len(loaded), path,
+               ' (output head tied to the embedding)' if tied else '')
+  return jax.tree_util.tree_map_with_path(
+      lambda p, _: loaded['/'.join(str(getattr(k, 'key', k)) for k in p)], abstract_params)
+
+
+# Dimensions of one layer's engine array, by layout (stacked parameters have more in front).
+_LAYER_NDIM = {'same': 1, 'linear': 2, 'heads_out': 3, 'heads_in': 3}
+
+
+def _check_shape(files: _Files, name: str, layout: str, inner: tuple[int, ...], path: str):
+  first = name.format(i=0)
+  if not files.has(first):
+    raise ConfigError(f'train.init_from=hf:{path}: tensor {first!r} is missing.')
+  expected = _hf_shape(layout, inner)
+  if files.shape(first) != expected:
+    raise ConfigError(f'train.init_from=hf:{path}: {first!r} is {files.shape(first)}, the model '
+                      f'needs {expected}; the config.json and the weights disagree.')
+
+
+def _hf_shape(layout: str, inner: tuple[int, ...]) -> tuple[int, ...]:
+  if layout == 'same':
+    return inner
+  if layout == 'linear':
+    return inner[::-1]
+  if layout == 'heads_out':
+    return (inner[1] * inner[2], inner[0])
+  return (inner[2], inner[0] * inner[1])
+
+
+def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
+  """One layer's engine array in the Hugging Face layout (the inverse of _read_block)."""
+  if layout == 'same':
+    return array
+  if layout == 'linear':
+    return array.T
+  if layout == 'heads_out':  # [D, H, K] -> [H K, D]
+    return array.reshape(array.shape[0], -1).T
+  return array.reshape(-1, array.shape[-1]).T  # [H, K, D] -> [D, H K]
+
+
+def hf_config(model_config, vocab_size: int) -> dict:
+  """config.json for the engine's Llama `model` settings."""
+  heads = model_config.num_heads
+  return {
+      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
+      'hidden_size': model_config.embed_dim, 'intermediate_size': model_config.mlp_dim,
+      'num_hidden_layers': model_config.num_layers, 'num_attention_heads': heads,
+      'num_key_value_heads': model_config.num_kv_heads if model_config.num_kv_heads > 0 else heads,
+      'head_dim': model_config.embed_dim // heads, 'vocab_size': vocab_size,
+      'rope_theta': model_config.rope_base, 'rms_norm_eps': model_config.norm_eps,
+      'max_position_embeddings': model_config.max_len, 'hidden_act': 'silu',
+      'tie_word_embeddings': False, 'attention_bias': False, 'mlp_bias': False,
+      'rope_scaling': None, 'torch_dtype': 'float32'}
+
+
+def save(params: dict[str, np.ndarray], config: dict, out: str) -> list[str]:
+  """Writes `config.json` and `model.safetensors` (engine '/'-paths -> host arrays; stacked
+  parameters [L, ...], or grouped [R, L / R, ...]). Returns the tensor names written."""
+  tensors = {}
+  for tensor in TENSORS:
+    array = np.asarray(params[tensor.path])
+    if '{i}' not in tensor.name:
+      tensors[tensor.name] = to_hf(tensor.layout, array)
+      continue
+    per_layer = array.reshape(-1, *array.shape[array.ndim - _LAYER_NDIM[tensor.layout]:])
+    for i, layer in enumerate(per_layer):
+      tensors[tensor.name.format(i=i)] = np.ascontiguousarray(to_hf(tensor.layout, layer))
+  os.makedirs(out, exist_ok=True)
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
+  with open(os.path.join(out, 'config.json'), 'w') as f:
+    json.dump(config, f, indent=2)
+  logging.info('Wrote %d tensors (%.1f MB) to %s', len(tensors),
+               sum(v.nbytes for v in tensors.values()) / 1e6, out)
+  return sorted(tensors)
+
