@@ -18,8 +18,8 @@ from ml_collections import ConfigDict
 from engine import models, parallel, sharding
 from engine.models import attention
 
-SOURCES = ('embedded', 'file', 'synthetic')
-TOKENIZERS = ('byte', 'char')
+SOURCES = ('embedded', 'file', 'synthetic', 'shards')
+TOKENIZERS = ('byte', 'char', 'hf', 'sentencepiece')
 MESH_AXES = ('data', 'fsdp', 'tensor', 'context', 'stage')
 DTYPES = ('float32', 'bfloat16')
 
@@ -60,9 +60,15 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.remat = 'none'
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = 'embedded'  # embedded | file | synthetic
+  c.data.source = 'embedded'  # embedded | file | synthetic | shards
   c.data.path = ''  # Text file, for source='file'.
-  c.data.tokenizer = 'byte'  # byte | char
+  # byte | char | hf (a tokenizer.json) | sentencepiece (a .model); shards use the tokenizer
+  # they were written with (engine.prepare), whatever this says.
+  c.data.tokenizer = 'byte'
+  c.data.tokenizer_path = ''  # For tokenizer='hf' or 'sentencepiece'.
+  # For source='shards': an engine.prepare output directory, or DIR:WEIGHT,DIR:WEIGHT to mix
+  # several by weight.
+  c.data.shards = ''
   c.data.seq_len = 64
   c.data.global_batch_size = 16
   c.data.val_fraction = 0.1
@@ -319,6 +325,15 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
       raise ConfigError(f'{key}={config[section][name]!r} is unknown; choose one of {choices}.')
   if config.data.source == 'file':
     _check_data_file(config.data.path)
+  subword = config.data.tokenizer in ('hf', 'sentencepiece')
+  if subword and config.data.source != 'shards' and not os.path.isfile(config.data.tokenizer_path):
+    raise ConfigError(
+        f'data.tokenizer={config.data.tokenizer!r} reads data.tokenizer_path, but '
+        f'{config.data.tokenizer_path!r} is not a file; pass --config.data.tokenizer_path=PATH '
+        '(python -m engine.train_tokenizer makes a tokenizer.json from any text).')
+  if config.data.source == 'shards' and not config.data.shards:
+    raise ConfigError("data.source='shards' reads data.shards, which is empty; pass "
+                      '--config.data.shards=DIR (an engine.prepare output; DIR:WEIGHT,... to mix).')
   if config.data.path and config.data.source != 'file':
     raise ConfigError(
         f'data.path={config.data.path!r} is set but data.source={config.data.source!r} does not '

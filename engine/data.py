@@ -19,46 +19,44 @@ import grain
 import jax
 import numpy as np
 
+from engine import shards as shards_lib
+from engine import tokenizer as tokenizer_lib
 from engine.config import ConfigError
 
 
-@dataclasses.dataclass(frozen=True)
-class Tokenizer:
-  """Byte-level (256 ids) or character-level (the sorted characters of the corpus)."""
-  kind: str
-  chars: str = ''  # Character vocabulary, for kind='char'.
-
-  @classmethod
-  def fit(cls, kind: str, text: str) -> Tokenizer:
-    return cls(kind, ''.join(sorted(set(text))) if kind == 'char' else '')
-
-  @property
-  def vocab_size(self) -> int:
-    return 256 if self.kind == 'byte' else len(self.chars)
-
-  def encode(self, text: str) -> np.ndarray:
-    if self.kind == 'byte':
-      return np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32)
-    index = {c: i for i, c in enumerate(self.chars)}
-    return np.fromiter((index[c] for c in text), np.int32, len(text))
-
-  def decode(self, ids) -> str:
-    if self.kind == 'byte':
-      return bytes(int(i) for i in ids).decode('utf-8', errors='replace')
-    return ''.join(self.chars[int(i)] for i in ids)
+def _stdlib_modules() -> list[str]:
+  return sorted(glob.glob(os.path.join(sysconfig.get_paths()['stdlib'], '*.py')))
 
 
 def embedded_corpus(max_bytes: int) -> str:
   """The standard library's top-level `.py` files, in name order: real text on every machine."""
-  stdlib = sysconfig.get_paths()['stdlib']
   parts, size = [], 0
-  for path in sorted(glob.glob(os.path.join(stdlib, '*.py'))):
+  for path in _stdlib_modules():
     with open(path, encoding='utf-8', errors='replace') as f:
       parts.append(f'# ---- {os.path.basename(path)}\n' + f.read())
     size += len(parts[-1])
     if size >= max_bytes:
       break
   return ''.join(parts)[:max_bytes]
+
+
+def documents(source: str):
+  """The documents of a text source, in order: `embedded` (each standard-library module), a
+  UTF-8 text file (one document), or a directory (each file below it, in path order)."""
+  if source == 'embedded':
+    for path in _stdlib_modules():
+      with open(path, encoding='utf-8', errors='replace') as f:
+        yield f.read()
+    return
+  if os.path.isdir(source):
+    paths = sorted(os.path.join(root, name) for root, dirs, names in os.walk(source)
+                   for name in names if not name.startswith('.'))
+  elif os.path.isfile(source):
+    paths = [source]
+  else:
+    raise ConfigError(f'--input={source!r} is neither a file, a directory, nor "embedded".')
+  for path in paths:
+    yield read_text_file(path)
 
 
 def synthetic_corpus(num_tokens: int, seed: int) -> str:
@@ -120,15 +118,46 @@ def _fewest_tokens(val_fraction: float, min_len: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-  tokenizer: Tokenizer
-  train_tokens: np.ndarray
-  val_tokens: np.ndarray
+  """A tokenized source: in memory (text sources), or shard sets streamed from disk."""
+  tokenizer: object  # engine.tokenizer's: vocab_size, encode, decode, eos_id.
+  train_tokens: np.ndarray | None = None
+  val_tokens: np.ndarray | None = None
+  shard_sets: tuple[tuple[shards_lib.TokenStream, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedTokenizer:
+  """The tokenizer a shard set was written with, as its meta.json records it."""
+  kind: str
+  vocab_size: int
+  eos_id: int | None
+
+
+def load_shards(data_config) -> Corpus:
+  """The shard sets of `data.shards` (engine.prepare's output), opened, not read."""
+  sets = [(shards_lib.TokenStream(d), w) for d, w in shards_lib.parse_sets(data_config.shards)]
+  recorded = {(s.meta['tokenizer']['kind'], s.meta['tokenizer']['vocab_size'],
+               s.meta['tokenizer']['eos_id']) for s, _ in sets}
+  if len(recorded) > 1:
+    raise ConfigError(f'data.shards={data_config.shards!r}: the shard sets were written with '
+                      f'different tokenizers {sorted(recorded, key=str)}; mix sets of one tokenizer.')
+  for stream, _ in sets:
+    windows = len(shards_lib.PackedWindows(stream, data_config.seq_len))
+    if _train_split(windows, data_config.val_fraction) < 1 or windows - _train_split(
+        windows, data_config.val_fraction) < 1:
+      raise ConfigError(f'data.shards: {stream.directory!r} holds {stream.num_tokens} tokens, '
+                        f'too few for a train and a validation window of data.seq_len='
+                        f'{data_config.seq_len}; prepare more text or shorten the sequences.')
+  return Corpus(RecordedTokenizer(*recorded.pop()), shard_sets=tuple(sets))
 
 
 def load_corpus(data_config, seed: int) -> Corpus:
-  """Reads and tokenises the source; the last `val_fraction` of it is held out."""
+  """Reads and tokenises the source; the last `val_fraction` of it is held out (shards: of
+  each set's packed windows)."""
+  if data_config.source == 'shards':
+    return load_shards(data_config)
   text = load_text(data_config, seed)
-  tokenizer = Tokenizer.fit(data_config.tokenizer, text)
+  tokenizer = tokenizer_lib.load(data_config.tokenizer, data_config.tokenizer_path, text)
   tokens = tokenizer.encode(text)
   if data_config.source == 'file' and not text:
     raise ConfigError(f'data.path={data_config.path!r} is empty; pass a text file with the '
@@ -156,19 +185,51 @@ def windows_dataset(tokens: np.ndarray, seq_len: int, global_batch: int, seed: i
   return batches[process_index::process_count]
 
 
+def describe(corpus: Corpus) -> str:
+  """How much text a corpus holds, for the log."""
+  if corpus.shard_sets:
+    return ', '.join(f'{s.directory}: {s.num_tokens} tokens (weight {w:.2f})'
+                     for s, w in corpus.shard_sets)
+  return f'{len(corpus.train_tokens)} train tokens'
+
+
+def _shard_windows(corpus: Corpus, data_config, split: str, seed: int) -> grain.MapDataset:
+  """Packed windows of every shard set (train: the first 1 - val_fraction of each set's
+  windows, shuffled and repeated; val: the rest), mixed by the sets' weights."""
+  datasets, weights = [], []
+  for stream, weight in corpus.shard_sets:
+    windows = grain.MapDataset.source(shards_lib.PackedWindows(stream, data_config.seq_len))
+    cut = _train_split(len(windows), data_config.val_fraction)
+    part = windows[:cut] if split == 'train' else windows[cut:]
+    datasets.append(part.shuffle(seed=seed).repeat(None))
+    weights.append(weight)
+  return datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, weights)
+
+
+def batches(corpus: Corpus, data_config, split: str, global_batch: int, seed: int,
+            process_index: int, process_count: int) -> grain.MapDataset:
+  """This process's rows of every global batch of `split` ('train' or 'val'): int32
+  [global_batch / processes, seq_len + 1]."""
+  if corpus.shard_sets:
+    local_batch = global_batch // process_count
+    windows = _shard_windows(corpus, data_config, split, seed)
+    return windows.batch(local_batch, drop_remainder=True)[process_index::process_count]
+  tokens = corpus.train_tokens if split == 'train' else corpus.val_tokens
+  return windows_dataset(tokens, data_config.seq_len, global_batch, seed, process_index,
+                         process_count)
+
+
 def train_iterator(corpus: Corpus, data_config, seed: int) -> grain.DatasetIterator:
   """A checkpointable iterator over this process's training batches."""
-  dataset = windows_dataset(corpus.train_tokens, data_config.seq_len,
-                            data_config.global_batch_size, seed, jax.process_index(),
-                            jax.process_count())
+  dataset = batches(corpus, data_config, 'train', data_config.global_batch_size, seed,
+                    jax.process_index(), jax.process_count())
   return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
 
 
 def eval_batches(corpus: Corpus, data_config, seed: int, num_batches: int) -> list[np.ndarray]:
   """The same fixed held-out batches at every evaluation, so eval losses are comparable."""
-  dataset = windows_dataset(corpus.val_tokens, data_config.seq_len,
-                            data_config.global_batch_size, seed + 1, jax.process_index(),
-                            jax.process_count())
+  dataset = batches(corpus, data_config, 'val', data_config.global_batch_size, seed + 1,
+                    jax.process_index(), jax.process_count())
   return [dataset[i] for i in range(num_batches)]
 
 

@@ -104,10 +104,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   corpus, train_setup = setup(config)
   workdir = workdir_lib.prepare(workdir)  # After validation: a bad config leaves no workdir.
   model = train_setup.model
-  logging.info('Mesh %s, mode %s, rules %s; %s tokenizer, vocab %d (model %d), %d train tokens',
+  logging.info('Mesh %s, mode %s, rules %s; %s tokenizer, vocab %d (model %d), %s',
                dict(train_setup.mesh.shape), config.parallelism.mode, config.parallelism.rules,
-               config.data.tokenizer, corpus.tokenizer.vocab_size, model.vocab_size,
-               len(corpus.train_tokens))
+               corpus.tokenizer.kind, corpus.tokenizer.vocab_size, model.vocab_size,
+               data.describe(corpus))
   num_steps = config.train.num_steps
   steps = parallel.STEP_BUILDERS[config.parallelism.mode](train_setup)
   batch_sharding = train_setup.batch_sharding()

@@ -63,8 +63,8 @@ def _flat(tree) -> dict[str, np.ndarray]:
 def train_batches(config):
   """(corpus, the engine's stream of global batches) of a config, in one process."""
   corpus = data.load_corpus(config.data, config.seed)
-  return corpus, data.windows_dataset(corpus.train_tokens, config.data.seq_len,
-                                      config.data.global_batch_size, config.seed, 0, 1)
+  return corpus, data.batches(corpus, config.data, 'train', config.data.global_batch_size,
+                              config.seed, 0, 1)
 
 
 def single_device_run(config, num_steps) -> Run:

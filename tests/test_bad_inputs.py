@@ -128,9 +128,16 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.parallelism.rules=zero3'], 2, "parallelism.rules='zero3' is unknown; "
      "choose 'auto' or one of ['data_parallel', 'fsdp', 'fsdp_tensor', 'tensor']."),
     ([TINY, RUN, '--config.data.source=hf'], 2,
-     "data.source='hf' is unknown; choose one of ('embedded', 'file', 'synthetic')."),
+     "data.source='hf' is unknown; choose one of ('embedded', 'file', 'synthetic', "
+     "'shards')."),
     ([TINY, RUN, '--config.data.tokenizer=bpe'], 2,
-     "data.tokenizer='bpe' is unknown; choose one of ('byte', 'char')."),
+     "data.tokenizer='bpe' is unknown; choose one of ('byte', 'char', 'hf', 'sentencepiece')."),
+    ([TINY, RUN, '--config.data.tokenizer=hf'], 2, "data.tokenizer='hf' reads "
+     "data.tokenizer_path, but '' is not a file; pass --config.data.tokenizer_path=PATH "
+     '(python -m engine.train_tokenizer makes a tokenizer.json from any text).'),
+    ([TINY, RUN, '--config.data.source=shards'], 2, "data.source='shards' reads data.shards, "
+     'which is empty; pass --config.data.shards=DIR (an engine.prepare output; DIR:WEIGHT,... '
+     'to mix).'),
     ([TINY, RUN, '--config.model.dtype=float16'], 2,
      "model.dtype='float16' is unknown; choose one of ('float32', 'bfloat16')."),
     ([TINY, RUN, '--config.model.attention=flash'], 2,

@@ -81,8 +81,8 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
           for (mode, s), size in zip(variants, batch_sizes)]
   states = [run.setup.init(config.seed)[0] for run in runs]
   processes = jax.process_count()
-  batches = data.windows_dataset(corpus.train_tokens, seq_len, max(batch_sizes), config.seed,
-                                 jax.process_index(), processes)
+  batches = data.batches(corpus, config.data, 'train', max(batch_sizes), config.seed,
+                         jax.process_index(), processes)
   for i in range(warmup + num_steps):
     # Whoever runs first in a round finds the caches cold after the others; rotating the order
     # every round spreads that over all of them.

@@ -1,0 +1,66 @@
+"""Trains a byte-level BPE tokenizer (Hugging Face `tokenizers`) on a corpus: a tokenizer.json
+for `--config.data.tokenizer=hf` and `engine.prepare`, when you have none.
+
+  python -m engine.train_tokenizer --input=embedded --vocab_size=4096 --out=/tmp/bpe.json
+  python -m engine.train_tokenizer --input=../shared/data/tinyshakespeare.txt --vocab_size=2048 \
+      --out=/tmp/shakespeare_bpe.json
+
+Byte-level: every text encodes (no unknown token) and decodes back exactly. The one special
+token, `<|endoftext|>`, separates documents.
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app, flags, logging
+
+from engine import data
+from engine.config import ConfigError
+from engine.flag_errors import fail
+
+END_OF_TEXT = '<|endoftext|>'
+
+
+def train(texts, vocab_size: int, out: str):
+  """Trains on an iterable of documents and writes `out`; returns the tokenizer."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  if vocab_size < 257:
+    raise ConfigError(f'--vocab_size={vocab_size}: a byte-level BPE needs more than the 256 '
+                      'bytes and the end-of-text token; use at least 257 (typical: 4096-65536).')
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tokenizer.train_from_iterator(texts, trainer)
+  tokenizer.save(out)
+  return tokenizer
+
+
+def main():
+  source = flags.DEFINE_string('input', 'embedded', 'A text file, a directory of them, or '
+                               '"embedded" (the engine\'s built-in corpus).')
+  vocab_size = flags.DEFINE_integer('vocab_size', 4096, 'Vocabulary size, special token included.')
+  out = flags.DEFINE_string('out', None, 'Where to write the tokenizer.json.')
+  flags.mark_flags_as_required(['out'])
+
+  def run(argv):
+    del argv
+    start = time.perf_counter()
+    try:
+      documents = list(data.documents(source.value))
+      tokenizer = train(documents, vocab_size.value, out.value)
+    except ConfigError as e:
+      fail(str(e))
+    logging.info('Trained on %d documents (%.1f MB) in %.1f s', len(documents),
+                 sum(map(len, documents)) / 1e6, time.perf_counter() - start)
+    print(f'Wrote {out.value}: vocabulary {tokenizer.get_vocab_size()}')
+
+  app.run(run)
+
+
+if __name__ == '__main__':
+  main()
