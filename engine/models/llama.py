@@ -57,14 +57,16 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
 
 
-def rotary(x_BLHK: jax.Array, positions_L: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding, rotate-half form: dimension i pairs with i + K/2."""
+def rotary(x_BLHK: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+  """Rotary position embedding, rotate-half form: dimension i pairs with i + K/2. `positions`
+  is [L] (every row alike) or [B, L] (generation: each row at its own position)."""
   half = x_BLHK.shape[-1] // 2
   inverse_frequency = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles_LK = jnp.tile(positions_L.astype(jnp.float32)[:, None] * inverse_frequency, 2)
+  angles = positions.astype(jnp.float32)[..., None] * inverse_frequency
+  angles_K = jnp.concatenate([angles, angles], axis=-1)  # [(B,) L, K]
   x = x_BLHK.astype(jnp.float32)
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  cos, sin = jnp.cos(angles_LK)[:, None, :], jnp.sin(angles_LK)[:, None, :]
+  cos, sin = jnp.cos(angles_K)[..., None, :], jnp.sin(angles_K)[..., None, :]
   return (x * cos + rotated * sin).astype(x_BLHK.dtype)
 
 

@@ -1,0 +1,81 @@
+"""Loss and perplexity of a run's latest checkpoint on a text file.
+
+  python -m engine.evaluate --workdir=/tmp/shakespeare --text_file=../shared/data/tinyshakespeare.txt
+
+The file is tokenized with the run's tokenizer and cut into consecutive windows of data.seq_len
++ 1 tokens (the last partial one dropped); the loss is the mean next-token cross-entropy over
+every predicted token, the perplexity its exponential (per token of that tokenizer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+from flax import nnx
+
+from engine import config as config_lib
+from engine import data
+from engine.checkpoint import CheckpointError
+from engine.flag_errors import fail
+from engine.generate import encode_prompt, load_run
+from engine.library_output import quiet_library_output
+from engine.parallel.auto import AutoOps
+
+
+def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int) -> dict:
+  """Mean loss over the consecutive windows of `tokens`, `batch` windows per compiled call."""
+  count = (len(tokens) - 1) // seq_len
+  if count < 1:
+    raise config_lib.ConfigError(f'the text holds {len(tokens)} tokens, fewer than one window of '
+                                 f'data.seq_len + 1 = {seq_len + 1}.')
+  windows = np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
+  ops = AutoOps(setup)
+
+  @jax.jit
+  def row_losses(params, tokens_BL1):
+    logits = ops.prepare_params(nnx.merge(setup.graphdef, params))(tokens_BL1[:, :-1], ops)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), tokens_BL1[:, 1:]).mean(axis=-1)
+
+  total = 0.0
+  for start in range(0, count, batch):
+    rows = windows[start:start + batch]
+    padded = np.concatenate([rows, np.repeat(rows[-1:], batch - len(rows), axis=0)])
+    total += float(np.asarray(row_losses(params, padded))[:len(rows)].sum())
+  loss = total / count
+  return {'loss': loss, 'perplexity': math.exp(loss), 'windows': count,
+          'tokens': count * seq_len}
+
+
+def main():
+  workdir = flags.DEFINE_string('workdir', None, 'The training run to evaluate.')
+  text_file = flags.DEFINE_string('text_file', None, 'A UTF-8 text file.')
+  batch = flags.DEFINE_integer('batch', 8, 'Windows per compiled call.')
+  mesh = flags.DEFINE_string('mesh', '1x1x1', 'Mesh DATAxFSDPxTENSOR (its devices are the first '
+                             'ones).')
+  flags.mark_flags_as_required(['workdir', 'text_file'])
+
+  def run(argv):
+    del argv
+    quiet_library_output()
+    try:
+      size = int(np.prod([int(s) for s in mesh.value.split('x')]))
+      config, tokenizer, setup, params = load_run(workdir.value, mesh.value, jax.devices()[:size])
+      tokens = encode_prompt(tokenizer, data.read_text_file(text_file.value), '--text_file')
+      result = evaluate(setup, params, tokens, config.data.seq_len, batch.value)
+    except (config_lib.ConfigError, CheckpointError) as e:
+      fail(str(e))
+    print(f'{text_file.value}: loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.3f} '
+          f'over {result["tokens"]} tokens ({result["windows"]} windows of '
+          f'{config.data.seq_len}), {tokenizer.kind} tokens')
+
+  app.run(run)
+
+
+if __name__ == '__main__':
+  main()

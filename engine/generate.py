@@ -1,0 +1,314 @@
+"""Text generation from a run's checkpoint, with a fixed-size key/value cache.
+
+  python -m engine.generate --workdir=/tmp/shakespeare --prompt="ROMEO:" --max_new_tokens=200
+
+Prompts are right-padded to --max_prompt_len and the cache holds max_prompt_len +
+max_new_tokens positions, so the prefill (all prompt positions at once) and the decode step (one
+new token per row) each compile once, whatever the prompts. Row b's prompt of n_b tokens fills
+cache slots [0, n_b); its t-th new token sits at position n_b + t, writes its keys and values to
+that slot and attends to the slots before it (the padding slots past n_b are overwritten before
+anything reads them). The model is the training code's own (`DecodeOps` gives it per-row
+positions and the cached attention); parameters and cache are laid out by the run's rules on
+the generation mesh (`--mesh`; heads over `tensor` shard the cache too).
+
+Sampling: greedy at temperature 0, else softmax(logits / temperature) restricted to the top_k
+tokens and the top_p probability mass, from a key folded from --seed and the step: the same
+seed gives the same samples. A row stops at the tokenizer's end-of-text token, if it has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from engine import config as config_lib
+from engine import data
+from engine import tokenizer as tokenizer_lib
+from engine import workdir as workdir_lib
+from engine.checkpoint import CheckpointError, restore_params
+from engine.flag_errors import fail
+from engine.library_output import quiet_library_output
+from engine.models.layers import LAYERS, layer_group, num_groups
+from engine.parallel.auto import AutoOps
+from engine.state import TrainSetup
+from engine.train import build_setup, resolve_vocab_size
+
+# The cache: [layers, batch, slots, heads, head_dim] for keys and for values.
+CACHE_AXES = (None, 'batch', None, 'heads', 'head_dim')
+
+
+def _one_layer(layers: nnx.Module, index: int) -> nnx.Module:
+  """Layer `index` of a stack, unstacked (as `nnx.scan` hands each layer to its body)."""
+  graphdef, state = nnx.split(layers)
+
+  def pick(variable):
+    axes = tuple(variable.get_metadata().get('out_sharding') or ())
+    if axes[:1] != (LAYERS,):
+      return variable
+    return variable.replace(variable.get_value()[index], out_sharding=axes[1:])
+
+  return nnx.merge(graphdef, jax.tree.map(pick, state,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+class DecodeOps(AutoOps):
+  """Auto mode's layout, with each row's own positions and attention through the cache."""
+
+  def __init__(self, setup: TrainSetup, cache: dict, positions_BL: jax.Array):
+    super().__init__(setup)
+    self.cache, self.positions_BL = dict(cache), positions_BL
+    self._layer = 0
+
+  def positions(self, length):
+    del length
+    return self.positions_BL
+
+  def stack(self, run, layers, x):
+    # Layer by layer in Python (not the model's scan, whose trace the cache must not leave),
+    # each attending through its own slice of the cache. No remat: nothing is differentiated.
+    del run
+    self._layer = 0
+    for group in ([layers] if num_groups(layers) == 1 else
+                  [layer_group(layers, r) for r in range(num_groups(layers))]):
+      for index in range(jax.tree.leaves(nnx.state(group))[0].shape[0]):
+        layer = self.prepare_params(_one_layer(group, index), skip_stacked=False)
+        x = layer(x, self)
+        self._layer += 1
+    return x
+
+  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum'):
+    del implementation
+    rows = jnp.arange(q_BLHK.shape[0])[:, None]
+    for name, new in (('k', k_BLHK), ('v', v_BLHK)):
+      cache = self.cache[name].at[self._layer, rows, self.positions_BL].set(
+          new.astype(self.cache[name].dtype))
+      self.cache[name] = self.constrain(cache, CACHE_AXES)
+    keys, values = self.cache['k'][self._layer], self.cache['v'][self._layer]
+    scale = q_BLHK.shape[-1] ** -0.5
+    if scale_on == 'queries':
+      q_BLHK, scale = q_BLHK * jnp.asarray(scale, q_BLHK.dtype), 1.0
+    logits_BHQS = jnp.einsum('BQHK,BSHK->BHQS', q_BLHK, keys.astype(q_BLHK.dtype),
+                             preferred_element_type=jnp.float32) * scale
+    slots_S = jnp.arange(keys.shape[1])
+    visible_BQS = slots_S[None, None, :] <= self.positions_BL[:, :, None]
+    logits_BHQS = jnp.where(visible_BQS[:, None], logits_BHQS, jnp.finfo(jnp.float32).min)
+    probs_BHQS = jax.nn.softmax(logits_BHQS, axis=-1).astype(q_BLHK.dtype)
+    return jnp.einsum('BHQS,BSHK->BQHK', probs_BHQS, values.astype(q_BLHK.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  temperature: float = 0.0  # 0: greedy.
+  top_k: int = 0  # 0: all tokens.
+  top_p: float = 1.0
+
+
+def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+  """Next token per row: argmax at temperature 0, else a draw from the restricted softmax."""
+  if sampling.temperature == 0:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
+  low = jnp.finfo(jnp.float32).min
+  if sampling.top_k:
+    kth = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
+    logits_BV = jnp.where(logits_BV < kth, low, logits_BV)
+  if sampling.top_p < 1.0:
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    mass_BV = jnp.cumsum(jax.nn.softmax(sorted_BV, axis=-1), axis=-1)
+    # The smallest logit still inside the top_p mass (the first token always is).
+    keep = jnp.sum(mass_BV - jax.nn.softmax(sorted_BV, axis=-1) < sampling.top_p, axis=-1)
+    cutoff = jnp.take_along_axis(sorted_BV, keep[:, None] - 1, axis=-1)
+    logits_BV = jnp.where(logits_BV < cutoff, low, logits_BV)
+  return jax.random.categorical(key, logits_BV).astype(jnp.int32)
+
+
+class Generator:
+  """The compiled prefill and decode step of one setup, prompt length and cache size."""
+
+  def __init__(self, setup: TrainSetup, max_prompt_len: int, max_new_tokens: int,
+               sampling: Sampling = Sampling(), tokenizer_vocab: int | None = None):
+    self.setup, self.sampling = setup, sampling
+    # The model's vocabulary is the tokenizer's rounded up: ids past the tokenizer's never come.
+    self.tokenizer_vocab = tokenizer_vocab
+    self.max_prompt_len, self.slots = max_prompt_len, max_prompt_len + max_new_tokens
+    mesh, spec = setup.mesh, setup.rules.spec
+    params = setup.state_shardings()['params']
+    rows = NamedSharding(mesh, spec(('batch', None), activation=True))
+    row = NamedSharding(mesh, spec(('batch',), activation=True))
+    cache = NamedSharding(mesh, spec(CACHE_AXES, activation=True))
+    self.prefill = jax.jit(self._prefill, in_shardings=(params, rows, row, None),
+                           out_shardings=({'k': cache, 'v': cache}, row))
+    self.decode = jax.jit(self._decode, in_shardings=(params, {'k': cache, 'v': cache}, row, row,
+                                                      None),
+                          out_shardings=({'k': cache, 'v': cache}, row), donate_argnums=1)
+
+  def _model(self, params, ops):
+    return ops.prepare_params(nnx.merge(self.setup.graphdef, params))
+
+  def _empty_cache(self, batch: int) -> dict:
+    shape = (self.setup.model.num_layers, batch, self.slots) + self._heads_shape()
+    dtype = jnp.dtype(self.setup.options.compute_dtype)
+    return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
+
+  def _heads_shape(self) -> tuple[int, int]:
+    """(query heads, head_dim) from the stacked query weight [L, D, H, K] (Llama) or the fused
+    [L, 3, D, H, K] (GPT)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(self.setup.abstract_params):
+      name = jax.tree_util.keystr(path)
+      if 'w_q_DHK' in name or 'w_qkv' in name:
+        return tuple(leaf.shape[-2:])
+    raise ValueError('generation needs a model with stacked query weights (GPT, Llama)')
+
+  def _prefill(self, params, tokens_BP, lengths_B, key):
+    batch = tokens_BP.shape[0]
+    positions_BP = jnp.broadcast_to(jnp.arange(tokens_BP.shape[1]), tokens_BP.shape)
+    ops = DecodeOps(self.setup, self._empty_cache(batch), positions_BP)
+    logits_BPV = self._model(params, ops)(tokens_BP, ops)
+    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    return ops.cache, sample(self._known(last_BV), key, self.sampling)
+
+  def _decode(self, params, cache, tokens_B, positions_B, key):
+    ops = DecodeOps(self.setup, cache, positions_B[:, None])
+    logits_BV = self._model(params, ops)(tokens_B[:, None], ops)[:, 0]
+    return ops.cache, sample(self._known(logits_BV), key, self.sampling)
+
+  def _known(self, logits_BV):
+    if self.tokenizer_vocab is None or self.tokenizer_vocab >= logits_BV.shape[-1]:
+      return logits_BV
+    known_V = jnp.arange(logits_BV.shape[-1]) < self.tokenizer_vocab
+    return jnp.where(known_V, logits_BV, jnp.finfo(logits_BV.dtype).min)
+
+  def generate(self, params, prompts: list[np.ndarray], max_new_tokens: int, seed: int = 0,
+               eos_id: int | None = None) -> list[np.ndarray]:
+    """New tokens for each prompt (ids), up to max_new_tokens, cut after an end-of-text."""
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 1 or lengths.max() > self.max_prompt_len:
+      raise config_lib.ConfigError(
+          f'prompt lengths {lengths.min()}..{lengths.max()} tokens: each must have 1 to '
+          f'--max_prompt_len={self.max_prompt_len} tokens.')
+    if self.max_prompt_len + max_new_tokens > self.slots:
+      raise config_lib.ConfigError(f'max_new_tokens={max_new_tokens} exceeds the cache.')
+    # Rows padded to a multiple of the batch axes' devices with copies of the first prompt.
+    ways = int(np.prod([self.setup.mesh.shape[a]
+                        for a in self.setup.rules.mesh_axes('batch', activation=True)]))
+    asked = len(prompts)
+    prompts = list(prompts) + [prompts[0]] * (-asked % ways)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.zeros((len(prompts), self.max_prompt_len), np.int32)
+    for row, prompt in enumerate(prompts):
+      tokens[row, :len(prompt)] = prompt
+    key = jax.random.key(seed)
+    cache, next_B = self.prefill(params, tokens, lengths, jax.random.fold_in(key, 0))
+    out, done = [], np.zeros(len(prompts), bool)
+    for step in range(max_new_tokens):
+      host = np.asarray(next_B)
+      out.append(host)
+      done |= (host == eos_id) if eos_id is not None else False
+      done[asked:] = True  # Padding rows never hold generation back.
+      if done.all() or step == max_new_tokens - 1:
+        break
+      cache, next_B = self.decode(params, cache, next_B, jnp.asarray(lengths + step),
+                                  jax.random.fold_in(key, step + 1))
+    columns = np.stack(out, axis=1)[:asked]
+    results = []
+    for row in columns:
+      stop = np.flatnonzero(row == eos_id) if eos_id is not None else []
+      results.append(row[:stop[0] + 1] if len(stop) else row)
+    return results
+
+
+def load_run(workdir: str, mesh: str, devices=None) -> tuple[ml_collections.ConfigDict, object,
+                                                               TrainSetup, object]:
+  """(config, tokenizer, setup on `mesh`, parameters of the latest checkpoint) of a run."""
+  path = workdir_lib.resolve(workdir) / workdir_lib.CONFIG_FILE
+  if not path.exists():
+    raise config_lib.ConfigError(f'--workdir={workdir} holds no {workdir_lib.CONFIG_FILE}; pass '
+                                 'the --workdir of a training run.')
+  config = ml_collections.ConfigDict(json.loads(path.read_text()))
+  config_lib.set_mesh_shape(config, mesh)
+  config.mesh.dcn_data = config.mesh.dcn_fsdp = 1
+  config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)
+  corpus = data.load_corpus(config.data, config.seed)
+  tokenizer = corpus.tokenizer
+  if corpus.shard_sets:  # Shards record their tokenizer; decoding needs the file itself.
+    recorded = corpus.shard_sets[0][0].meta['tokenizer']
+    tokenizer = tokenizer_lib.load(recorded['kind'], recorded['path'])
+  setup = build_setup(config, resolve_vocab_size(config.model, tokenizer.vocab_size), devices)
+  params = restore_params(workdir, setup.abstract_state()['params'])
+  return config, tokenizer, setup, params
+
+
+def encode_prompt(tokenizer, text: str, what: str = '--prompt') -> np.ndarray:
+  """The text's ids; a clear error for characters outside a character vocabulary."""
+  if isinstance(tokenizer, tokenizer_lib.CharTokenizer):
+    unknown = sorted(set(text) - set(tokenizer.chars))
+    if unknown:
+      raise config_lib.ConfigError(
+          f'{what} has characters the run\'s character vocabulary lacks: {unknown[:20]}; use '
+          f'only these {len(tokenizer.chars)}: {tokenizer.chars!r}.')
+  return tokenizer.encode(text)
+
+
+def main():
+  """Command line; flags are defined here, not at import, so tests can import this module."""
+  workdir = flags.DEFINE_string('workdir', None, 'The training run to sample from.')
+  prompt = flags.DEFINE_string('prompt', None, 'A prompt.')
+  prompts_file = flags.DEFINE_string('prompts_file', None, 'A file of prompts, one per line.')
+  max_new = flags.DEFINE_integer('max_new_tokens', 100, 'New tokens per sample.')
+  max_prompt = flags.DEFINE_integer('max_prompt_len', 0, 'Prompt slots (0: the run\'s '
+                                    'data.seq_len; GPT: its max_len - max_new_tokens).')
+  temperature = flags.DEFINE_float('temperature', 0.0, '0: greedy.')
+  top_k = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens (0: all).')
+  top_p = flags.DEFINE_float('top_p', 1.0, 'Sample within this probability mass.')
+  seed = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+  num_samples = flags.DEFINE_integer('num_samples', 1, 'Samples per prompt.')
+  mesh = flags.DEFINE_string('mesh', '1x1x1', 'Generation mesh DATAxFSDPxTENSOR (its devices '
+                             'are the first ones).')
+  flags.mark_flags_as_required(['workdir'])
+
+  def run(argv):
+    del argv
+    quiet_library_output()
+    try:
+      texts = [prompt.value] if prompt.value is not None else []
+      if prompts_file.value:
+        with open(prompts_file.value) as f:
+          texts += [line.rstrip('\n') for line in f if line.strip()]
+      if not texts:
+        raise config_lib.ConfigError('give --prompt="..." or --prompts_file=FILE.')
+      if max_new.value < 1 or not 0 < top_p.value <= 1 or temperature.value < 0:
+        raise config_lib.ConfigError('--max_new_tokens must be >= 1, --top_p in (0, 1] and '
+                                     '--temperature >= 0.')
+      size = int(np.prod([int(s) for s in mesh.value.split('x')]))
+      config, tokenizer, setup, params = load_run(workdir.value, mesh.value,
+                                                  jax.devices()[:size])
+      ids = [encode_prompt(tokenizer, t) for t in texts for _ in range(num_samples.value)]
+      # Default: the training sequence length (GPT: what its learned positions leave).
+      prompt_len = max_prompt.value or (config.data.seq_len if config.model.name != 'gpt' else
+                                        max(1, config.model.max_len - max_new.value))
+      if config.model.name == 'gpt' and prompt_len + max_new.value > config.model.max_len:
+        raise config_lib.ConfigError(
+            f'--max_prompt_len={prompt_len} + --max_new_tokens={max_new.value} exceeds the GPT '
+            f'model\'s {config.model.max_len} learned positions; shorten them.')
+      generator = Generator(setup, prompt_len, max_new.value,
+                            Sampling(temperature.value, top_k.value, top_p.value),
+                            tokenizer.vocab_size)
+      outputs = generator.generate(params, ids, max_new.value, seed.value, tokenizer.eos_id)
+    except (config_lib.ConfigError, CheckpointError) as e:
+      fail(str(e))
+    for text, out in zip([t for t in texts for _ in range(num_samples.value)], outputs):
+      print(f'--- {text!r}\n{text}{tokenizer.decode(out)}\n')
+
+  app.run(run)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,123 @@
+"""engine.generate and engine.evaluate: the cached decode against recomputing the whole forward
+pass, compilations, sharded parameters and cache, sampling, and the command lines."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from engine.evaluate import evaluate
+from engine.generate import Generator, Sampling, load_run
+from engine.main import run as run_main
+from engine.train import build_setup
+from tests.helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [np.array([5, 17, 99, 3]), np.array([42]), np.array([7, 8, 9, 10, 11, 12, 13, 14, 15])]
+NEW = 10
+
+
+def _setup(model, mesh=(1, 1, 1)):
+  config = tiny_config(mesh=mesh)
+  config.model.name, config.model.max_len = model, 32
+  if model == 'llama':
+    config.model.num_kv_heads = 2  # Grouped-query: two query heads per key / value head.
+  size = int(np.prod(mesh))
+  return build_setup(config, 256, jax.devices()[:size])
+
+
+@pytest.fixture(scope='module', params=['gpt', 'llama'])
+def model_and_params(request):
+  train_setup = _setup(request.param)
+  state, _ = train_setup.init(0)
+  return request.param, train_setup, state['params']
+
+
+def _recomputed(train_setup, params, prompt, steps):
+  """Greedy decoding by running the whole forward pass again for every new token (on the
+  sequence so far, padded to a fixed length: causal attention ignores what follows)."""
+  forward = jax.jit(lambda p, t: nnx.merge(train_setup.graphdef, p)(t))
+  tokens = list(prompt)
+  for _ in range(steps):
+    padded = np.zeros((1, 32), np.int32)
+    padded[0, :len(tokens)] = tokens
+    tokens.append(int(np.argmax(forward(params, padded)[0, len(tokens) - 1])))
+  return tokens[len(prompt):]
+
+
+def test_cached_greedy_equals_recomputing_and_compiles_once(model_and_params):
+  _, train_setup, params = model_and_params
+  generator = Generator(train_setup, 16, NEW)
+  outputs = generator.generate(params, PROMPTS, NEW)
+  for prompt, out in zip(PROMPTS, outputs):
+    assert list(out) == _recomputed(train_setup, params, prompt, NEW)
+  # Other prompt lengths and counts of new tokens: nothing compiles again.
+  generator.generate(params, [np.array([1, 2]), np.array([3] * 16), np.array([9])], NEW - 3)
+  assert generator.prefill._cache_size() == 1 and generator.decode._cache_size() == 1
+
+
+@pytest.mark.parametrize('mesh', [(2, 1, 4), (1, 8, 1)], ids=['data2_tensor4', 'fsdp8'])
+def test_sharded_generation_matches_one_device(model_and_params, mesh):
+  model, one_device, params = model_and_params
+  expected = Generator(one_device, 16, NEW).generate(params, PROMPTS, NEW)
+  train_setup = _setup(model, mesh)
+  sharded = jax.device_put(params, train_setup.state_shardings()['params'])
+  generator = Generator(train_setup, 16, NEW)
+  for got, want in zip(generator.generate(sharded, PROMPTS, NEW), expected):
+    np.testing.assert_array_equal(got, want)
+  tokens = np.zeros((8, 16), np.int32)
+  cache, _ = generator.prefill(sharded, tokens, np.ones(8, np.int32), jax.random.key(0))
+  # [layers, batch, slots, heads, head_dim]: heads split over tensor where the mesh has it.
+  assert cache['k'].sharding.spec[3] == ('tensor' if mesh[2] > 1 else None)
+
+
+def test_sampling_is_seeded_restricted_and_stops_at_end_of_text(model_and_params):
+  _, train_setup, params = model_and_params
+  greedy = Generator(train_setup, 16, NEW).generate(params, PROMPTS, NEW)
+  warm = Generator(train_setup, 16, NEW, Sampling(temperature=1.0))
+  first, again = (warm.generate(params, PROMPTS, NEW, seed=s) for s in (3, 3))
+  other = warm.generate(params, PROMPTS, NEW, seed=4)
+  assert all((a == b).all() for a, b in zip(first, again))
+  assert any((a != b).any() for a, b in zip(first, other))
+  for sampling in (Sampling(1.0, top_k=1), Sampling(1.0, top_p=1e-6)):  # Only the likeliest.
+    narrow = Generator(train_setup, 16, NEW, sampling).generate(params, PROMPTS, NEW, seed=5)
+    assert all((a == b).all() for a, b in zip(narrow, greedy))
+  eos = int(greedy[0][2])  # Row 0 produces it at its third step: it stops there.
+  stopped = Generator(train_setup, 16, NEW).generate(params, PROMPTS, NEW, eos_id=eos)
+  assert list(stopped[0]) == list(greedy[0][:list(greedy[0]).index(eos) + 1])
+
+
+def test_generate_and_evaluate_a_trained_run(tmp_path):
+  workdir = tmp_path / 'run'
+  argv = ['--config=experiments/tiny.py', f'--workdir={workdir}', '--config.mesh.data=8',
+          '--config.train.num_steps=2', '--config.data.tokenizer=char',
+          '--config.model.num_layers=2']
+  assert run_main(argv) == 0
+  command = [sys.executable, '-m', 'engine.generate', f'--workdir={workdir}',
+             '--max_new_tokens=20', '--temperature=0.8', '--top_k=20', '--seed=1']
+  proc = subprocess.run(command + ['--prompt=def main():'], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.startswith("--- 'def main():'\ndef main():")
+  proc = subprocess.run(command + ['--prompt=\u2603 snowman'], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "error: --prompt has characters the run's character vocabulary lacks: ['\u2603']")
+  # Evaluate: the mean loss over the file's windows, against the plain model on each window.
+  config, tokenizer, train_setup, params = load_run(str(workdir), '1x1x1', jax.devices()[:1])
+  text = 'def add(a, b):\n    return a + b\n' * 20
+  tokens = tokenizer.encode(text)
+  result = evaluate(train_setup, params, tokens, config.data.seq_len, batch=4)
+  model, seq = nnx.merge(train_setup.graphdef, params), config.data.seq_len
+  losses = [float(optax.softmax_cross_entropy_with_integer_labels(
+      model(tokens[None, i * seq:(i + 1) * seq]), tokens[None, i * seq + 1:(i + 1) * seq + 1]
+  ).mean()) for i in range((len(tokens) - 1) // seq)]
+  assert result['windows'] == len(losses) > 1
+  assert result['loss'] == pytest.approx(np.mean(losses), abs=1e-5)
+  assert result['perplexity'] == pytest.approx(np.exp(np.mean(losses)), rel=1e-5)
