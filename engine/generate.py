@@ -36,27 +36,13 @@ from engine import workdir as workdir_lib
 from engine.checkpoint import CheckpointError, restore_params
 from engine.flag_errors import fail
 from engine.library_output import quiet_library_output
-from engine.models.layers import LAYERS, layer_group, num_groups
+from engine.models.layers import layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup
 from engine.train import build_setup, resolve_vocab_size
 
 # The cache: [layers, batch, slots, heads, head_dim] for keys and for values.
 CACHE_AXES = (None, 'batch', None, 'heads', 'head_dim')
-
-
-def _one_layer(layers: nnx.Module, index: int) -> nnx.Module:
-  """Layer `index` of a stack, unstacked (as `nnx.scan` hands each layer to its body)."""
-  graphdef, state = nnx.split(layers)
-
-  def pick(variable):
-    axes = tuple(variable.get_metadata().get('out_sharding') or ())
-    if axes[:1] != (LAYERS,):
-      return variable
-    return variable.replace(variable.get_value()[index], out_sharding=axes[1:])
-
-  return nnx.merge(graphdef, jax.tree.map(pick, state,
-                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 class DecodeOps(AutoOps):
@@ -79,7 +65,7 @@ class DecodeOps(AutoOps):
     for group in ([layers] if num_groups(layers) == 1 else
                   [layer_group(layers, r) for r in range(num_groups(layers))]):
       for index in range(jax.tree.leaves(nnx.state(group))[0].shape[0]):
-        layer = self.prepare_params(_one_layer(group, index), skip_stacked=False)
+        layer = self.prepare_params(one_layer(group, index), skip_stacked=False)
         x = layer(x, self)
         self._layer += 1
     return x

@@ -130,3 +130,18 @@ def layer_group(layers: nnx.Module, index) -> nnx.Module:
 
   return nnx.merge(graphdef, jax.tree.map(pick, state,
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def one_layer(layers: nnx.Module, index: int) -> nnx.Module:
+  """Layer `index` of a plain stack, unstacked, as `nnx.scan` hands each layer to its body
+  (generation applies layers one at a time)."""
+  graphdef, state = nnx.split(layers)
+
+  def pick(variable):
+    axes = _stacked_axes(variable)
+    if axes[:1] != (LAYERS,):
+      return variable
+    return variable.replace(variable.get_value()[index], out_sharding=axes[1:])
+
+  return nnx.merge(graphdef, jax.tree.map(pick, state,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
