@@ -27,7 +27,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from engine import config as config_lib
-from engine import parallel
+from engine import parallel, validation
 from engine.analysis import benchmark
 from engine.library_output import quiet_library_output
 from engine.train import build_setup, setup
@@ -63,7 +63,7 @@ def variants(config) -> tuple:
     if corpus is None:
       corpus, train_setup = setup(config)  # Validates the config, reads the data once.
     else:
-      config_lib.validate(config, jax.device_count(), jax.process_count())
+      validation.validate(config, jax.device_count(), jax.process_count())
       train_setup = build_setup(config, corpus.tokenizer.vocab_size)
     setups.append(train_setup)
   return corpus, [(mode, s) for s in setups for mode in _MODES.value]

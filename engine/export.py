@@ -9,10 +9,8 @@ machine's devices (any mesh it was trained on), and writes `config.json` and
 
 from __future__ import annotations
 
-import json
 
 import jax
-import ml_collections
 import numpy as np
 from absl import app, flags
 
@@ -29,37 +27,29 @@ FORMATS = ('hf',)
 
 def export(workdir: str, out: str) -> list[str]:
   """The latest checkpoint of `workdir` written to `out`; returns the tensor names."""
-  path = workdir_lib.resolve(workdir) / workdir_lib.CONFIG_FILE
-  if not path.exists():
-    raise config_lib.ConfigError(f'--workdir={workdir} holds no {workdir_lib.CONFIG_FILE}; pass '
-                                 'the --workdir of a training run.')
-  config = ml_collections.ConfigDict(json.loads(path.read_text()))
+  # Every parameter whole on this machine's devices (replicated), whatever mesh trained it.
+  config = workdir_lib.read_run_config(workdir, '-1x1x1')
   if config.model.name != 'llama':
     raise config_lib.ConfigError(f'--workdir={workdir} trained model.name='
                                  f'{config.model.name!r}; --format=hf writes Llama models only.')
-  # Every parameter whole on this machine's devices (replicated), whatever mesh trained it.
-  for axis in config_lib.MESH_AXES:
-    config.mesh[axis] = -1 if axis == 'data' else 1
-  config.mesh.dcn_data = config.mesh.dcn_fsdp = 1
   vocab = (config.model.vocab_size if config.model.vocab_size != -1 else
            data.load_corpus(config.data, config.seed).tokenizer.vocab_size)
   vocab = resolve_vocab_size(config.model, vocab)
   train_setup = build_setup(config, vocab)
   params = restore_params(workdir, train_setup.abstract_state()['params'])
-  host = {'/'.join(str(getattr(k, 'key', k)) for k in p): np.asarray(jax.device_get(v))
-          for p, v in jax.tree_util.tree_leaves_with_path(params)}
+  host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
   return hf.save(host, hf.hf_config(config.model, vocab), out)
 
 
 def main():
   """Command line; flags are defined here, not at import, so tests can import this module."""
   workdir = flags.DEFINE_string('workdir', None, 'The training run to export.')
-  format_ = flags.DEFINE_enum('format', 'hf', FORMATS, 'Output format: hf (Hugging Face).')
+  flags.DEFINE_enum('format', 'hf', FORMATS, 'Output format: hf (Hugging Face), the only one.')
   out = flags.DEFINE_string('out', None, 'Directory to write.')
   flags.mark_flags_as_required(['workdir', 'out'])
 
   def run(argv):
-    del argv, format_
+    del argv
     quiet_library_output()
     try:
       names = export(workdir.value, out.value)

@@ -19,7 +19,6 @@ seed gives the same samples. A row stops at the tokenizer's end-of-text token, i
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,7 @@ from engine import workdir as workdir_lib
 from engine.checkpoint import CheckpointError, restore_params
 from engine.flag_errors import fail
 from engine.library_output import quiet_library_output
-from engine.models.layers import layer_group, num_groups, one_layer
+from engine.models.layers import LAYERS, layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup
 from engine.train import build_setup, resolve_vocab_size
@@ -125,6 +124,12 @@ class Generator:
     # The model's vocabulary is the tokenizer's rounded up: ids past the tokenizer's never come.
     self.tokenizer_vocab = tokenizer_vocab
     self.max_prompt_len, self.slots = max_prompt_len, max_prompt_len + max_new_tokens
+    # (query heads, head_dim): the cache's last dimensions, from any stacked parameter that has
+    # both (the query or output projection), by their logical names.
+    self.heads_shape = next(
+        (p.shape[p.logical_axes.index('heads')], p.shape[p.logical_axes.index('head_dim')])
+        for p in setup.parameters()
+        if LAYERS in p.logical_axes and {'heads', 'head_dim'} <= set(p.logical_axes))
     mesh, spec = setup.mesh, setup.rules.spec
     params = setup.state_shardings()['params']
     rows = NamedSharding(mesh, spec(('batch', None), activation=True))
@@ -140,18 +145,9 @@ class Generator:
     return ops.prepare_params(nnx.merge(self.setup.graphdef, params))
 
   def _empty_cache(self, batch: int) -> dict:
-    shape = (self.setup.model.num_layers, batch, self.slots) + self._heads_shape()
+    shape = (self.setup.model.num_layers, batch, self.slots) + self.heads_shape
     dtype = jnp.dtype(self.setup.options.compute_dtype)
     return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
-
-  def _heads_shape(self) -> tuple[int, int]:
-    """(query heads, head_dim) from the stacked query weight [L, D, H, K] (Llama) or the fused
-    [L, 3, D, H, K] (GPT)."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(self.setup.abstract_params):
-      name = jax.tree_util.keystr(path)
-      if 'w_q_DHK' in name or 'w_qkv' in name:
-        return tuple(leaf.shape[-2:])
-    raise ValueError('generation needs a model with stacked query weights (GPT, Llama)')
 
   def _prefill(self, params, tokens_BP, lengths_B, key):
     batch = tokens_BP.shape[0]
@@ -214,14 +210,7 @@ class Generator:
 def load_run(workdir: str, mesh: str, devices=None) -> tuple[ml_collections.ConfigDict, object,
                                                                TrainSetup, object]:
   """(config, tokenizer, setup on `mesh`, parameters of the latest checkpoint) of a run."""
-  path = workdir_lib.resolve(workdir) / workdir_lib.CONFIG_FILE
-  if not path.exists():
-    raise config_lib.ConfigError(f'--workdir={workdir} holds no {workdir_lib.CONFIG_FILE}; pass '
-                                 'the --workdir of a training run.')
-  config = ml_collections.ConfigDict(json.loads(path.read_text()))
-  config_lib.set_mesh_shape(config, mesh)
-  config.mesh.dcn_data = config.mesh.dcn_fsdp = 1
-  config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)
+  config = workdir_lib.read_run_config(workdir, mesh)
   corpus = data.load_corpus(config.data, config.seed)
   tokenizer = corpus.tokenizer
   if corpus.shard_sets:  # Shards record their tokenizer; decoding needs the file itself.

@@ -173,16 +173,20 @@ def _read_block(files: _Files, name: str, layout: str, index: tuple[slice, ...],
   return block.transpose(1, 2, 0)
 
 
-def _flat(params) -> dict[str, object]:
-  return {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+def _path(keys) -> str:
+  return '/'.join(str(getattr(k, 'key', k)) for k in keys)
+
+
+def by_path(params) -> dict[str, object]:
+  """A nested parameter dict's leaves by '/'-joined engine path ('blocks/w_q_DHK')."""
+  return {_path(keys): leaf for keys, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
 
 def load_params(path: str, abstract_params):
   """The checkpoint's parameters, each created in the sharding `abstract_params` carries."""
   files = _Files(path)
   tied = not files.has('lm_head.weight')
-  flat = _flat(abstract_params)
+  flat = by_path(abstract_params)
   unknown = set(flat) - {t.path for t in TENSORS}
   if unknown:
     raise ConfigError(f'train.init_from=hf:{path}: the model has parameters no Hugging Face '
@@ -210,8 +214,7 @@ def load_params(path: str, abstract_params):
     loaded[tensor.path] = jax.make_array_from_callback(target.shape, target.sharding, block)
   logging.info('Loaded %d tensors from %s%s', len(loaded), path,
                ' (output head tied to the embedding)' if tied else '')
-  return jax.tree_util.tree_map_with_path(
-      lambda p, _: loaded['/'.join(str(getattr(k, 'key', k)) for k in p)], abstract_params)
+  return jax.tree_util.tree_map_with_path(lambda keys, _: loaded[_path(keys)], abstract_params)
 
 
 # Dimensions of one layer's engine array, by layout (stacked parameters have more in front).

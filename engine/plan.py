@@ -45,7 +45,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from engine import config as config_lib  # noqa: E402
-from engine import data, parallel  # noqa: E402
+from engine import data, parallel, validation  # noqa: E402
 from engine.analysis import benchmark, chips, collectives, comm_theory  # noqa: E402
 from engine.analysis.compare import communication_table  # noqa: E402
 from engine.flag_errors import fail  # noqa: E402
@@ -130,7 +130,7 @@ class Hardware:
                       'published figures there.')
     places = {(getattr(d, 'slice_index', 0), tuple(d.coords)) for d in devices}
     return cls(chip, len(devices) // len(places), len(devices),
-               config_lib.count_slices(devices), dcn_gbps)
+               validation.count_slices(devices), dcn_gbps)
 
   def per_device(self, per_chip: float) -> float:
     return per_chip / self.devices_per_chip
@@ -218,7 +218,7 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices, hardwa
   config.parallelism.mode = mode
   row = {'mode': mode, 'config': json.loads(config.to_json())}
   try:
-    config_lib.validate(config, len(devices), num_processes, hardware.num_slices)
+    validation.validate(config, len(devices), num_processes, hardware.num_slices)
     train_setup = build_setup(config, vocab, devices)
   except config_lib.ConfigError as e:  # A candidate the engine would refuse: a row, not a stop.
     sizes = 'x'.join(str(config.mesh[a]) for a in config_lib.MESH_AXES)

@@ -12,7 +12,7 @@ import numpy as np
 from absl import logging
 
 from engine import config as config_lib
-from engine import data, distributed, hf, models, parallel, sharding
+from engine import data, distributed, hf, models, parallel, sharding, validation
 from engine import workdir as workdir_lib
 from engine.checkpoint import Checkpointer, restore_params
 from engine.mesh import make_mesh
@@ -81,7 +81,7 @@ def build_setup(config: ml_collections.ConfigDict, tokenizer_vocab: int,
                         skip_nonfinite=config.train.skip_nonfinite_steps > 0)
   train_setup = make_setup(model, make_optimizer(config.optim, config.train.num_steps), mesh,
                            rules, options)
-  config_lib.check_parameter_splits(train_setup.parameters(), dict(mesh.shape))
+  validation.check_parameter_splits(train_setup.parameters(), dict(mesh.shape))
   if mesh.shape['context'] > 1 and not model.context_parallel:
     raise config_lib.ConfigError(
         f'mesh.context={mesh.shape["context"]}: model {model.name!r} does not support context '
@@ -93,8 +93,8 @@ def setup(config: ml_collections.ConfigDict) -> tuple[data.Corpus, TrainSetup]:
   """Validates the config (before anything compiles), reads the data, lays out model and
   optimizer."""
   hf.apply_model_config(config)  # train.init_from=hf:PATH: the model is PATH's.
-  config_lib.validate(config, jax.device_count(), jax.process_count(),
-                      config_lib.count_slices(jax.devices()))
+  validation.validate(config, jax.device_count(), jax.process_count(),
+                      validation.count_slices(jax.devices()))
   corpus = data.load_corpus(config.data, config.seed)
   return corpus, build_setup(config, corpus.tokenizer.vocab_size)
 

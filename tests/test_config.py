@@ -2,7 +2,8 @@
 
 import pytest
 
-from engine.config import ConfigError, default_config, parse_arg, resolve_mesh_shape, validate
+from engine.config import ConfigError, default_config, parse_arg, resolve_mesh_shape
+from engine.validation import validate
 from tests.helpers import tiny_config
 
 

@@ -5,7 +5,8 @@ import pytest
 
 from engine import parallel
 from engine.analysis import collectives, comm_theory
-from engine.config import ConfigError, validate
+from engine.config import ConfigError
+from engine.validation import validate
 from engine.train import build_setup
 from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 

@@ -112,8 +112,7 @@ def test_loads_with_the_reference_logits_and_exports_back(tmp_path, tied):
   np.testing.assert_allclose(logits, _reference_logits(tensors, c, tokens), atol=2e-4, rtol=0)
   # Export -> import is the identity: every Hugging Face tensor written back exactly (a tied
   # head is written out as its own tensor).
-  host = {'/'.join(str(getattr(k, 'key', k)) for k in p): np.asarray(v)
-          for p, v in jax.tree_util.tree_leaves_with_path(params)}
+  host = {path: np.asarray(v) for path, v in hf.by_path(params).items()}
   hf.save(host, hf.hf_config(config.model, 256), str(tmp_path / 'out'))
   with safe_open(str(tmp_path / 'out' / 'model.safetensors'), framework='numpy') as f:
     written = {name: f.get_tensor(name) for name in f.keys()}

@@ -11,7 +11,8 @@ import pytest
 from engine import parallel
 from engine.analysis import collectives, comm_theory
 from engine.analysis.benchmark import fit_bubble
-from engine.config import ConfigError, validate
+from engine.config import ConfigError
+from engine.validation import validate
 from engine.models.layers import LAYERS, REPEATS
 from engine.parallel.pipeline import bubble_fraction
 from engine.train import build_setup

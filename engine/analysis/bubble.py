@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from engine import config as config_lib
-from engine import parallel
+from engine import parallel, validation
 from engine.analysis import benchmark
 from engine.flag_errors import fail
 from engine.library_output import quiet_library_output
@@ -76,7 +76,7 @@ def measure(config) -> None:
     if corpus is None:
       corpus, count_setup = setup(config)  # Validates; reads the data once.
     else:
-      config_lib.validate(config, jax.device_count(), jax.process_count())
+      validation.validate(config, jax.device_count(), jax.process_count())
       count_setup = build_setup(config, corpus.tokenizer.vocab_size)
     variants += [(mode, count_setup) for mode in _MODES.value]
     sizes += [config.data.global_batch_size] * len(_MODES.value)

@@ -1,0 +1,290 @@
+"""The one validation pass over a config, before anything compiles or is written.
+
+`validate` checks the whole tree (engine/config.py's schema) and raises `ConfigError` naming the
+key and the fix; the train loop and every tool call it before they touch a device.
+`check_parameter_splits` checks the laid-out model once its shapes are known.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import ml_collections
+from jax.sharding import PartitionSpec as P
+from ml_collections import ConfigDict
+
+from engine import models, parallel, sharding
+from engine.config import (DTYPES, SOURCES, TOKENIZERS, ConfigError, default_config,
+                           resolve_mesh_shape)
+from engine.models import attention
+
+
+def _unknown_keys(config: ConfigDict, schema: ConfigDict, prefix: str = '') -> list[str]:
+  unknown = []
+  for key, value in config.items():
+    if key not in schema:
+      unknown.append(prefix + key)
+    elif isinstance(value, ConfigDict) and isinstance(schema[key], ConfigDict):
+      unknown += _unknown_keys(value, schema[key], prefix + key + '.')
+  return unknown
+
+
+_MAX_SEED = 2**32 - 2
+
+
+def _check_data_file(path: str) -> None:
+  """data.path must name a readable file (its UTF-8 and length are checked when it is read)."""
+  fix = ('pass --config.data.path=PATH to a UTF-8 text file, or use '
+         '--config.data.source=embedded.')
+  if not path:
+    raise ConfigError(f"data.path='' is not set, but data.source='file' reads it; {fix}")
+  if os.path.isdir(path):
+    raise ConfigError(f'data.path={path!r} is a directory, not a file; {fix}')
+  if not os.path.isfile(path):
+    raise ConfigError(f'data.path={path!r} does not exist; {fix}')
+  if not os.access(path, os.R_OK):
+    raise ConfigError(f'data.path={path!r} cannot be read (permissions); {fix}')
+
+
+def _check_init_from(workdir: str) -> None:
+  """train.init_from must be the workdir of a run that saved a complete checkpoint: Orbax names
+  finished checkpoints by their step and unfinished ones with a temporary suffix."""
+  if '://' in workdir:
+    return  # A bucket: checked when the parameters are restored.
+  if workdir.startswith('hf:'):  # A Hugging Face checkpoint (engine/hf.py).
+    if not os.path.isfile(os.path.join(workdir[3:], 'config.json')):
+      raise ConfigError(f'train.init_from={workdir!r}: no config.json in {workdir[3:]!r}; pass '
+                        'hf:DIR with a Hugging Face checkpoint (config.json and *.safetensors).')
+    return
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isdir(directory):
+    raise ConfigError(
+        f'train.init_from={workdir!r} has no checkpoints/ directory; pass the --workdir of a run '
+        'that saved a checkpoint.')
+  if not any(name.isdigit() for name in os.listdir(directory)):
+    raise ConfigError(
+        f'train.init_from={workdir!r} holds no complete checkpoint; pass the --workdir of a run '
+        'that saved one.')
+
+
+def _require_positive(config, keys: list[str]) -> None:
+  for key in keys:
+    section, name = key.split('.')
+    if config[section][name] <= 0:
+      raise ConfigError(f'{key}={config[section][name]} must be positive.')
+
+
+def _require_divisible(value: int, value_key: str, by: int, by_name: str) -> None:
+  if value % by:
+    raise ConfigError(
+        f'{value_key}={value} is not divisible by {by_name}={by}; change one of them so that '
+        f'{by_name} divides {value_key}.')
+
+
+def count_slices(devices) -> int:
+  """How many TPU slices the devices form (1 off multi-slice TPU pods)."""
+  return len({getattr(d, 'slice_index', 0) for d in devices})
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1,
+             num_slices: int = 1) -> ml_collections.ConfigDict:
+  """Checks the whole config; returns it unchanged or raises ConfigError naming key and fix.
+  `num_slices` > 1 (several TPU slices): the dcn axes split the mesh by slice, not by process."""
+  unknown = _unknown_keys(config, default_config())
+  if unknown:
+    raise ConfigError(
+        f'Unknown config keys {unknown}; see engine/config.py default_config() for the schema '
+        '(a typo in an override?).')
+  if config.model.name not in models.MODELS:
+    raise ConfigError(f'model.name={config.model.name!r} is unknown; choose one of '
+                      f'{sorted(models.MODELS)}.')
+  if config.parallelism.mode not in parallel.STEP_BUILDERS:
+    raise ConfigError(f'parallelism.mode={config.parallelism.mode!r} is unknown; choose one of '
+                      f'{sorted(parallel.STEP_BUILDERS)}.')
+  for key, choices in [
+      ('data.source', SOURCES), ('data.tokenizer', TOKENIZERS), ('model.dtype', DTYPES),
+      ('model.attention', attention.IMPLEMENTATIONS),
+      ('model.attention_scale_on', attention.SCALE_ON),
+      ('model.remat', tuple(parallel.steps.REMAT_POLICIES)),
+      ('optim.weight_decay_on', ('matrices', 'all')),
+      ('parallelism.grad_reduce_dtype', DTYPES)]:
+    section, name = key.split('.')
+    if config[section][name] not in choices:
+      raise ConfigError(f'{key}={config[section][name]!r} is unknown; choose one of {choices}.')
+  if config.data.source == 'file':
+    _check_data_file(config.data.path)
+  subword = config.data.tokenizer in ('hf', 'sentencepiece')
+  if subword and config.data.source != 'shards' and not os.path.isfile(config.data.tokenizer_path):
+    raise ConfigError(
+        f'data.tokenizer={config.data.tokenizer!r} reads data.tokenizer_path, but '
+        f'{config.data.tokenizer_path!r} is not a file; pass --config.data.tokenizer_path=PATH '
+        '(python -m engine.train_tokenizer makes a tokenizer.json from any text).')
+  if config.data.source == 'shards' and not config.data.shards:
+    raise ConfigError("data.source='shards' reads data.shards, which is empty; pass "
+                      '--config.data.shards=DIR (an engine.prepare output; DIR:WEIGHT,... to mix).')
+  if config.data.path and config.data.source != 'file':
+    raise ConfigError(
+        f'data.path={config.data.path!r} is set but data.source={config.data.source!r} does not '
+        'read files; add --config.data.source=file, or drop data.path.')
+  for key in ('optim.learning_rate', 'optim.end_learning_rate', 'optim.weight_decay',
+              'optim.b1', 'optim.b2', 'model.init_std', 'model.norm_eps', 'model.rope_base'):
+    section, name = key.split('.')
+    if not math.isfinite(config[section][name]):
+      raise ConfigError(f'{key}={config[section][name]} is not a finite number; give one.')
+  for key in ('optim.b1', 'optim.b2'):
+    value = config.optim[key.split('.')[1]]
+    if not 0.0 <= value < 1.0:
+      raise ConfigError(f'{key}={value} must lie in [0, 1): it is how much of its running '
+                        'average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).')
+  if not config.optim.grad_clip_norm > 0:
+    raise ConfigError(f'optim.grad_clip_norm={config.optim.grad_clip_norm} must be positive: '
+                      'gradients are scaled down to this global norm (inf turns clipping off).')
+  if config.optim.weight_decay < 0:
+    raise ConfigError(f'optim.weight_decay={config.optim.weight_decay} must be >= 0.')
+  if config.train.skip_nonfinite_steps < 0:
+    raise ConfigError(f'train.skip_nonfinite_steps={config.train.skip_nonfinite_steps} must be '
+                      '>= 0: 0 stops at the first step that is not finite, N > 0 skips up to N '
+                      'in a row.')
+  _require_positive(config, [
+      'model.num_layers', 'model.num_heads', 'model.embed_dim', 'model.mlp_dim', 'model.max_len',
+      'model.vocab_multiple', 'data.seq_len', 'data.global_batch_size', 'train.num_steps',
+      'train.log_every', 'train.eval_every', 'train.eval_batches', 'train.checkpoint_every',
+      'train.keep_checkpoints', 'train.microbatches', 'train.pipeline_repeats',
+      'optim.learning_rate', 'model.norm_eps',
+      'model.rope_base', 'data.embedded_max_bytes', 'data.synthetic_tokens'])
+  if config.model.vocab_size != -1 and config.model.vocab_size <= 0:
+    raise ConfigError(f'model.vocab_size={config.model.vocab_size} must be positive, or -1 to '
+                      'take it from the tokenizer.')
+  if not 0.0 < config.data.val_fraction < 1.0:
+    raise ConfigError(f'data.val_fraction={config.data.val_fraction} must lie in (0, 1).')
+  for key in ('optim.warmup_steps', 'optim.end_learning_rate', 'model.init_std'):
+    section, name = key.split('.')
+    if config[section][name] < 0:
+      raise ConfigError(f'{key}={config[section][name]} must be >= 0.')
+  if not 0 <= config.seed <= _MAX_SEED:
+    raise ConfigError(f'seed={config.seed} must lie in [0, {_MAX_SEED}]: the data order is '
+                      'shuffled with 32-bit seeds (evaluation uses seed + 1); give e.g. '
+                      '--config.seed=0.')
+  if config.optim.decay_steps != -1 and config.optim.decay_steps <= config.optim.warmup_steps:
+    raise ConfigError(
+        f'optim.decay_steps={config.optim.decay_steps} must exceed optim.warmup_steps='
+        f'{config.optim.warmup_steps} (it counts the warmup), or be -1 to end at '
+        'train.num_steps.')
+  if config.data.seq_len > config.model.max_len:
+    raise ConfigError(
+        f'data.seq_len={config.data.seq_len} exceeds model.max_len={config.model.max_len}; '
+        'raise model.max_len or shorten data.seq_len.')
+  _require_divisible(config.model.embed_dim, 'model.embed_dim', config.model.num_heads,
+                     'model.num_heads')
+  kv_heads = config.model.num_kv_heads
+  if kv_heads != -1 and (kv_heads <= 0 or config.model.num_heads % kv_heads):
+    raise ConfigError(
+        f'model.num_kv_heads={kv_heads} must divide model.num_heads={config.model.num_heads} '
+        '(each key/value head serves a group of query heads), or be -1 for one per query head.')
+  if config.model.name == 'llama' and (config.model.embed_dim // config.model.num_heads) % 2:
+    raise ConfigError(
+        f'model.embed_dim / model.num_heads = {config.model.embed_dim // config.model.num_heads} '
+        'is odd; rotary embeddings rotate pairs of dimensions, so choose an even head size.')
+  if config.train.init_from:
+    _check_init_from(config.train.init_from)
+
+  mesh = resolve_mesh_shape(config.mesh, num_devices)
+  if config.parallelism.rules not in sharding.RULE_PRESETS and config.parallelism.rules != 'auto':
+    raise ConfigError(f'parallelism.rules={config.parallelism.rules!r} is unknown; choose '
+                      f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")
+  for axis in ('data', 'fsdp'):
+    dcn = config.mesh[f'dcn_{axis}']
+    if dcn < 1 or mesh[axis] % dcn:
+      raise ConfigError(f'mesh.dcn_{axis}={dcn} must be >= 1 and divide mesh.{axis}={mesh[axis]} '
+                        f'(the {axis} axis is split into dcn_{axis} groups across hosts).')
+  hosts = config.mesh.dcn_data * config.mesh.dcn_fsdp
+  if num_slices > 1 and hosts != num_slices:
+    raise ConfigError(
+        f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of TPU slices '
+        f'({num_slices}): the data-centre network joins the slices along those axes; set '
+        f'mesh.dcn_data={num_slices} (or split it with mesh.dcn_fsdp).')
+  if hosts > 1 and num_slices == 1 and hosts != num_processes:
+    raise ConfigError(
+        f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of processes '
+        f'({num_processes}), one group of devices per host; set them to 1 to let the mesh follow '
+        'the device order.')
+  rules = sharding.rules_for(config.parallelism.rules, mesh)
+  unused = [a for a, size in mesh.items() if size > 1 and a not in rules.mesh_axes_used()]
+  if unused:
+    raise ConfigError(
+        f'parallelism.rules={config.parallelism.rules!r} does not use mesh axes {unused} of size '
+        '> 1, so they would only duplicate work; set them to 1 or pick rules that use them.')
+
+  context = mesh['context']
+  if context > 1 and config.data.seq_len % (2 * context):
+    raise ConfigError(
+        f'data.seq_len={config.data.seq_len} must be a multiple of 2*mesh.context={2 * context}: '
+        'each device holds two of the 2*context chunks of every sequence (one early, one late, '
+        'so that causal attention costs every device the same).')
+  if context > 1 and config.parallelism.mode == 'manual' and config.model.attention != 'einsum':
+    raise ConfigError(
+        f'model.attention={config.model.attention!r} with mesh.context={context} in manual mode: '
+        "ring attention computes its own blocks; set model.attention='einsum' (auto mode may "
+        'keep it).')
+
+  stages = mesh['stage']
+  if stages > 1 and config.model.num_layers % stages:
+    raise ConfigError(
+        f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} '
+        'pipeline stages of equal depth; choose a stage count that divides it.')
+  repeats = config.train.pipeline_repeats
+  if repeats > 1 and stages == 1:
+    raise ConfigError(
+        f'train.pipeline_repeats={repeats}: the circular pipeline schedule needs mesh.stage > 1; '
+        'set it to 1, or split the mesh into stages.')
+  if repeats > 1 and config.model.num_layers % (stages * repeats):
+    raise ConfigError(
+        f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} x '
+        f'train.pipeline_repeats={repeats} groups of equal depth; choose counts whose product '
+        'divides it.')
+  if stages > 1 and config.train.microbatches < stages:
+    raise ConfigError(
+        f'train.microbatches={config.train.microbatches} is fewer than mesh.stage={stages}: the '
+        'pipeline would never fill; give at least as many micro-batches as stages (more shrink '
+        f'the idle fraction, (stages - 1) / (microbatches + stages - 1)).')
+
+  batch_axes = rules.mesh_axes('batch', activation=True)
+  batch_ways = math.prod(mesh[a] for a in batch_axes)
+  if config.data.global_batch_size % batch_ways:
+    raise ConfigError(
+        f'data.global_batch_size={config.data.global_batch_size} does not split over the mesh\'s '
+        f'batch axes {"*".join(batch_axes)}={batch_ways}; make it a multiple of {batch_ways}, or '
+        'change the mesh.')
+  _require_divisible(config.data.global_batch_size, 'data.global_batch_size', num_processes,
+                     'the number of processes')
+  local_batch = config.data.global_batch_size // batch_ways
+  if local_batch % config.train.microbatches:
+    raise ConfigError(
+        f'train.microbatches={config.train.microbatches} does not divide the {local_batch} rows '
+        f'each device holds (data.global_batch_size={config.data.global_batch_size} over '
+        f'{batch_ways} batch shards); choose a divisor of {local_batch}, or a larger batch.')
+  tensor = mesh['tensor']
+  _require_divisible(config.model.num_heads, 'model.num_heads', tensor, 'mesh.tensor')
+  _require_divisible(config.model.mlp_dim, 'model.mlp_dim', tensor, 'mesh.tensor')
+  if config.model.vocab_size != -1:
+    _require_divisible(config.model.vocab_size, 'model.vocab_size', tensor, 'mesh.tensor')
+  else:
+    _require_divisible(config.model.vocab_multiple, 'model.vocab_multiple', tensor, 'mesh.tensor')
+  fsdp = mesh['fsdp']
+  _require_divisible(config.model.embed_dim, 'model.embed_dim', fsdp, 'mesh.fsdp')
+  return config
+
+
+def check_parameter_splits(parameters, mesh_shape: dict[str, int]) -> None:
+  """Every split dimension of every parameter (engine.state.ParameterInfo) must divide evenly
+  over its mesh axes; any model's sizes are checked here, before anything compiles."""
+  for p in parameters:
+    for dim, (size, name, entry) in enumerate(zip(p.shape, p.logical_axes, p.spec)):
+      axes = sharding.spec_axes(P(entry))
+      ways = math.prod(mesh_shape[a] for a in axes)
+      if size % ways:
+        raise ConfigError(
+            f'Parameter {p.path} {p.shape}: dimension {dim} ({name!r}, size {size}) is split '
+            f'{ways} ways over mesh axes {axes}, which does not divide it; choose model sizes '
+            f'that the mesh divides, or rules (parallelism.rules) that do not split {name!r}.')
