@@ -58,10 +58,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.source = 'embedded'  # embedded | file | synthetic | shards
   c.data.path = ''  # Text file, for source='file'.
   # byte | char | hf (a tokenizer.json) | sentencepiece (a .model); shards use the tokenizer
-  # they were written with (engine.prepare), whatever this says.
+  # they were written with (engine.data.prepare), whatever this says.
   c.data.tokenizer = 'byte'
   c.data.tokenizer_path = ''  # For tokenizer='hf' or 'sentencepiece'.
-  # For source='shards': an engine.prepare output directory, or DIR:WEIGHT,DIR:WEIGHT to mix
+  # For source='shards': an engine.data.prepare output directory, or DIR:WEIGHT,DIR:WEIGHT to mix
   # several by weight.
   c.data.shards = ''
   c.data.seq_len = 64

@@ -38,7 +38,7 @@ def export(workdir: str, out: str) -> list[str]:
   train_setup = build_setup(config, vocab)
   params = restore_params(workdir, train_setup.abstract_state()['params'])
   host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
-  return hf.save(host, hf.hf_config(config.model, vocab), out)
+  return hf.save(host, config.model, vocab, out)
 
 
 def main():

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 
 from engine import config as config_lib
 from engine import data
-from engine import tokenizer as tokenizer_lib
+from engine.data import tokenizers as tokenizer_lib
 from engine import workdir as workdir_lib
 from engine.checkpoint import CheckpointError, restore_params
 from engine.flag_errors import fail

@@ -1,31 +1,16 @@
-"""Hugging Face Llama checkpoints in and out: `train.init_from=hf:PATH` and `engine.export`.
+"""Hugging Face checkpoints in and out: `train.init_from=hf:PATH` and `engine.export`.
 
 A checkpoint is a directory with `config.json` and `*.safetensors` files (one, or several named
-by `model.safetensors.index.json`). Hugging Face's `nn.Linear` weights are [out, in]; the
-engine's are [in, out] with the heads split out, its layers stacked along a leading axis:
-
-  model.embed_tokens.weight              [V, D]     tok_embed_VD              [V, D]
-  model.layers.{i}.input_layernorm       [D]        blocks/attn_norm/scale    [L, D]
-  model.layers.{i}.self_attn.q_proj      [H K, D]   blocks/w_q_DHK            [L, D, H, K]
-  model.layers.{i}.self_attn.k_proj      [N K, D]   blocks/w_k_DNK            [L, D, N, K]
-  model.layers.{i}.self_attn.v_proj      [N K, D]   blocks/w_v_DNK            [L, D, N, K]
-  model.layers.{i}.self_attn.o_proj      [D, H K]   blocks/w_o_HKD            [L, H, K, D]
-  model.layers.{i}.post_attention_layernorm [D]     blocks/mlp_norm/scale     [L, D]
-  model.layers.{i}.mlp.gate_proj         [F, D]     blocks/w_gate_DF          [L, D, F]
-  model.layers.{i}.mlp.up_proj           [F, D]     blocks/w_up_DF            [L, D, F]
-  model.layers.{i}.mlp.down_proj         [D, F]     blocks/w_down_FD          [L, F, D]
-  model.norm.weight                      [D]        final_norm/scale          [D]
-  lm_head.weight (or the embedding, tied) [V, D]    head_DV                   [D, V]
-
-The rotary convention is the same (rotate-half, as Hugging Face's Llama stores q and k), so no
-weight is permuted. Loading builds every parameter with `jax.make_array_from_callback`: each
-device's block is read from the files as that slice alone (safetensors reads slices without
-loading the tensor), so no host or device ever holds a whole parameter it does not own.
+by `model.safetensors.index.json`). Which tensor holds which parameter, in which layout, is the
+model family's knowledge (its `HFFormat`, engine/models/hf_format.py, registered in
+engine/models/__init__.py); this module only reads and writes safetensors. Loading builds every
+parameter with `jax.make_array_from_callback`: each device's block is read from the files as that
+slice alone (safetensors reads slices without loading the tensor), so no host or device ever
+holds a whole parameter it does not own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -36,35 +21,11 @@ from absl import logging
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from engine import models
 from engine.config import ConfigError
+from engine.models.hf_format import LAYER_NDIM, HFFormat, UnsupportedCheckpoint
 
 PREFIX = 'hf:'
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-  """One engine parameter and the Hugging Face tensor(s) it holds."""
-  path: str  # '/'-joined engine path.
-  name: str  # Hugging Face name; '{i}' for the layer of a stacked parameter.
-  # same: identical layout; linear: transposed; heads_out: [H K, D] -> [D, H, K];
-  # heads_in: [D, H K] -> [H, K, D].
-  layout: str
-
-
-TENSORS = (
-    Tensor('tok_embed_VD', 'model.embed_tokens.weight', 'same'),
-    Tensor('blocks/attn_norm/scale', 'model.layers.{i}.input_layernorm.weight', 'same'),
-    Tensor('blocks/w_q_DHK', 'model.layers.{i}.self_attn.q_proj.weight', 'heads_out'),
-    Tensor('blocks/w_k_DNK', 'model.layers.{i}.self_attn.k_proj.weight', 'heads_out'),
-    Tensor('blocks/w_v_DNK', 'model.layers.{i}.self_attn.v_proj.weight', 'heads_out'),
-    Tensor('blocks/w_o_HKD', 'model.layers.{i}.self_attn.o_proj.weight', 'heads_in'),
-    Tensor('blocks/mlp_norm/scale', 'model.layers.{i}.post_attention_layernorm.weight', 'same'),
-    Tensor('blocks/w_gate_DF', 'model.layers.{i}.mlp.gate_proj.weight', 'linear'),
-    Tensor('blocks/w_up_DF', 'model.layers.{i}.mlp.up_proj.weight', 'linear'),
-    Tensor('blocks/w_down_FD', 'model.layers.{i}.mlp.down_proj.weight', 'linear'),
-    Tensor('final_norm/scale', 'model.norm.weight', 'same'),
-    Tensor('head_DV', 'lm_head.weight', 'linear'),
-)
 
 
 def path_of(init_from: str) -> str | None:
@@ -81,31 +42,25 @@ def read_config(path: str) -> dict:
     return json.load(f)
 
 
-def model_config(hf: dict, where: str) -> dict:
-  """The engine's `model` settings for a Hugging Face Llama config; ConfigError for anything
-  the engine's Llama does not compute the same way."""
+def format_of(hf: dict, where: str) -> tuple[str, HFFormat]:
+  """(model name, HFFormat) of the family a config.json describes."""
   architectures = hf.get('architectures') or []
-  if hf.get('model_type') != 'llama' or 'LlamaForCausalLM' not in architectures:
+  found = models.hf_format_of_architectures(architectures)
+  if found is None:
+    known = sorted(fmt.architecture for fmt in models.HF_FORMATS.values())
     raise ConfigError(f'{where}: model_type={hf.get("model_type")!r}, architectures='
-                      f'{architectures}; only LlamaForCausalLM checkpoints can be loaded.')
-  heads, width = hf['num_attention_heads'], hf['hidden_size']
-  unsupported = {
-      'rope_scaling': hf.get('rope_scaling') not in (None, {}),
-      'attention_bias': bool(hf.get('attention_bias')),
-      'mlp_bias': bool(hf.get('mlp_bias')),
-      f'hidden_act={hf.get("hidden_act")!r}': hf.get('hidden_act', 'silu') != 'silu',
-      'head_dim != hidden_size / num_attention_heads':
-          hf.get('head_dim', width // heads) * heads != width,
-  }
-  found = [name for name, bad in unsupported.items() if bad]
-  if found:
-    raise ConfigError(f'{where}: {", ".join(found)} is not supported by the engine\'s Llama '
-                      '(no rotary scaling, no biases, SiLU, head_dim = width / heads).')
-  return {'name': 'llama', 'num_layers': hf['num_hidden_layers'], 'embed_dim': width,
-          'num_heads': heads, 'num_kv_heads': hf.get('num_key_value_heads', heads),
-          'mlp_dim': hf['intermediate_size'], 'vocab_size': hf['vocab_size'],
-          'rope_base': float(hf.get('rope_theta', 10_000.0)),
-          'norm_eps': float(hf.get('rms_norm_eps', 1e-6))}
+                      f'{architectures}; the engine loads {", ".join(known)} checkpoints.')
+  return found
+
+
+def model_config(hf: dict, where: str) -> dict:
+  """The engine's `model` settings for a Hugging Face config.json; ConfigError for anything
+  the model family does not compute the same way."""
+  _, fmt = format_of(hf, where)
+  try:
+    return fmt.to_model_config(hf, where)
+  except UnsupportedCheckpoint as e:
+    raise ConfigError(str(e)) from None
 
 
 def apply_model_config(config) -> None:
@@ -184,20 +139,20 @@ def by_path(params) -> dict[str, object]:
 
 def load_params(path: str, abstract_params):
   """The checkpoint's parameters, each created in the sharding `abstract_params` carries."""
+  _, fmt = format_of(read_config(path), f'train.init_from=hf:{path}')
   files = _Files(path)
-  tied = not files.has('lm_head.weight')
   flat = by_path(abstract_params)
-  unknown = set(flat) - {t.path for t in TENSORS}
+  unknown = set(flat) - {t.path for t in fmt.tensors}
   if unknown:
-    raise ConfigError(f'train.init_from=hf:{path}: the model has parameters no Hugging Face '
-                      f'Llama tensor maps to: {sorted(unknown)}.')
-  loaded = {}
-  for tensor in TENSORS:
+    raise ConfigError(f'train.init_from=hf:{path}: the model has parameters no '
+                      f'{fmt.architecture} tensor maps to: {sorted(unknown)}.')
+  loaded, tied = {}, False
+  for tensor in fmt.tensors:
     target = flat[tensor.path]
     name, layout = tensor.name, tensor.layout
-    if tensor.path == 'head_DV' and tied:
-      name, layout = 'model.embed_tokens.weight', 'linear'
-    lead = target.shape[:target.ndim - _LAYER_NDIM[layout]] if '{i}' in name else ()
+    if tensor.tied_to and not files.has(name):
+      name, layout, tied = tensor.tied_to, 'linear', True
+    lead = target.shape[:target.ndim - LAYER_NDIM[layout]] if '{i}' in name else ()
     inner = target.shape[len(lead):]
 
     def block(index, name=name, layout=layout, lead=lead, inner=inner, dtype=target.dtype):
@@ -215,10 +170,6 @@ def load_params(path: str, abstract_params):
   logging.info('Loaded %d tensors from %s%s', len(loaded), path,
                ' (output head tied to the embedding)' if tied else '')
   return jax.tree_util.tree_map_with_path(lambda keys, _: loaded[_path(keys)], abstract_params)
-
-
-# Dimensions of one layer's engine array, by layout (stacked parameters have more in front).
-_LAYER_NDIM = {'same': 1, 'linear': 2, 'heads_out': 3, 'heads_in': 3}
 
 
 def _check_shape(files: _Files, name: str, layout: str, inner: tuple[int, ...], path: str):
@@ -252,31 +203,19 @@ def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
   return array.reshape(-1, array.shape[-1]).T  # [H, K, D] -> [D, H K]
 
 
-def hf_config(model_config, vocab_size: int) -> dict:
-  """config.json for the engine's Llama `model` settings."""
-  heads = model_config.num_heads
-  return {
-      'architectures': ['LlamaForCausalLM'], 'model_type': 'llama',
-      'hidden_size': model_config.embed_dim, 'intermediate_size': model_config.mlp_dim,
-      'num_hidden_layers': model_config.num_layers, 'num_attention_heads': heads,
-      'num_key_value_heads': model_config.num_kv_heads if model_config.num_kv_heads > 0 else heads,
-      'head_dim': model_config.embed_dim // heads, 'vocab_size': vocab_size,
-      'rope_theta': model_config.rope_base, 'rms_norm_eps': model_config.norm_eps,
-      'max_position_embeddings': model_config.max_len, 'hidden_act': 'silu',
-      'tie_word_embeddings': False, 'attention_bias': False, 'mlp_bias': False,
-      'rope_scaling': None, 'torch_dtype': 'float32'}
-
-
-def save(params: dict[str, np.ndarray], config: dict, out: str) -> list[str]:
-  """Writes `config.json` and `model.safetensors` (engine '/'-paths -> host arrays; stacked
-  parameters [L, ...], or grouped [R, L / R, ...]). Returns the tensor names written."""
+def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str) -> list[str]:
+  """Writes `config.json` and `model.safetensors` of the model family's Hugging Face format
+  (params: engine '/'-paths -> host arrays; stacked parameters [L, ...], or grouped
+  [R, L / R, ...]). Returns the tensor names written."""
+  fmt = models.HF_FORMATS[model_config.name]
+  config = fmt.to_hf_config(model_config, vocab_size)
   tensors = {}
-  for tensor in TENSORS:
+  for tensor in fmt.tensors:
     array = np.asarray(params[tensor.path])
     if '{i}' not in tensor.name:
       tensors[tensor.name] = to_hf(tensor.layout, array)
       continue
-    per_layer = array.reshape(-1, *array.shape[array.ndim - _LAYER_NDIM[tensor.layout]:])
+    per_layer = array.reshape(-1, *array.shape[array.ndim - LAYER_NDIM[tensor.layout]:])
     for i, layer in enumerate(per_layer):
       tensors[tensor.name.format(i=i)] = np.ascontiguousarray(to_hf(tensor.layout, layer))
   os.makedirs(out, exist_ok=True)

@@ -119,10 +119,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     raise ConfigError(
         f'data.tokenizer={config.data.tokenizer!r} reads data.tokenizer_path, but '
         f'{config.data.tokenizer_path!r} is not a file; pass --config.data.tokenizer_path=PATH '
-        '(python -m engine.train_tokenizer makes a tokenizer.json from any text).')
+        '(python -m engine.data.train_tokenizer makes a tokenizer.json from any text).')
   if config.data.source == 'shards' and not config.data.shards:
     raise ConfigError("data.source='shards' reads data.shards, which is empty; pass "
-                      '--config.data.shards=DIR (an engine.prepare output; DIR:WEIGHT,... to mix).')
+                      '--config.data.shards=DIR (an engine.data.prepare output; DIR:WEIGHT,... to mix).')
   if config.data.path and config.data.source != 'file':
     raise ConfigError(
         f'data.path={config.data.path!r} is set but data.source={config.data.source!r} does not '

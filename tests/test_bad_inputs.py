@@ -134,9 +134,9 @@ BAD_INPUTS = [
      "data.tokenizer='bpe' is unknown; choose one of ('byte', 'char', 'hf', 'sentencepiece')."),
     ([TINY, RUN, '--config.data.tokenizer=hf'], 2, "data.tokenizer='hf' reads "
      "data.tokenizer_path, but '' is not a file; pass --config.data.tokenizer_path=PATH "
-     '(python -m engine.train_tokenizer makes a tokenizer.json from any text).'),
+     '(python -m engine.data.train_tokenizer makes a tokenizer.json from any text).'),
     ([TINY, RUN, '--config.data.source=shards'], 2, "data.source='shards' reads data.shards, "
-     'which is empty; pass --config.data.shards=DIR (an engine.prepare output; DIR:WEIGHT,... '
+     'which is empty; pass --config.data.shards=DIR (an engine.data.prepare output; DIR:WEIGHT,... '
      'to mix).'),
     ([TINY, RUN, '--config.model.dtype=float16'], 2,
      "model.dtype='float16' is unknown; choose one of ('float32', 'bfloat16')."),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from engine import data
-from engine import tokenizer as tokenizer_lib
+from engine.data import tokenizers as tokenizer_lib
 from tests.helpers import tiny_config
 
 

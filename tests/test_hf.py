@@ -113,7 +113,7 @@ def test_loads_with_the_reference_logits_and_exports_back(tmp_path, tied):
   # Export -> import is the identity: every Hugging Face tensor written back exactly (a tied
   # head is written out as its own tensor).
   host = {path: np.asarray(v) for path, v in hf.by_path(params).items()}
-  hf.save(host, hf.hf_config(config.model, 256), str(tmp_path / 'out'))
+  hf.save(host, config.model, 256, str(tmp_path / 'out'))
   with safe_open(str(tmp_path / 'out' / 'model.safetensors'), framework='numpy') as f:
     written = {name: f.get_tensor(name) for name in f.keys()}
   expected = dict(tensors, **({'lm_head.weight': tensors['model.embed_tokens.weight']}
@@ -173,7 +173,7 @@ def test_train_from_hf_then_export_cli(tmp_path):
 
 @pytest.mark.parametrize('change, message', [
     ({'model_type': 'gpt2', 'architectures': ['GPT2LMHeadModel']},
-     "only LlamaForCausalLM checkpoints can be loaded"),
+     "the engine loads LlamaForCausalLM checkpoints"),
     ({'rope_scaling': {'rope_type': 'llama3', 'factor': 8.0}}, 'rope_scaling is not supported'),
 ])
 def test_unsupported_architectures_are_refused(tmp_path, change, message):

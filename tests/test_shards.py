@@ -1,4 +1,4 @@
-"""Subword tokenizers, engine.prepare's shards and `data.source=shards`: round trips, the stream
+"""Subword tokenizers, engine.data.prepare's shards and `data.source=shards`: round trips, the stream
 read back, per-process slices, exact resume, mixing, and a run that trains on them."""
 
 import json
@@ -6,12 +6,13 @@ import json
 import numpy as np
 import pytest
 
-from engine import data, shards
-from engine import tokenizer as tokenizer_lib
+from engine import data
+from engine.data import shards
+from engine.data import tokenizers as tokenizer_lib
 from engine.config import ConfigError
 from engine.main import run as run_main
-from engine.prepare import pieces, prepare
-from engine.train_tokenizer import train as train_bpe
+from engine.data.prepare import pieces, prepare
+from engine.data.train_tokenizer import train as train_bpe
 from tests.helpers import tiny_config
 
 SEQ = 16

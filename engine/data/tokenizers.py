@@ -3,13 +3,13 @@
   byte           the UTF-8 bytes (256 ids); no special tokens.
   char           the sorted characters of the corpus; no special tokens.
   hf             a Hugging Face `tokenizer.json` (the `tokenizers` library): BPE, WordPiece,
-                 Unigram, whatever the file describes; `python -m engine.train_tokenizer` trains
+                 Unigram, whatever the file describes; `python -m engine.data.train_tokenizer` trains
                  a byte-level BPE one on any text, the embedded corpus included.
   sentencepiece  a SentencePiece `.model` file.
 
 Every tokenizer encodes text to int32 ids and decodes them back; a subword one also names its
 end-of-text id (and beginning-of-text id, where it has one), which bracket each document in a
-token stream (engine.prepare).
+token stream (engine.data.prepare).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def load(kind: str, path: str = '', text: str = ''):
     raise ConfigError(
         f'data.tokenizer={kind!r} reads data.tokenizer_path, but {path!r} is not a file; pass '
         f'--config.data.tokenizer_path=PATH ({"tokenizer.json" if kind == "hf" else ".model"}; '
-        'python -m engine.train_tokenizer makes a tokenizer.json from any text).')
+        'python -m engine.data.train_tokenizer makes a tokenizer.json from any text).')
   try:
     return HFTokenizer(path) if kind == 'hf' else SentencePieceTokenizer(path)
   except Exception as e:  # The libraries raise their own types for unreadable files.

@@ -1,8 +1,8 @@
 """Trains a byte-level BPE tokenizer (Hugging Face `tokenizers`) on a corpus: a tokenizer.json
-for `--config.data.tokenizer=hf` and `engine.prepare`, when you have none.
+for `--config.data.tokenizer=hf` and `engine.data.prepare`, when you have none.
 
-  python -m engine.train_tokenizer --input=embedded --vocab_size=4096 --out=/tmp/bpe.json
-  python -m engine.train_tokenizer --input=../shared/data/tinyshakespeare.txt --vocab_size=2048 \
+  python -m engine.data.train_tokenizer --input=embedded --vocab_size=4096 --out=/tmp/bpe.json
+  python -m engine.data.train_tokenizer --input=../shared/data/tinyshakespeare.txt --vocab_size=2048 \
       --out=/tmp/shakespeare_bpe.json
 
 Byte-level: every text encodes (no unknown token) and decodes back exactly. The one special
@@ -15,7 +15,7 @@ import time
 
 from absl import app, flags, logging
 
-from engine import data
+from engine.data import sources
 from engine.config import ConfigError
 from engine.flag_errors import fail
 
@@ -51,7 +51,7 @@ def main():
     del argv
     start = time.perf_counter()
     try:
-      documents = list(data.documents(source.value))
+      documents = list(sources.documents(source.value))
       tokenizer = train(documents, vocab_size.value, out.value)
     except ConfigError as e:
       fail(str(e))

@@ -1,4 +1,4 @@
-"""Pre-tokenized shards: a token stream in ArrayRecord files, written by engine.prepare and
+"""Pre-tokenized shards: a token stream in ArrayRecord files, written by engine.data.prepare and
 streamed by `data.source=shards`.
 
 A shard set is a directory:
@@ -92,7 +92,7 @@ def read_meta(directory: str) -> dict:
   path = os.path.join(directory, META)
   if not os.path.isfile(path):
     raise ConfigError(f'data.shards: {directory!r} holds no {META}; write shards there with '
-                      'python -m engine.prepare --out=DIR.')
+                      'python -m engine.data.prepare --out=DIR.')
   with open(path) as f:
     meta = json.load(f)
   if meta.get('format') != FORMAT:
@@ -100,7 +100,7 @@ def read_meta(directory: str) -> dict:
   for shard in meta['shards']:
     file = os.path.join(directory, shard['file'])
     if not os.path.isfile(file):
-      raise ConfigError(f'data.shards: {file} listed in {META} is missing; rerun engine.prepare.')
+      raise ConfigError(f'data.shards: {file} listed in {META} is missing; rerun engine.data.prepare.')
   return meta
 
 

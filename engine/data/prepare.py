@@ -1,7 +1,7 @@
-"""Tokenizes text once into ArrayRecord shards (engine/shards.py) for `data.source=shards`.
+"""Tokenizes text once into ArrayRecord shards (engine/data/shards.py) for `data.source=shards`.
 
-  python -m engine.train_tokenizer --input=embedded --vocab_size=4096 --out=/tmp/bpe.json
-  python -m engine.prepare --input=embedded --tokenizer=hf --tokenizer_path=/tmp/bpe.json \
+  python -m engine.data.train_tokenizer --input=embedded --vocab_size=4096 --out=/tmp/bpe.json
+  python -m engine.data.prepare --input=embedded --tokenizer=hf --tokenizer_path=/tmp/bpe.json \
       --out=/tmp/stdlib_shards
   python -m engine.main --config=experiments/tiny.py --config.data.source=shards \
       --config.data.shards=/tmp/stdlib_shards --workdir=/tmp/tiny_bpe
@@ -23,8 +23,9 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from engine import data, shards
-from engine import tokenizer as tokenizer_lib
+from engine.data import sources
+from engine.data import shards
+from engine.data import tokenizers as tokenizer_lib
 from engine.config import ConfigError
 from engine.flag_errors import fail
 
@@ -60,7 +61,7 @@ def prepare(inputs: list[str], kind: str, path: str, out: str, processes: int = 
     raise ConfigError('--tokenizer=char: a character vocabulary is fitted to one corpus in memory; '
                       'prepare shards with byte, hf or sentencepiece.')
   tokenizer = tokenizer_lib.load(kind, path)
-  documents = [text for source in inputs for text in data.documents(source)]
+  documents = [text for source in inputs for text in sources.documents(source)]
   total_bytes = sum(len(d.encode('utf-8')) for d in documents)
   writer = shards.Writer(out, tokenizer.vocab_size, record_tokens, records_per_shard)
   processes = processes or os.cpu_count() or 1

@@ -1,0 +1,19 @@
+"""Everything between text on disk and a global token batch on the mesh.
+
+  sources.py          text sources: a file or directory, the embedded corpus, synthetic text
+  tokenizers.py       byte, char, Hugging Face and SentencePiece tokenizers
+  shards.py           the pre-tokenized shard format (ArrayRecord + meta.json)
+  pipeline.py         the corpus, grain pipelines, per-process rows -> global jax.Arrays
+  prepare.py          `python -m engine.data.prepare`: text -> shards, in parallel
+  train_tokenizer.py  `python -m engine.data.train_tokenizer`: a byte-level BPE tokenizer
+
+The names below are the package's interface; the rest of the engine imports them from here.
+"""
+
+from engine.data.pipeline import (Corpus, RecordedTokenizer, batches, describe, eval_batches,
+                                  load_corpus, train_iterator, to_global, windows_dataset)
+from engine.data.sources import documents, embedded_corpus, read_text_file, synthetic_corpus
+
+__all__ = ['Corpus', 'RecordedTokenizer', 'batches', 'describe', 'documents', 'embedded_corpus',
+           'eval_batches', 'load_corpus', 'read_text_file', 'synthetic_corpus', 'to_global',
+           'train_iterator', 'windows_dataset']

@@ -1,0 +1,51 @@
+"""How a model family describes its Hugging Face checkpoints: the interface engine/hf.py reads.
+
+A family that can load and save Hugging Face checkpoints registers an `HFFormat` in
+engine/models/__init__.py (`HF_FORMATS`). It names each of its parameters' Hugging Face tensor
+and layout, and translates the checkpoint's config.json to and from its `model` config keys.
+engine/hf.py then only reads and writes safetensors, slice by slice; it knows no parameter name.
+
+Layouts (Hugging Face's `nn.Linear` weights are [out, in]; the engine's are [in, out], with heads
+split out and stacked layers along leading axes):
+  same       identical layout;
+  linear     transposed: [out, in] -> [in, out];
+  heads_out  [H K, D] -> [D, H, K] (a projection into heads);
+  heads_in   [D, H K] -> [H, K, D] (a projection out of heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+LAYOUTS = ('same', 'linear', 'heads_out', 'heads_in')
+# Dimensions of one layer's engine array, by layout (stacked parameters have more in front).
+LAYER_NDIM = {'same': 1, 'linear': 2, 'heads_out': 3, 'heads_in': 3}
+
+
+class UnsupportedCheckpoint(ValueError):
+  """A checkpoint the family cannot reproduce exactly; the message names the key (engine/hf.py
+  reports it as a config error)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+  """One engine parameter and the Hugging Face tensor(s) it holds."""
+  path: str  # '/'-joined engine path.
+  name: str  # Hugging Face name; '{i}' stands for the layer of a stacked parameter.
+  layout: str  # One of LAYOUTS.
+  # A tied checkpoint has no `name`: the parameter is read from this tensor instead, transposed
+  # (an output head tied to the embedding).
+  tied_to: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFormat:
+  """A model family's Hugging Face checkpoints."""
+  architecture: str  # config.json's `architectures` entry, e.g. 'LlamaForCausalLM'.
+  tensors: tuple[HFTensor, ...]
+  # (config.json dict, where it came from) -> the engine's `model` settings; raises
+  # UnsupportedCheckpoint (naming the key) for anything the family does not compute the same way.
+  to_model_config: Callable[[dict, str], dict]
+  # (the engine's `model` config, vocabulary size) -> config.json.
+  to_hf_config: Callable[[object, int], dict]
