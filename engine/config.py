@@ -172,16 +172,27 @@ def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.Co
   return config
 
 
-def set_mesh_shape(config: ml_collections.ConfigDict, shape: str) -> None:
-  """Applies a 'DxFxT', 'DxFxTxC' or 'DxFxTxCxS' mesh string (data x fsdp x tensor [x context
-  [x stage]]) from an experiment argument."""
-  sizes = shape.split('x')
+MESH_FORMAT = 'DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]]'
+
+
+def parse_mesh(text: str, where: str = 'mesh') -> dict[str, int]:
+  """Every flag or argument that takes a mesh reads it here: 'DxFxT', 'DxFxTxC' or 'DxFxTxCxS'
+  (data x fsdp x tensor [x context [x stage]]) -> the sizes of all five axes, those not given 1.
+  The sizes themselves (positive, or one -1) are checked with the devices (resolve_mesh_shape)."""
+  sizes = text.split('x')
   if len(sizes) not in (3, 4, 5) or not all(re.fullmatch(r'-?[0-9]+', size) for size in sizes):
-    raise ConfigError(f'mesh={shape} is not DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], integers joined '
-                      'by x; give e.g. mesh=2x2x2 or mesh=2x1x1x2x2 (-1: the devices the other '
-                      'axes leave, e.g. mesh=-1x1x2).')
-  for axis, size in zip(MESH_AXES, sizes):
-    config.mesh[axis] = int(size)
+    raise ConfigError(f'{where}={text}: a mesh is {MESH_FORMAT}, 3 to 5 integers joined by x '
+                      '(axes not given are 1); e.g. 2x2x2, or 2x1x1x2x2 for context 2 and stage 2 '
+                      '(-1: the devices the other axes leave, e.g. -1x1x2).')
+  given = dict(zip(MESH_AXES, (int(size) for size in sizes)))
+  return {axis: given.get(axis, 1) for axis in MESH_AXES}
+
+
+def set_mesh_shape(config: ml_collections.ConfigDict, shape: str, where: str = 'mesh') -> None:
+  """Sets all five mesh axes from a mesh string (parse_mesh): an axis the string leaves out is
+  1, whatever the config held before."""
+  for axis, size in parse_mesh(shape, where).items():
+    config.mesh[axis] = size
 
 
 def flat_defaults() -> dict[str, object]:

@@ -1,8 +1,10 @@
 """The one validation pass over a config, before anything compiles or is written.
 
-`validate` checks the whole tree (engine/config.py's schema) and raises `ConfigError` naming the
-key and the fix; the train loop and every tool call it before they touch a device.
-`check_parameter_splits` checks the laid-out model once its shapes are known.
+`validate` checks the whole tree (engine/config.py's schema), one function per section (model,
+data, optim, train, mesh, parallelism; then the train step's schedule and the model sizes the
+mesh splits), and raises `ConfigError` naming the key and the fix; engine.assemble calls it for
+every command before anything touches a device. `check_layout` checks the laid-out model once
+its shapes are known.
 """
 
 from __future__ import annotations
@@ -68,11 +70,10 @@ def _check_init_from(workdir: str) -> None:
         'that saved one.')
 
 
-def _require_positive(config, keys: list[str]) -> None:
-  for key in keys:
-    section, name = key.split('.')
-    if config[section][name] <= 0:
-      raise ConfigError(f'{key}={config[section][name]} must be positive.')
+def _require_positive(section: ConfigDict, prefix: str, names: list[str]) -> None:
+  for name in names:
+    if section[name] <= 0:
+      raise ConfigError(f'{prefix}.{name}={section[name]} must be positive.')
 
 
 def _require_divisible(value: int, value_key: str, by: int, by_name: str) -> None:
@@ -87,10 +88,29 @@ def count_slices(devices) -> int:
   return len({getattr(d, 'slice_index', 0) for d in devices})
 
 
+def _choose(section: ConfigDict, name: str, key: str, choices) -> None:
+  if section[name] not in choices:
+    raise ConfigError(f'{key}={section[name]!r} is unknown; choose one of {choices}.')
+
+
+def _require_finite(section: ConfigDict, prefix: str, names: list[str]) -> None:
+  for name in names:
+    if not math.isfinite(section[name]):
+      raise ConfigError(f'{prefix}.{name}={section[name]} is not a finite number; give one.')
+
+
+def _require_non_negative(section: ConfigDict, prefix: str, names: list[str]) -> None:
+  for name in names:
+    if section[name] < 0:
+      raise ConfigError(f'{prefix}.{name}={section[name]} must be >= 0.')
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1,
-             num_slices: int = 1) -> ml_collections.ConfigDict:
-  """Checks the whole config; returns it unchanged or raises ConfigError naming key and fix.
-  `num_slices` > 1 (several TPU slices): the dcn axes split the mesh by slice, not by process."""
+             num_slices: int = 1, training: bool = True) -> ml_collections.ConfigDict:
+  """Checks the whole config, section by section; returns it unchanged or raises ConfigError
+  naming key and fix. `num_slices` > 1 (several TPU slices): the dcn axes split the mesh by
+  slice, not by process. `training=False` (a finished run laid out for generation or export)
+  skips what only a train step needs: the batch's split and the pipeline schedule."""
   unknown = _unknown_keys(config, default_config())
   if unknown:
     raise ConfigError(
@@ -99,106 +119,120 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   if config.model.name not in models.MODELS:
     raise ConfigError(f'model.name={config.model.name!r} is unknown; choose one of '
                       f'{sorted(models.MODELS)}.')
-  if config.parallelism.mode not in parallel.STEP_BUILDERS:
-    raise ConfigError(f'parallelism.mode={config.parallelism.mode!r} is unknown; choose one of '
-                      f'{sorted(parallel.STEP_BUILDERS)}.')
-  for key, choices in [
-      ('data.source', SOURCES), ('data.tokenizer', TOKENIZERS), ('model.dtype', DTYPES),
-      ('model.attention', attention.IMPLEMENTATIONS),
-      ('model.attention_scale_on', attention.SCALE_ON),
-      ('model.remat', tuple(parallel.steps.REMAT_POLICIES)),
-      ('optim.weight_decay_on', ('matrices', 'all')),
-      ('parallelism.grad_reduce_dtype', DTYPES)]:
-    section, name = key.split('.')
-    if config[section][name] not in choices:
-      raise ConfigError(f'{key}={config[section][name]!r} is unknown; choose one of {choices}.')
-  if config.data.source == 'file':
-    _check_data_file(config.data.path)
-  subword = config.data.tokenizer in ('hf', 'sentencepiece')
-  if subword and config.data.source != 'shards' and not os.path.isfile(config.data.tokenizer_path):
-    raise ConfigError(
-        f'data.tokenizer={config.data.tokenizer!r} reads data.tokenizer_path, but '
-        f'{config.data.tokenizer_path!r} is not a file; pass --config.data.tokenizer_path=PATH '
-        '(python -m engine.data.train_tokenizer makes a tokenizer.json from any text).')
-  if config.data.source == 'shards' and not config.data.shards:
-    raise ConfigError("data.source='shards' reads data.shards, which is empty; pass "
-                      '--config.data.shards=DIR (an engine.data.prepare output; DIR:WEIGHT,... to mix).')
-  if config.data.path and config.data.source != 'file':
-    raise ConfigError(
-        f'data.path={config.data.path!r} is set but data.source={config.data.source!r} does not '
-        'read files; add --config.data.source=file, or drop data.path.')
-  for key in ('optim.learning_rate', 'optim.end_learning_rate', 'optim.weight_decay',
-              'optim.b1', 'optim.b2', 'model.init_std', 'model.norm_eps', 'model.rope_base'):
-    section, name = key.split('.')
-    if not math.isfinite(config[section][name]):
-      raise ConfigError(f'{key}={config[section][name]} is not a finite number; give one.')
-  for key in ('optim.b1', 'optim.b2'):
-    value = config.optim[key.split('.')[1]]
-    if not 0.0 <= value < 1.0:
-      raise ConfigError(f'{key}={value} must lie in [0, 1): it is how much of its running '
-                        'average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).')
-  if not config.optim.grad_clip_norm > 0:
-    raise ConfigError(f'optim.grad_clip_norm={config.optim.grad_clip_norm} must be positive: '
-                      'gradients are scaled down to this global norm (inf turns clipping off).')
-  if config.optim.weight_decay < 0:
-    raise ConfigError(f'optim.weight_decay={config.optim.weight_decay} must be >= 0.')
-  if config.train.skip_nonfinite_steps < 0:
-    raise ConfigError(f'train.skip_nonfinite_steps={config.train.skip_nonfinite_steps} must be '
-                      '>= 0: 0 stops at the first step that is not finite, N > 0 skips up to N '
-                      'in a row.')
-  _require_positive(config, [
-      'model.num_layers', 'model.num_heads', 'model.embed_dim', 'model.mlp_dim', 'model.max_len',
-      'model.vocab_multiple', 'data.seq_len', 'data.global_batch_size', 'train.num_steps',
-      'train.log_every', 'train.eval_every', 'train.eval_batches', 'train.checkpoint_every',
-      'train.keep_checkpoints', 'train.microbatches', 'train.pipeline_repeats',
-      'optim.learning_rate', 'model.norm_eps',
-      'model.rope_base', 'data.embedded_max_bytes', 'data.synthetic_tokens'])
-  if config.model.vocab_size != -1 and config.model.vocab_size <= 0:
-    raise ConfigError(f'model.vocab_size={config.model.vocab_size} must be positive, or -1 to '
-                      'take it from the tokenizer.')
-  if not 0.0 < config.data.val_fraction < 1.0:
-    raise ConfigError(f'data.val_fraction={config.data.val_fraction} must lie in (0, 1).')
-  for key in ('optim.warmup_steps', 'optim.end_learning_rate', 'model.init_std'):
-    section, name = key.split('.')
-    if config[section][name] < 0:
-      raise ConfigError(f'{key}={config[section][name]} must be >= 0.')
+  parallel.check_modes(config.parallelism.mode)
+  _check_model(config.model)
+  _check_data(config.data, config.model)
+  _check_optim(config.optim)
+  _check_train(config.train)
   if not 0 <= config.seed <= _MAX_SEED:
     raise ConfigError(f'seed={config.seed} must lie in [0, {_MAX_SEED}]: the data order is '
                       'shuffled with 32-bit seeds (evaluation uses seed + 1); give e.g. '
                       '--config.seed=0.')
-  if config.optim.decay_steps != -1 and config.optim.decay_steps <= config.optim.warmup_steps:
-    raise ConfigError(
-        f'optim.decay_steps={config.optim.decay_steps} must exceed optim.warmup_steps='
-        f'{config.optim.warmup_steps} (it counts the warmup), or be -1 to end at '
-        'train.num_steps.')
-  if config.data.seq_len > config.model.max_len:
-    raise ConfigError(
-        f'data.seq_len={config.data.seq_len} exceeds model.max_len={config.model.max_len}; '
-        'raise model.max_len or shorten data.seq_len.')
-  _require_divisible(config.model.embed_dim, 'model.embed_dim', config.model.num_heads,
-                     'model.num_heads')
-  kv_heads = config.model.num_kv_heads
-  if kv_heads != -1 and (kv_heads <= 0 or config.model.num_heads % kv_heads):
-    raise ConfigError(
-        f'model.num_kv_heads={kv_heads} must divide model.num_heads={config.model.num_heads} '
-        '(each key/value head serves a group of query heads), or be -1 for one per query head.')
-  if config.model.name == 'llama' and (config.model.embed_dim // config.model.num_heads) % 2:
-    raise ConfigError(
-        f'model.embed_dim / model.num_heads = {config.model.embed_dim // config.model.num_heads} '
-        'is odd; rotary embeddings rotate pairs of dimensions, so choose an even head size.')
-  if config.train.init_from:
-    _check_init_from(config.train.init_from)
+  mesh = _check_mesh(config.mesh, num_devices, num_processes, num_slices)
+  rules = _check_parallelism(config, mesh)
+  if training:
+    _check_schedule(config, mesh, rules, num_processes)
+  _check_model_splits(config.model, mesh)
+  return config
 
-  mesh = resolve_mesh_shape(config.mesh, num_devices)
-  if config.parallelism.rules not in sharding.RULE_PRESETS and config.parallelism.rules != 'auto':
-    raise ConfigError(f'parallelism.rules={config.parallelism.rules!r} is unknown; choose '
-                      f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")
+
+def _check_model(model: ConfigDict) -> None:
+  _choose(model, 'dtype', 'model.dtype', DTYPES)
+  _choose(model, 'attention', 'model.attention', attention.IMPLEMENTATIONS)
+  _choose(model, 'attention_scale_on', 'model.attention_scale_on', attention.SCALE_ON)
+  _choose(model, 'remat', 'model.remat', tuple(parallel.steps.REMAT_POLICIES))
+  _require_finite(model, 'model', ['init_std', 'norm_eps', 'rope_base'])
+  _require_positive(model, 'model', ['num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'max_len',
+                                     'vocab_multiple', 'norm_eps', 'rope_base'])
+  if model.vocab_size != -1 and model.vocab_size <= 0:
+    raise ConfigError(f'model.vocab_size={model.vocab_size} must be positive, or -1 to '
+                      'take it from the tokenizer.')
+  _require_non_negative(model, 'model', ['init_std'])
+  _require_divisible(model.embed_dim, 'model.embed_dim', model.num_heads, 'model.num_heads')
+  kv_heads = model.num_kv_heads
+  if kv_heads != -1 and (kv_heads <= 0 or model.num_heads % kv_heads):
+    raise ConfigError(
+        f'model.num_kv_heads={kv_heads} must divide model.num_heads={model.num_heads} '
+        '(each key/value head serves a group of query heads), or be -1 for one per query head.')
+  if model.name == 'llama' and (model.embed_dim // model.num_heads) % 2:
+    raise ConfigError(
+        f'model.embed_dim / model.num_heads = {model.embed_dim // model.num_heads} '
+        'is odd; rotary embeddings rotate pairs of dimensions, so choose an even head size.')
+
+
+def _check_data(data: ConfigDict, model: ConfigDict) -> None:
+  _choose(data, 'source', 'data.source', SOURCES)
+  _choose(data, 'tokenizer', 'data.tokenizer', TOKENIZERS)
+  if data.source == 'file':
+    _check_data_file(data.path)
+  subword = data.tokenizer in ('hf', 'sentencepiece')
+  if subword and data.source != 'shards' and not os.path.isfile(data.tokenizer_path):
+    raise ConfigError(
+        f'data.tokenizer={data.tokenizer!r} reads data.tokenizer_path, but '
+        f'{data.tokenizer_path!r} is not a file; pass --config.data.tokenizer_path=PATH '
+        '(python -m engine.data.train_tokenizer makes a tokenizer.json from any text).')
+  if data.source == 'shards' and not data.shards:
+    raise ConfigError("data.source='shards' reads data.shards, which is empty; pass "
+                      '--config.data.shards=DIR (an engine.data.prepare output; DIR:WEIGHT,... to '
+                      'mix).')
+  if data.path and data.source != 'file':
+    raise ConfigError(
+        f'data.path={data.path!r} is set but data.source={data.source!r} does not '
+        'read files; add --config.data.source=file, or drop data.path.')
+  _require_positive(data, 'data', ['seq_len', 'global_batch_size', 'embedded_max_bytes',
+                                   'synthetic_tokens'])
+  if not 0.0 < data.val_fraction < 1.0:
+    raise ConfigError(f'data.val_fraction={data.val_fraction} must lie in (0, 1).')
+  if data.seq_len > model.max_len:
+    raise ConfigError(
+        f'data.seq_len={data.seq_len} exceeds model.max_len={model.max_len}; '
+        'raise model.max_len or shorten data.seq_len.')
+
+
+def _check_optim(optim: ConfigDict) -> None:
+  _choose(optim, 'weight_decay_on', 'optim.weight_decay_on', ('matrices', 'all'))
+  _require_finite(optim, 'optim', ['learning_rate', 'end_learning_rate', 'weight_decay', 'b1',
+                                   'b2'])
+  for name in ('b1', 'b2'):
+    if not 0.0 <= optim[name] < 1.0:
+      raise ConfigError(f'optim.{name}={optim[name]} must lie in [0, 1): it is how much of its '
+                        'running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to '
+                        '0.999).')
+  if not optim.grad_clip_norm > 0:
+    raise ConfigError(f'optim.grad_clip_norm={optim.grad_clip_norm} must be positive: '
+                      'gradients are scaled down to this global norm (inf turns clipping off).')
+  if optim.weight_decay < 0:
+    raise ConfigError(f'optim.weight_decay={optim.weight_decay} must be >= 0.')
+  _require_positive(optim, 'optim', ['learning_rate'])
+  _require_non_negative(optim, 'optim', ['warmup_steps', 'end_learning_rate'])
+  if optim.decay_steps != -1 and optim.decay_steps <= optim.warmup_steps:
+    raise ConfigError(
+        f'optim.decay_steps={optim.decay_steps} must exceed optim.warmup_steps='
+        f'{optim.warmup_steps} (it counts the warmup), or be -1 to end at train.num_steps.')
+
+
+def _check_train(train: ConfigDict) -> None:
+  if train.skip_nonfinite_steps < 0:
+    raise ConfigError(f'train.skip_nonfinite_steps={train.skip_nonfinite_steps} must be '
+                      '>= 0: 0 stops at the first step that is not finite, N > 0 skips up to N '
+                      'in a row.')
+  _require_positive(train, 'train', ['num_steps', 'log_every', 'eval_every', 'eval_batches',
+                                     'checkpoint_every', 'keep_checkpoints', 'microbatches',
+                                     'pipeline_repeats'])
+  if train.init_from:
+    _check_init_from(train.init_from)
+
+
+def _check_mesh(mesh_config: ConfigDict, num_devices: int, num_processes: int,
+                num_slices: int) -> dict[str, int]:
+  """The mesh's sizes over the devices, and its split across hosts or slices."""
+  mesh = resolve_mesh_shape(mesh_config, num_devices)
   for axis in ('data', 'fsdp'):
-    dcn = config.mesh[f'dcn_{axis}']
+    dcn = mesh_config[f'dcn_{axis}']
     if dcn < 1 or mesh[axis] % dcn:
       raise ConfigError(f'mesh.dcn_{axis}={dcn} must be >= 1 and divide mesh.{axis}={mesh[axis]} '
                         f'(the {axis} axis is split into dcn_{axis} groups across hosts).')
-  hosts = config.mesh.dcn_data * config.mesh.dcn_fsdp
+  hosts = mesh_config.dcn_data * mesh_config.dcn_fsdp
   if num_slices > 1 and hosts != num_slices:
     raise ConfigError(
         f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of TPU slices '
@@ -209,31 +243,46 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
         f'mesh.dcn_data*mesh.dcn_fsdp={hosts} must equal the number of processes '
         f'({num_processes}), one group of devices per host; set them to 1 to let the mesh follow '
         'the device order.')
-  rules = sharding.rules_for(config.parallelism.rules, mesh)
+  return mesh
+
+
+def _check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rules:
+  """The rules, and what the mode, context and stage axes ask of the model."""
+  parallelism = config.parallelism
+  _choose(parallelism, 'grad_reduce_dtype', 'parallelism.grad_reduce_dtype', DTYPES)
+  if parallelism.rules not in sharding.RULE_PRESETS and parallelism.rules != 'auto':
+    raise ConfigError(f'parallelism.rules={parallelism.rules!r} is unknown; choose '
+                      f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")
+  rules = sharding.rules_for(parallelism.rules, mesh)
   unused = [a for a, size in mesh.items() if size > 1 and a not in rules.mesh_axes_used()]
   if unused:
     raise ConfigError(
-        f'parallelism.rules={config.parallelism.rules!r} does not use mesh axes {unused} of size '
+        f'parallelism.rules={parallelism.rules!r} does not use mesh axes {unused} of size '
         '> 1, so they would only duplicate work; set them to 1 or pick rules that use them.')
-
   context = mesh['context']
   if context > 1 and config.data.seq_len % (2 * context):
     raise ConfigError(
         f'data.seq_len={config.data.seq_len} must be a multiple of 2*mesh.context={2 * context}: '
         'each device holds two of the 2*context chunks of every sequence (one early, one late, '
         'so that causal attention costs every device the same).')
-  if context > 1 and config.parallelism.mode == 'manual' and config.model.attention != 'einsum':
+  if context > 1 and parallelism.mode == 'manual' and config.model.attention != 'einsum':
     raise ConfigError(
         f'model.attention={config.model.attention!r} with mesh.context={context} in manual mode: '
         "ring attention computes its own blocks; set model.attention='einsum' (auto mode may "
         'keep it).')
-
   stages = mesh['stage']
   if stages > 1 and config.model.num_layers % stages:
     raise ConfigError(
         f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} '
         'pipeline stages of equal depth; choose a stage count that divides it.')
-  repeats = config.train.pipeline_repeats
+  return rules
+
+
+def _check_schedule(config: ConfigDict, mesh: dict[str, int], rules: sharding.Rules,
+                    num_processes: int) -> None:
+  """What a train step needs: the pipeline schedule, and the batch split over the batch axes,
+  the processes and the micro-batches."""
+  stages, repeats = mesh['stage'], config.train.pipeline_repeats
   if repeats > 1 and stages == 1:
     raise ConfigError(
         f'train.pipeline_repeats={repeats}: the circular pipeline schedule needs mesh.stage > 1; '
@@ -248,38 +297,44 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
         f'train.microbatches={config.train.microbatches} is fewer than mesh.stage={stages}: the '
         'pipeline would never fill; give at least as many micro-batches as stages (more shrink '
         f'the idle fraction, (stages - 1) / (microbatches + stages - 1)).')
-
   batch_axes = rules.mesh_axes('batch', activation=True)
   batch_ways = math.prod(mesh[a] for a in batch_axes)
-  if config.data.global_batch_size % batch_ways:
+  global_batch = config.data.global_batch_size
+  if global_batch % batch_ways:
     raise ConfigError(
-        f'data.global_batch_size={config.data.global_batch_size} does not split over the mesh\'s '
+        f'data.global_batch_size={global_batch} does not split over the mesh\'s '
         f'batch axes {"*".join(batch_axes)}={batch_ways}; make it a multiple of {batch_ways}, or '
         'change the mesh.')
-  _require_divisible(config.data.global_batch_size, 'data.global_batch_size', num_processes,
+  _require_divisible(global_batch, 'data.global_batch_size', num_processes,
                      'the number of processes')
-  local_batch = config.data.global_batch_size // batch_ways
+  local_batch = global_batch // batch_ways
   if local_batch % config.train.microbatches:
     raise ConfigError(
         f'train.microbatches={config.train.microbatches} does not divide the {local_batch} rows '
-        f'each device holds (data.global_batch_size={config.data.global_batch_size} over '
+        f'each device holds (data.global_batch_size={global_batch} over '
         f'{batch_ways} batch shards); choose a divisor of {local_batch}, or a larger batch.')
+
+
+def _check_model_splits(model: ConfigDict, mesh: dict[str, int]) -> None:
+  """The model sizes the tensor and fsdp axes split (every parameter's split is checked once
+  the model is laid out: check_layout)."""
   tensor = mesh['tensor']
-  _require_divisible(config.model.num_heads, 'model.num_heads', tensor, 'mesh.tensor')
-  _require_divisible(config.model.mlp_dim, 'model.mlp_dim', tensor, 'mesh.tensor')
-  if config.model.vocab_size != -1:
-    _require_divisible(config.model.vocab_size, 'model.vocab_size', tensor, 'mesh.tensor')
+  _require_divisible(model.num_heads, 'model.num_heads', tensor, 'mesh.tensor')
+  _require_divisible(model.mlp_dim, 'model.mlp_dim', tensor, 'mesh.tensor')
+  if model.vocab_size != -1:
+    _require_divisible(model.vocab_size, 'model.vocab_size', tensor, 'mesh.tensor')
   else:
-    _require_divisible(config.model.vocab_multiple, 'model.vocab_multiple', tensor, 'mesh.tensor')
-  fsdp = mesh['fsdp']
-  _require_divisible(config.model.embed_dim, 'model.embed_dim', fsdp, 'mesh.fsdp')
-  return config
+    _require_divisible(model.vocab_multiple, 'model.vocab_multiple', tensor, 'mesh.tensor')
+  _require_divisible(model.embed_dim, 'model.embed_dim', mesh['fsdp'], 'mesh.fsdp')
 
 
-def check_parameter_splits(parameters, mesh_shape: dict[str, int]) -> None:
-  """Every split dimension of every parameter (engine.state.ParameterInfo) must divide evenly
-  over its mesh axes; any model's sizes are checked here, before anything compiles."""
-  for p in parameters:
+def check_layout(train_setup) -> None:
+  """The laid-out model (engine.state.TrainSetup), once its shapes are known: every split
+  dimension of every parameter divides over its mesh axes, and a context axis meets a model
+  that reads positions through `ops`. Any model's sizes are checked here, before anything
+  compiles."""
+  mesh_shape = dict(train_setup.mesh.shape)
+  for p in train_setup.parameters():
     for dim, (size, name, entry) in enumerate(zip(p.shape, p.logical_axes, p.spec)):
       axes = sharding.spec_axes(P(entry))
       ways = math.prod(mesh_shape[a] for a in axes)
@@ -288,3 +343,8 @@ def check_parameter_splits(parameters, mesh_shape: dict[str, int]) -> None:
             f'Parameter {p.path} {p.shape}: dimension {dim} ({name!r}, size {size}) is split '
             f'{ways} ways over mesh axes {axes}, which does not divide it; choose model sizes '
             f'that the mesh divides, or rules (parallelism.rules) that do not split {name!r}.')
+  model = train_setup.model
+  if mesh_shape['context'] > 1 and not model.context_parallel:
+    raise ConfigError(
+        f'mesh.context={mesh_shape["context"]}: model {model.name!r} does not support context '
+        'parallelism (its ModelSpec has context_parallel=False); set mesh.context=1.')

@@ -13,7 +13,7 @@ import jax
 import ml_collections
 from etils import epath
 
-from engine.config import ConfigError, set_mesh_shape
+from engine.config import ConfigError
 
 CONFIG_FILE = 'config.json'
 
@@ -66,16 +66,14 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> N
         f'resume with --config.train.pipeline_repeats={repeats}, or use a new --workdir.')
 
 
-def read_run_config(workdir: str, mesh: str) -> ml_collections.ConfigDict:
-  """A finished run's config (its WORKDIR/config.json) laid out on `mesh` ('DxFxT...', on this
-  machine's devices): what generation, evaluation and export restore its checkpoint into."""
+def read_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """A finished run's config, as its WORKDIR/config.json recorded it (engine.assemble lays it
+  out on another mesh for generation, evaluation and export)."""
   path = resolve(workdir) / CONFIG_FILE
   if not path.exists():
     raise ConfigError(f'--workdir={workdir} holds no {CONFIG_FILE}; pass the --workdir of a '
                       'training run.')
   config = ml_collections.ConfigDict(json.loads(path.read_text()))
-  set_mesh_shape(config, mesh)
-  config.mesh.dcn_data = config.mesh.dcn_fsdp = 1
   config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)  # Older runs lack it.
   return config
 

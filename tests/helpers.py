@@ -8,7 +8,7 @@ import numpy as np
 from engine import data, models, parallel
 from engine.analysis.reference import ReferenceRun
 from engine.config import default_config
-from engine.train import build_setup, resolve_vocab_size
+from engine.assemble import lay_out, resolve_vocab_size
 
 # Float32 sums taken in another order (per-shard partial sums, then all-reduces) differ by a few
 # ulps per operation: losses, gradient norms and every gradient (relative to its largest entry)
@@ -82,7 +82,7 @@ def single_device_run(config, num_steps) -> Run:
 def engine_run(config, mode, num_steps) -> Run:
   """`num_steps` train steps of the engine's `mode` on the mesh of `config`."""
   corpus, batches = train_batches(config)
-  train_setup = build_setup(config, corpus.tokenizer.vocab_size)
+  train_setup = lay_out(config, corpus.tokenizer.vocab_size)
   steps = parallel.STEP_BUILDERS[mode](train_setup)
   state, _ = train_setup.init(config.seed)
   sharding = train_setup.batch_sharding()

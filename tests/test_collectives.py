@@ -10,7 +10,7 @@ from engine.analysis import collectives
 from engine.metrics import log_memory
 from engine.models.ops import LAYERS
 from engine.sharding import spec_axes
-from engine.train import build_setup
+from engine.assemble import lay_out
 from tests.helpers import tiny_config
 
 MESH_222 = {'data': 2, 'fsdp': 2, 'tensor': 2}
@@ -60,7 +60,7 @@ def test_loop_bodies_count_once_per_iteration_and_tuples_per_buffer():
 def _compiled_manual_step(mesh, **model):
   config = tiny_config(mesh=mesh)
   config.model.update(model)
-  train_setup = build_setup(config, 256)
+  train_setup = lay_out(config, 256)
   steps = parallel.STEP_BUILDERS['manual'](train_setup)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   compiled = steps.train.lower(train_setup.abstract_state(), batch).compile()
@@ -155,7 +155,7 @@ def test_auto_mode_reads_a_vocab_parallel_embedding_without_a_matmul():
   for mode in ('auto', 'manual'):
     config = tiny_config(mesh=(1, 1, 8))
     config.model.num_heads = 8
-    train_setup = build_setup(config, 256)
+    train_setup = lay_out(config, 256)
     batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
     compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
         train_setup.abstract_state(), batch).compile()

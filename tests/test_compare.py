@@ -9,12 +9,12 @@ import pytest
 from engine import parallel
 from engine.analysis import collectives, comm_theory, compare
 from engine.parallel import manual
-from engine.train import build_setup
+from engine.assemble import lay_out
 from tests.helpers import tiny_config
 
 
 def _counts_from_compiled(config, mode):
-  train_setup = build_setup(config, 256)
+  train_setup = lay_out(config, 256)
   batch = train_setup.abstract_batch(16, 16)
   text = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
       train_setup.abstract_state(), batch).compile().as_text()
@@ -77,7 +77,7 @@ REPLICATED_FLOATS = TOTAL_FLOATS - FSDP_SHARDED_FLOATS  # 448: norms and the MLP
 def _theory(mesh, **model):
   config = tiny_config(mesh=mesh)
   config.model.update(model)
-  return comm_theory.expected_bytes(build_setup(config, 256), 16, 16)
+  return comm_theory.expected_bytes(lay_out(config, 256), 16, 16)
 
 
 def test_theory_data_parallel_is_one_all_reduce_of_all_gradients():

@@ -7,7 +7,7 @@ from engine import parallel
 from engine.analysis import collectives, comm_theory
 from engine.config import ConfigError
 from engine.validation import validate
-from engine.train import build_setup
+from engine.assemble import lay_out
 from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
 STEPS = 3
@@ -42,7 +42,7 @@ def test_matches_single_device(model, mesh, mode, references):
 @pytest.mark.parametrize('mesh', [(1, 1, 1, 8), (1, 1, 2, 4)], ids=['context8', 'tensor2_context4'])
 def test_ring_moves_each_key_value_block_context_minus_1_times_each_way(mesh):
   config = _config(mesh)
-  train_setup = build_setup(config, 256)
+  train_setup = lay_out(config, 256)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
       train_setup.abstract_state(), batch).compile()

@@ -14,7 +14,7 @@ from flax import nnx
 from engine.evaluate import evaluate
 from engine.generate import Generator, Sampling, load_run
 from engine.main import run as run_main
-from engine.train import build_setup
+from engine.assemble import lay_out
 from tests.helpers import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +28,7 @@ def _setup(model, mesh=(1, 1, 1)):
   if model == 'llama':
     config.model.num_kv_heads = 2  # Grouped-query: two query heads per key / value head.
   size = int(np.prod(mesh))
-  return build_setup(config, 256, jax.devices()[:size])
+  return lay_out(config, 256, jax.devices()[:size])
 
 
 @pytest.fixture(scope='module', params=['gpt', 'llama'])

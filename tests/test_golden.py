@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine import data, parallel
-from engine.train import setup
+from engine.assemble import assemble
 from experiments import tiny
 
 # Measured on 2026-11-30 with jax 0.10.2 on CPU (see BUILD.md for the tested versions).
@@ -34,7 +34,8 @@ RTOL = 1e-5  # Float32 results of another XLA version or CPU may move in the las
 def _first_steps():
   config = tiny.get_config()
   config.data.source = 'synthetic'
-  corpus, train_setup = setup(config)
+  run = assemble(config)
+  corpus, train_setup = run.corpus, run.setup
   steps = parallel.STEP_BUILDERS[config.parallelism.mode](train_setup)
   state, _ = train_setup.init(config.seed)
   initial = [np.asarray(x, np.float64) for x in jax.tree.leaves(state['params'])]

@@ -17,7 +17,7 @@ from engine.checkpoint import restore_params
 from engine.config import ConfigError
 from engine.export import export
 from engine.main import run as run_main
-from engine.train import build_setup
+from engine.assemble import lay_out
 from tests.helpers import tiny_config
 
 HF_CONFIG = {
@@ -105,7 +105,7 @@ def test_loads_with_the_reference_logits_and_exports_back(tmp_path, tied):
   config = _config(tmp_path / 'hf')
   assert (config.model.name, config.model.embed_dim, config.model.num_kv_heads) == ('llama', 64, 2)
   # The single-device engine model, loaded from the files, against the NumPy reference.
-  setup1 = build_setup(config, 256, jax.devices()[:1])
+  setup1 = lay_out(config, 256, jax.devices()[:1])
   params = hf.load_params(str(tmp_path / 'hf'), setup1.abstract_state()['params'])
   tokens = _tokens()[:, :-1]
   logits = nnx.merge(setup1.graphdef, params)(tokens)
@@ -129,7 +129,7 @@ def test_loads_with_the_reference_logits_and_exports_back(tmp_path, tied):
 def test_loaded_sharded_on_2x2x2_in_both_modes(tmp_path, mode):
   tensors, c = _random_checkpoint(tmp_path / 'hf')
   config = _config(tmp_path / 'hf', (2, 2, 2))
-  train_setup = build_setup(config, 256)
+  train_setup = lay_out(config, 256)
   abstract = train_setup.abstract_state()['params']
   params = hf.load_params(str(tmp_path / 'hf'), abstract)
   # Nothing materialised whole: every device holds exactly its shard of each parameter.
@@ -163,10 +163,10 @@ def test_train_from_hf_then_export_cli(tmp_path):
   assert 'model.layers.1.mlp.down_proj.weight' in names and 'lm_head.weight' in names
   # Exported, then imported: the trained parameters, exactly.
   config = _config(tmp_path / 'out', (8, 1, 1))
-  params = hf.load_params(str(tmp_path / 'out'), build_setup(config, 256).abstract_state()['params'])
+  params = hf.load_params(str(tmp_path / 'out'), lay_out(config, 256).abstract_state()['params'])
   config_run = ml_collections.ConfigDict(saved)
   config_run.mesh.data, config_run.mesh.fsdp, config_run.mesh.tensor = 8, 1, 1
-  trained = restore_params(str(workdir), build_setup(config_run, 256).abstract_state()['params'])
+  trained = restore_params(str(workdir), lay_out(config_run, 256).abstract_state()['params'])
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(trained)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from engine.models import llama
-from engine.train import setup
+from engine.assemble import assemble
 from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
 STEPS = 2
@@ -50,7 +50,7 @@ def test_grouped_query_attention(mesh, mode, gqa_reference):
   """2 key/value heads for 8 query heads: over tensor=4 they cannot split and are replicated
   (each device takes its query heads' share), over tensor=2 they split like the query heads."""
   config = llama_config(mesh, kv_heads=2)
-  specs = {p.path: p.spec for p in setup(config)[1].parameters()}
+  specs = {p.path: p.spec for p in assemble(config).setup.parameters()}
   kv_split = mesh[2] == 2
   assert specs['blocks/w_k_DNK'] == P(None, 'fsdp' if mesh[1] > 1 else None,
                                       'tensor' if kv_split else None, None)

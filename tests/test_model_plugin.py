@@ -19,7 +19,7 @@ from engine import models
 from engine.analysis import compare
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
-from engine.train import setup
+from engine.assemble import assemble
 from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
 STEPS = 3
@@ -92,7 +92,7 @@ def reference():
 
 
 def test_flax_partitioning_metadata_drives_the_layout():
-  specs = {p.path: p.spec for p in setup(_config((2, 2, 2)))[1].parameters()}
+  specs = {p.path: p.spec for p in assemble(_config((2, 2, 2))).setup.parameters()}
   assert specs['embed/embedding'] == P('tensor', 'fsdp')
   assert specs['blocks/0/up/kernel'] == P('fsdp', 'tensor')
   assert specs['blocks/1/up/bias'] == P('tensor')

@@ -15,7 +15,7 @@ from engine.config import ConfigError
 from engine.validation import validate
 from engine.models.layers import LAYERS, REPEATS
 from engine.parallel.pipeline import bubble_fraction
-from engine.train import build_setup
+from engine.assemble import lay_out
 from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
 STEPS = 3
@@ -62,7 +62,7 @@ def test_matches_single_device(model, layers, mesh, microbatches, repeats, mode,
 def test_manual_schedule_permutes_and_parameter_memory(mesh, repeats):
   microbatches, stages = 4, mesh[4]
   config = _config(mesh, layers=4, microbatches=microbatches, repeats=repeats)
-  train_setup = build_setup(config, 256)
+  train_setup = lay_out(config, 256)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
       train_setup.abstract_state(), batch).compile()

@@ -13,7 +13,7 @@ from engine import plan as plan_lib
 from engine.analysis import collectives
 from engine.config import ConfigError
 from engine.main import run as run_main
-from engine.train import build_setup
+from engine.assemble import lay_out
 from experiments import tiny as tiny_experiment
 from tests.helpers import tiny_config
 
@@ -40,7 +40,7 @@ def gpt_plan():
 
 def _cpu_collectives(config, mode):
   """The same layout compiled for this machine's 8 simulated devices."""
-  train_setup = build_setup(config, config.model.vocab_size)
+  train_setup = lay_out(config, config.model.vocab_size)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
       train_setup.abstract_state(), batch).compile()
@@ -149,7 +149,7 @@ def test_executed_flops_match_the_compiled_unrolled_step(remat):
   config.model.num_layers, config.model.vocab_size = 4, 1024
   config.data.seq_len = config.model.max_len = 128
   config.data.global_batch_size = 8
-  train_setup = build_setup(config, 1024)
+  train_setup = lay_out(config, 1024)
   compiled = parallel.STEP_BUILDERS['auto'](train_setup).train.lower(
       train_setup.abstract_state(), train_setup.abstract_batch(8, 128)).compile()
   cost = compiled.cost_analysis()

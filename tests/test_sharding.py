@@ -12,12 +12,12 @@ from jax.sharding import PartitionSpec as P
 from engine import sharding
 from engine.analysis import show_layout
 from engine.mesh import make_mesh
-from engine.train import setup
+from engine.assemble import assemble
 from tests.helpers import tiny_config
 
 
 def _setup(config):
-  return setup(config)[1]
+  return assemble(config).setup
 
 
 def test_make_mesh_named_axes_and_minus_one():

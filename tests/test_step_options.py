@@ -14,13 +14,13 @@ import pytest
 
 from engine import parallel
 from engine.analysis import collectives
-from engine.train import build_setup
+from engine.assemble import lay_out
 from tests.helpers import assert_same_run, engine_run, single_device_run, train_batches
 from tests.test_llama import llama_config
 
 
 def _compiled(config, mode):
-  train_setup = build_setup(config, 256)
+  train_setup = lay_out(config, 256)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
       train_setup.abstract_state(), batch).compile()
@@ -40,7 +40,7 @@ def test_remat_policies_change_memory_not_numbers(mode, reference):
     config.model.remat = policy
     compiled, _ = _compiled(config, mode)
     temp[policy] = compiled.memory_analysis().temp_size_in_bytes
-    train_setup = build_setup(config, 256)
+    train_setup = lay_out(config, 256)
     state, _ = train_setup.init(config.seed)
     _, batches = train_batches(config)
     losses[policy] = []
@@ -118,7 +118,7 @@ def test_manual_gradient_reductions_move_the_dtype_asked_for(reduce_dtype):
   config = llama_config((2, 2, 2))
   config.model.dtype = 'bfloat16'
   config.parallelism.grad_reduce_dtype = reduce_dtype
-  train_setup = build_setup(config, 256)
+  train_setup = lay_out(config, 256)
   jaxpr = jax.make_jaxpr(parallel.STEP_BUILDERS['manual'](train_setup).train)(
       train_setup.abstract_state(), train_setup.abstract_batch(16, 16))
   found = {(c.primitive, c.axes, c.dtype) for c in collectives.requested_collectives(jaxpr)

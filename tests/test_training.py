@@ -13,7 +13,9 @@ import pytest
 from engine import data, parallel
 from engine.analysis.reference import ReferenceRun
 from engine.checkpoint import Checkpointer
-from engine.train import NonFiniteError, setup, train
+from engine.assemble import assemble
+from engine.finiteness import NonFiniteError
+from engine.train import train
 from tests.helpers import single_device_run, tiny_config, train_batches
 
 
@@ -161,7 +163,8 @@ def test_init_from_starts_from_another_runs_parameters(tmp_path):
   config.train.init_from = source
   result = train(config, str(tmp_path / 'fine_tune'))
   # Its first loss is the source's final parameters on the first batch, computed independently.
-  corpus, train_setup = setup(config)
+  run = assemble(config)
+  corpus, train_setup = run.corpus, run.setup
   saved = Checkpointer(os.path.join(source, 'checkpoints'), 1, 1).restore(
       3, train_setup.abstract_state(), data.train_iterator(corpus, config.data, config.seed))
   reference = ReferenceRun(train_setup.model, config.optim, 1, config.seed)

@@ -11,9 +11,11 @@ The names below are the package's interface; the rest of the engine imports them
 """
 
 from engine.data.pipeline import (Corpus, RecordedTokenizer, batches, describe, eval_batches,
-                                  load_corpus, train_iterator, to_global, windows_dataset)
-from engine.data.sources import documents, embedded_corpus, read_text_file, synthetic_corpus
+                                  load_corpus, load_shards, train_iterator, to_global,
+                                  windows_dataset)
+from engine.data.sources import (documents, embedded_corpus, load_text, read_text_file,
+                                 synthetic_corpus)
 
 __all__ = ['Corpus', 'RecordedTokenizer', 'batches', 'describe', 'documents', 'embedded_corpus',
-           'eval_batches', 'load_corpus', 'read_text_file', 'synthetic_corpus', 'to_global',
-           'train_iterator', 'windows_dataset']
+           'eval_batches', 'load_corpus', 'load_shards', 'load_text', 'read_text_file',
+           'synthetic_corpus', 'to_global', 'train_iterator', 'windows_dataset']

@@ -3,6 +3,18 @@
 Each builder takes an engine.state.TrainSetup and returns engine.parallel.steps.Steps.
 """
 
+from engine.config import ConfigError
 from engine.parallel import auto, manual
 
 STEP_BUILDERS = {'auto': auto.build_steps, 'manual': manual.build_steps}
+
+
+def check_modes(modes, where: str = 'parallelism.mode') -> None:
+  """Every command that takes a mode (a config key, a --modes flag) checks it here."""
+  unknown = [mode for mode in ([modes] if isinstance(modes, str) else modes)
+             if mode not in STEP_BUILDERS]
+  if unknown:
+    raise ConfigError(f'{where}={unknown[0]!r} is unknown; choose one of '
+                      f'{sorted(STEP_BUILDERS)}.')
+  if not modes:
+    raise ConfigError(f'{where} is empty; choose one or more of {sorted(STEP_BUILDERS)}.')

@@ -1,0 +1,144 @@
+"""The one path from a config to a runnable setup; every command starts here.
+
+  config -> the Hugging Face checkpoint's model settings (train.init_from=hf:DIR) -> validation
+  (with the devices' process and slice counts) -> data and tokenizer -> vocabulary -> mesh,
+  rules, model, optimizer (engine.state.TrainSetup) -> the mode's step builder.
+
+`assemble(config, devices)` runs it: training, the benchmark, the bubble and compare tools, the
+planner (with a TPU topology's devices), show_layout, and generate / evaluate / export (on a
+finished run's config, through `assemble_finished_run`). What a command needs of the data
+decides how much is read: the whole corpus (training, timing), the tokenizer that decodes
+(generation, evaluation), or only what fixes the vocabulary size (export, planning, layouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import ml_collections
+
+from engine import config as config_lib
+from engine import data, hf, models, parallel, validation
+from engine import workdir as workdir_lib
+from engine.data import tokenizers
+from engine.mesh import make_mesh
+from engine.optimizer import make_optimizer
+from engine.parallel.steps import Steps
+from engine.sharding import rules_for
+from engine.state import StepOptions, TrainSetup, make_setup
+
+# How much of the data a command reads (see the module docstring).
+CORPUS, TOKENIZER, VOCABULARY = 'corpus', 'tokenizer', 'vocabulary'
+
+
+@dataclasses.dataclass
+class Run:
+  """A validated config laid out on its devices: what every command works from."""
+  config: ml_collections.ConfigDict
+  setup: TrainSetup  # Mesh, rules, model and optimizer.
+  corpus: data.Corpus | None  # With CORPUS.
+  tokenizer: object | None  # With CORPUS or TOKENIZER (the one that decodes, for TOKENIZER).
+
+  @functools.cached_property
+  def steps(self) -> Steps:
+    """The config's mode's jitted steps (built once, compiled on first use or by the methods
+    below)."""
+    return parallel.STEP_BUILDERS[self.config.parallelism.mode](self.setup)
+
+  def abstract_batch(self, global_batch: int | None = None) -> jax.ShapeDtypeStruct:
+    """The token batch the steps are compiled for (data.global_batch_size unless given)."""
+    return self.setup.abstract_batch(global_batch or self.config.data.global_batch_size,
+                                     self.config.data.seq_len)
+
+  def compile_train_step(self, global_batch: int | None = None):
+    """The train step lowered and compiled ahead of time for the abstract state and batch."""
+    return self.steps.train.lower(self.setup.abstract_state(),
+                                  self.abstract_batch(global_batch)).compile()
+
+  def compile_eval_step(self, global_batch: int | None = None):
+    return self.steps.eval.lower(self.setup.abstract_state()['params'],
+                                 self.abstract_batch(global_batch)).compile()
+
+
+def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
+  """The model's vocabulary: the config's, or the tokenizer's rounded up to `vocab_multiple`."""
+  if model_config.vocab_size == -1:
+    return math.ceil(tokenizer_vocab / model_config.vocab_multiple) * model_config.vocab_multiple
+  if model_config.vocab_size < tokenizer_vocab:
+    raise config_lib.ConfigError(
+        f'model.vocab_size={model_config.vocab_size} is smaller than the tokenizer\'s '
+        f'{tokenizer_vocab} tokens; raise it or set it to -1.')
+  return model_config.vocab_size
+
+
+def _tokenizer(data_config, seed: int, reads: str):
+  """The run's tokenizer without the corpus: shards name theirs in meta.json (the file itself
+  for TOKENIZER, which must decode); a character vocabulary comes from the text."""
+  if data_config.source == 'shards':
+    shards = data.load_shards(data_config)
+    if reads == VOCABULARY:
+      return shards.tokenizer
+    recorded = shards.shard_sets[0][0].meta['tokenizer']
+    return tokenizers.load(recorded['kind'], recorded['path'])
+  text = data.load_text(data_config, seed) if data_config.tokenizer == 'char' else ''
+  return tokenizers.load(data_config.tokenizer, data_config.tokenizer_path, text)
+
+
+def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=None) -> TrainSetup:
+  """Mesh, rules, model and optimizer of a validated config, for a tokenizer of
+  `tokenizer_vocab` ids (0: model.vocab_size decides). The mesh spans `devices` (default: this
+  run's; engine.plan passes a TPU topology's)."""
+  mesh = make_mesh(config.mesh, devices)
+  rules = rules_for(config.parallelism.rules, dict(mesh.shape))
+  vocab_size = resolve_vocab_size(config.model, tokenizer_vocab)
+  model = dataclasses.replace(models.build(config.model, vocab_size),
+                              layer_groups=config.train.pipeline_repeats)
+  options = StepOptions(compute_dtype=config.model.dtype, remat=config.model.remat,
+                        microbatches=config.train.microbatches,
+                        grad_reduce_dtype=config.parallelism.grad_reduce_dtype,
+                        skip_nonfinite=config.train.skip_nonfinite_steps > 0)
+  train_setup = make_setup(model, make_optimizer(config.optim, config.train.num_steps), mesh,
+                           rules, options)
+  validation.check_layout(train_setup)
+  return train_setup
+
+
+def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CORPUS,
+             corpus: data.Corpus | None = None, training: bool = True) -> Run:
+  """The config validated and laid out on `devices` (default: all of this run's), before
+  anything compiles. `corpus` reuses data already read (commands that assemble several
+  variants of one config); `training=False` skips the checks that only a train step needs
+  (the batch's split, the pipeline schedule), for a finished run's generation and export."""
+  devices = list(devices if devices is not None else jax.devices())
+  hf.apply_model_config(config)  # train.init_from=hf:DIR: the model is DIR's.
+  num_processes = len({d.process_index for d in devices})
+  validation.validate(config, len(devices), num_processes, validation.count_slices(devices),
+                      training=training)
+  if corpus is None and reads == CORPUS:
+    corpus = data.load_corpus(config.data, config.seed)
+  tokenizer = corpus.tokenizer if corpus is not None and reads != TOKENIZER else None
+  if tokenizer is None and (reads == TOKENIZER or config.model.vocab_size == -1):
+    tokenizer = _tokenizer(config.data, config.seed, reads)
+  return Run(config, lay_out(config, tokenizer.vocab_size if tokenizer else 0, devices), corpus,
+             tokenizer)
+
+
+def assemble_finished_run(workdir: str, mesh: str, where: str = '--mesh',
+                          reads: str = TOKENIZER) -> Run:
+  """A finished run's config (WORKDIR/config.json) laid out on `mesh` (a mesh string, on the
+  first devices of this machine that it needs): what generation, evaluation and export restore
+  its checkpoint into."""
+  config = workdir_lib.read_run_config(workdir)
+  config.train.init_from = ''  # The parameters are the workdir's own checkpoint's.
+  config_lib.set_mesh_shape(config, mesh, where)
+  config.mesh.dcn_data = config.mesh.dcn_fsdp = 1
+  sizes = [config.mesh[axis] for axis in config_lib.MESH_AXES]
+  count = math.prod(size for size in sizes if size > 0)
+  # A mesh of fixed sizes takes the first devices it needs; with a -1 (or more than there are,
+  # which validation then refuses in one line) it takes them all.
+  devices = jax.devices() if -1 in sizes or count > jax.device_count() else (
+      jax.devices()[:count])
+  return assemble(config, devices, reads=reads, training=False)
