@@ -23,14 +23,14 @@ import json
 import os
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from engine import config as config_lib
-from engine import parallel, validation
+from engine import parallel
 from engine.analysis import benchmark
-from engine.library_output import quiet_library_output
-from engine.train import build_setup, setup
+from engine.assemble import assemble
+from engine.cli import run_command
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=False)
@@ -44,34 +44,28 @@ _PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for 
 _OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
 _TORCH = flags.DEFINE_string('torch_python', None, 'A Python with torch: also time the PyTorch '
                              'GPT (GPT configs on one device).')
-flags.mark_flags_as_required(['config'])
 
 
 def variants(config) -> tuple:
   """(corpus, [(mode, setup)] for every mesh and mode): all validated and laid out before
   anything compiles."""
-  unknown = [m for m in _MODES.value if m not in parallel.STEP_BUILDERS]
-  if unknown:
-    raise config_lib.ConfigError(f'--modes: {unknown} unknown; choose from '
-                                 f'{sorted(parallel.STEP_BUILDERS)}.')
+  parallel.check_modes(_MODES.value, '--modes')
   if _STEPS.value < 1 or _WARMUP.value < 0:
     raise config_lib.ConfigError('--steps must be >= 1 and --warmup >= 0.')
+  for mesh in _MESHES.value:
+    config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before any data is read.
   corpus, setups = None, []
   for mesh in _MESHES.value or ['']:
     if mesh:
-      config_lib.set_mesh_shape(config, mesh)
-    if corpus is None:
-      corpus, train_setup = setup(config)  # Validates the config, reads the data once.
-    else:
-      validation.validate(config, jax.device_count(), jax.process_count())
-      train_setup = build_setup(config, corpus.tokenizer.vocab_size)
-    setups.append(train_setup)
+      config_lib.set_mesh_shape(config, mesh, '--meshes')
+    run = assemble(config, corpus=corpus)  # Reads the data once.
+    corpus = run.corpus
+    setups.append(run.setup)
   return corpus, [(mode, s) for s in setups for mode in _MODES.value]
 
 
 def main(argv):
   del argv
-  quiet_library_output()
   config = _CONFIG.value
   corpus, runs_to_make = variants(config)
   first_setup = runs_to_make[0][1]
@@ -107,4 +101,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_command(main, 'engine.bench', required=('config',))

@@ -15,15 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from engine import config as config_lib
 from engine import data
-from engine.checkpoint import CheckpointError
-from engine.flag_errors import fail
+from engine.cli import run_command
 from engine.generate import encode_prompt, load_run
-from engine.library_output import quiet_library_output
 from engine.parallel.auto import AutoOps
 
 
@@ -56,25 +54,20 @@ def main():
   workdir = flags.DEFINE_string('workdir', None, 'The training run to evaluate.')
   text_file = flags.DEFINE_string('text_file', None, 'A UTF-8 text file.')
   batch = flags.DEFINE_integer('batch', 8, 'Windows per compiled call.')
-  mesh = flags.DEFINE_string('mesh', '1x1x1', 'Mesh DATAxFSDPxTENSOR (its devices are the first '
-                             'ones).')
-  flags.mark_flags_as_required(['workdir', 'text_file'])
+  mesh = flags.DEFINE_string('mesh', '1x1x1', f'Mesh {config_lib.MESH_FORMAT} (axes not given '
+                             'are 1; its devices are the first ones).')
 
   def run(argv):
     del argv
-    quiet_library_output()
-    try:
-      size = int(np.prod([int(s) for s in mesh.value.split('x')]))
-      config, tokenizer, setup, params = load_run(workdir.value, mesh.value, jax.devices()[:size])
-      tokens = encode_prompt(tokenizer, data.read_text_file(text_file.value), '--text_file')
-      result = evaluate(setup, params, tokens, config.data.seq_len, batch.value)
-    except (config_lib.ConfigError, CheckpointError) as e:
-      fail(str(e))
+    loaded, params = load_run(workdir.value, mesh.value)
+    config, tokenizer = loaded.config, loaded.tokenizer
+    tokens = encode_prompt(tokenizer, data.read_text_file(text_file.value), '--text_file')
+    result = evaluate(loaded.setup, params, tokens, config.data.seq_len, batch.value)
     print(f'{text_file.value}: loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.3f} '
           f'over {result["tokens"]} tokens ({result["windows"]} windows of '
           f'{config.data.seq_len}), {tokenizer.kind} tokens')
 
-  app.run(run)
+  run_command(run, 'engine.evaluate', required=('workdir', 'text_file'))
 
 
 if __name__ == '__main__':

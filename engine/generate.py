@@ -22,23 +22,19 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from engine import config as config_lib
-from engine import data
+from engine.assemble import Run, assemble_finished_run
+from engine.checkpoint import restore_params
+from engine.cli import run_command
 from engine.data import tokenizers as tokenizer_lib
-from engine import workdir as workdir_lib
-from engine.checkpoint import CheckpointError, restore_params
-from engine.flag_errors import fail
-from engine.library_output import quiet_library_output
 from engine.models.layers import LAYERS, layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup
-from engine.train import build_setup, resolve_vocab_size
 
 # The cache: [layers, batch, slots, heads, head_dim] for keys and for values.
 CACHE_AXES = (None, 'batch', None, 'heads', 'head_dim')
@@ -207,18 +203,11 @@ class Generator:
     return results
 
 
-def load_run(workdir: str, mesh: str, devices=None) -> tuple[ml_collections.ConfigDict, object,
-                                                               TrainSetup, object]:
-  """(config, tokenizer, setup on `mesh`, parameters of the latest checkpoint) of a run."""
-  config = workdir_lib.read_run_config(workdir, mesh)
-  corpus = data.load_corpus(config.data, config.seed)
-  tokenizer = corpus.tokenizer
-  if corpus.shard_sets:  # Shards record their tokenizer; decoding needs the file itself.
-    recorded = corpus.shard_sets[0][0].meta['tokenizer']
-    tokenizer = tokenizer_lib.load(recorded['kind'], recorded['path'])
-  setup = build_setup(config, resolve_vocab_size(config.model, tokenizer.vocab_size), devices)
-  params = restore_params(workdir, setup.abstract_state()['params'])
-  return config, tokenizer, setup, params
+def load_run(workdir: str, mesh: str = '1x1x1') -> tuple[Run, object]:
+  """A finished run laid out on `mesh` (engine.assemble), and its latest checkpoint's
+  parameters."""
+  run = assemble_finished_run(workdir, mesh)
+  return run, restore_params(workdir, run.setup.abstract_state()['params'])
 
 
 def encode_prompt(tokenizer, text: str, what: str = '--prompt') -> np.ndarray:
@@ -245,44 +234,38 @@ def main():
   top_p = flags.DEFINE_float('top_p', 1.0, 'Sample within this probability mass.')
   seed = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
   num_samples = flags.DEFINE_integer('num_samples', 1, 'Samples per prompt.')
-  mesh = flags.DEFINE_string('mesh', '1x1x1', 'Generation mesh DATAxFSDPxTENSOR (its devices '
-                             'are the first ones).')
-  flags.mark_flags_as_required(['workdir'])
+  mesh = flags.DEFINE_string('mesh', '1x1x1', f'Generation mesh {config_lib.MESH_FORMAT} (axes '
+                             'not given are 1; its devices are the first ones).')
 
   def run(argv):
     del argv
-    quiet_library_output()
-    try:
-      texts = [prompt.value] if prompt.value is not None else []
-      if prompts_file.value:
-        with open(prompts_file.value) as f:
-          texts += [line.rstrip('\n') for line in f if line.strip()]
-      if not texts:
-        raise config_lib.ConfigError('give --prompt="..." or --prompts_file=FILE.')
-      if max_new.value < 1 or not 0 < top_p.value <= 1 or temperature.value < 0:
-        raise config_lib.ConfigError('--max_new_tokens must be >= 1, --top_p in (0, 1] and '
-                                     '--temperature >= 0.')
-      size = int(np.prod([int(s) for s in mesh.value.split('x')]))
-      config, tokenizer, setup, params = load_run(workdir.value, mesh.value,
-                                                  jax.devices()[:size])
-      ids = [encode_prompt(tokenizer, t) for t in texts for _ in range(num_samples.value)]
-      # Default: the training sequence length (GPT: what its learned positions leave).
-      prompt_len = max_prompt.value or (config.data.seq_len if config.model.name != 'gpt' else
-                                        max(1, config.model.max_len - max_new.value))
-      if config.model.name == 'gpt' and prompt_len + max_new.value > config.model.max_len:
-        raise config_lib.ConfigError(
-            f'--max_prompt_len={prompt_len} + --max_new_tokens={max_new.value} exceeds the GPT '
-            f'model\'s {config.model.max_len} learned positions; shorten them.')
-      generator = Generator(setup, prompt_len, max_new.value,
-                            Sampling(temperature.value, top_k.value, top_p.value),
-                            tokenizer.vocab_size)
-      outputs = generator.generate(params, ids, max_new.value, seed.value, tokenizer.eos_id)
-    except (config_lib.ConfigError, CheckpointError) as e:
-      fail(str(e))
+    texts = [prompt.value] if prompt.value is not None else []
+    if prompts_file.value:
+      with open(prompts_file.value) as f:
+        texts += [line.rstrip('\n') for line in f if line.strip()]
+    if not texts:
+      raise config_lib.ConfigError('give --prompt="..." or --prompts_file=FILE.')
+    if max_new.value < 1 or not 0 < top_p.value <= 1 or temperature.value < 0:
+      raise config_lib.ConfigError('--max_new_tokens must be >= 1, --top_p in (0, 1] and '
+                                   '--temperature >= 0.')
+    run, params = load_run(workdir.value, mesh.value)
+    config, tokenizer = run.config, run.tokenizer
+    ids = [encode_prompt(tokenizer, t) for t in texts for _ in range(num_samples.value)]
+    # Default: the training sequence length (GPT: what its learned positions leave).
+    prompt_len = max_prompt.value or (config.data.seq_len if config.model.name != 'gpt' else
+                                      max(1, config.model.max_len - max_new.value))
+    if config.model.name == 'gpt' and prompt_len + max_new.value > config.model.max_len:
+      raise config_lib.ConfigError(
+          f'--max_prompt_len={prompt_len} + --max_new_tokens={max_new.value} exceeds the GPT '
+          f'model\'s {config.model.max_len} learned positions; shorten them.')
+    generator = Generator(run.setup, prompt_len, max_new.value,
+                          Sampling(temperature.value, top_k.value, top_p.value),
+                          tokenizer.vocab_size)
+    outputs = generator.generate(params, ids, max_new.value, seed.value, tokenizer.eos_id)
     for text, out in zip([t for t in texts for _ in range(num_samples.value)], outputs):
       print(f'--- {text!r}\n{text}{tokenizer.decode(out)}\n')
 
-  app.run(run)
+  run_command(run, 'engine.generate', required=('workdir',))
 
 
 if __name__ == '__main__':

@@ -15,7 +15,8 @@ from ml_collections import config_flags
 from engine import distributed, train
 from engine.checkpoint import CheckpointError
 from engine.config import ConfigError
-from engine.flag_errors import fail, innermost, parse_flags
+from engine.finiteness import NonFiniteError
+from engine.cli import fail, innermost, parse_flags
 from engine.library_output import quiet_library_output
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -64,7 +65,7 @@ def main(argv):
           f'({innermost(error)}); pass an experiment file, e.g. --config=experiments/tiny.py.')
   try:
     train.train(config, _WORKDIR.value)
-  except (ConfigError, train.NonFiniteError, CheckpointError) as error:
+  except (ConfigError, NonFiniteError, CheckpointError) as error:
     if _DEBUG.value:
       raise
     fail(str(error), 2 if isinstance(error, ConfigError) else 1)

@@ -5,7 +5,7 @@ a TPU topology, on this machine, without a TPU (libtpu's compiler: `pip install 
       --meshes=16x8x1,1x32x4,1x128x1 --modes=auto,manual --out=/tmp/plan
 
 For every candidate layout (a mesh from --meshes, or the config's own) and mode, the train step
-is built by the code that trains (engine.train.build_setup and the mode's step builder, on the
+is built by the code that trains (engine.assemble and the mode's step builder, on the
 topology's devices instead of this machine's), lowered and compiled, never run. Each candidate
 gets:
   - memory per device from the compiled program (arguments, temporaries, peak) against the
@@ -45,13 +45,13 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from engine import config as config_lib  # noqa: E402
-from engine import data, parallel, validation  # noqa: E402
+from engine import hf, parallel, validation  # noqa: E402
 from engine.analysis import benchmark, chips, collectives, comm_theory  # noqa: E402
 from engine.analysis.compare import communication_table  # noqa: E402
-from engine.flag_errors import fail  # noqa: E402
+from engine.cli import fail  # noqa: E402
 from engine.library_output import quiet_library_output  # noqa: E402
 from engine.metrics import log_memory  # noqa: E402
-from engine.train import build_setup, resolve_vocab_size  # noqa: E402
+from engine.assemble import VOCABULARY, assemble  # noqa: E402
 
 _TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
 # Default bandwidth between slices (data-centre network), GB/s per chip: an assumption, not a
@@ -211,15 +211,15 @@ def train_command(config_arg: str, overrides: list[str], mesh: dict[str, int], m
                    f'--config.parallelism.mode={mode}', '--workdir=WORKDIR'])
 
 
-def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices, hardware: Hardware,
-                   vocab: int, num_processes: int) -> dict:
+def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
+                   hardware: Hardware) -> dict:
   """Compiles one candidate (config with its mesh) for one mode; returns its plan row."""
   config = ml_collections.ConfigDict(config.to_dict())
   config.parallelism.mode = mode
   row = {'mode': mode, 'config': json.loads(config.to_json())}
   try:
-    validation.validate(config, len(devices), num_processes, hardware.num_slices)
-    train_setup = build_setup(config, vocab, devices)
+    run = assemble(config, devices, reads=VOCABULARY)
+    train_setup = run.setup
   except config_lib.ConfigError as e:  # A candidate the engine would refuse: a row, not a stop.
     sizes = 'x'.join(str(config.mesh[a]) for a in config_lib.MESH_AXES)
     return {**row, 'mesh': sizes, 'status': 'invalid', 'error': str(e)}
@@ -228,8 +228,7 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices, hardwa
   global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
   start = time.perf_counter()
   try:
-    compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
-        train_setup.abstract_state(), train_setup.abstract_batch(global_batch, seq_len)).compile()
+    compiled = run.compile_train_step()
   except Exception as e:  # pylint: disable=broad-except
     if (oom := _out_of_memory(e)) is None:
       raise
@@ -264,25 +263,21 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices, hardwa
 def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, modes: list[str],
          meshes: list[str], dcn_gbps: float = DCN_GBPS) -> dict:
   """Every candidate (mesh x mode) compiled for the topology, ranked."""
-  unknown = [m for m in modes if m not in parallel.STEP_BUILDERS]
-  if unknown:
-    raise PlanError(f'--modes: {unknown} unknown; choose from {sorted(parallel.STEP_BUILDERS)}.')
+  parallel.check_modes(modes, '--modes')
+  for mesh in meshes:
+    config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before anything compiles.
   devices = topology_devices(topology, num_slices)
   hardware = Hardware.of(devices, dcn_gbps)
   num_processes = len({d.process_index for d in devices})
-  if config.model.vocab_size == -1:  # The tokenizer decides: read the data once.
-    vocab = data.load_corpus(config.data, config.seed).tokenizer.vocab_size
-  else:
-    vocab = config.model.vocab_size
-  vocab = resolve_vocab_size(config.model, vocab)
+  hf.apply_model_config(config)  # train.init_from=hf:DIR: plan DIR's model, once.
   rows = []
   for mesh in meshes or ['']:
     candidate = ml_collections.ConfigDict(config.to_dict())
     if mesh:
-      config_lib.set_mesh_shape(candidate, mesh)
+      config_lib.set_mesh_shape(candidate, mesh, '--meshes')
     for mode in modes:
       logging.info('Compiling %s on %s for %s.', mode, mesh or 'the config\'s mesh', topology)
-      rows.append(plan_candidate(candidate, mode, devices, hardware, vocab, num_processes))
+      rows.append(plan_candidate(candidate, mode, devices, hardware))
   rank = lambda r: (r['status'] != 'fits', r.get('roofline', {}).get('serial_s', math.inf))
   for place, row in enumerate(sorted(rows, key=rank), 1):
     row['rank'] = place

@@ -22,7 +22,7 @@ from engine import data, distributed, hf, sharding
 from engine import workdir as workdir_lib
 from engine.assemble import Run, assemble
 from engine.checkpoint import Checkpointer, restore_params
-from engine.finiteness import FinitenessGuard, NonFiniteError  # noqa: F401 (NonFiniteError: API)
+from engine.finiteness import FinitenessGuard
 from engine.metrics import MetricsWriter, log_memory
 from engine.preemption import PreemptionWatch
 

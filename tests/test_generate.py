@@ -110,7 +110,8 @@ def test_generate_and_evaluate_a_trained_run(tmp_path):
   assert proc.stderr.strip().splitlines()[-1].startswith(
       "error: --prompt has characters the run's character vocabulary lacks: ['\u2603']")
   # Evaluate: the mean loss over the file's windows, against the plain model on each window.
-  config, tokenizer, train_setup, params = load_run(str(workdir), '1x1x1', jax.devices()[:1])
+  loaded, params = load_run(str(workdir), '1x1x1')
+  config, tokenizer, train_setup = loaded.config, loaded.tokenizer, loaded.setup
   text = 'def add(a, b):\n    return a + b\n' * 20
   tokens = tokenizer.encode(text)
   result = evaluate(train_setup, params, tokens, config.data.seq_len, batch=4)

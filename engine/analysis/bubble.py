@@ -17,17 +17,15 @@ overheads). Printed beside the bubble the schedule implies, (S - 1) / (R M + S -
 
 from __future__ import annotations
 
-import jax
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from engine import config as config_lib
-from engine import parallel, validation
+from engine import parallel
 from engine.analysis import benchmark
-from engine.flag_errors import fail
-from engine.library_output import quiet_library_output
+from engine.assemble import assemble
+from engine.cli import run_command
 from engine.parallel.pipeline import bubble_fraction
-from engine.train import build_setup, setup
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (a mesh with '
                                           'mesh.stage > 1).', lock_config=False)
@@ -36,10 +34,12 @@ _MICROBATCHES = flags.DEFINE_list('microbatches', [], 'Micro-batch counts to tim
                                   'two; default: 1, 2, 3 and 4 x train.microbatches).')
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps per variant.')
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps per variant.')
-flags.mark_flags_as_required(['config'])
 
 
 def _counts(config) -> list[int]:
+  if not all(m.isdigit() and int(m) > 0 for m in _MICROBATCHES.value):
+    raise config_lib.ConfigError(f'--microbatches={",".join(_MICROBATCHES.value)}: give positive '
+                                 'integers joined by commas, e.g. --microbatches=4,8,12,16.')
   counts = [int(m) for m in _MICROBATCHES.value] or [
       k * config.train.microbatches for k in (1, 2, 3, 4)]
   if len(set(counts)) < 2:
@@ -50,19 +50,12 @@ def _counts(config) -> list[int]:
 
 def main(argv):
   del argv
-  quiet_library_output()
-  try:
-    measure(_CONFIG.value)
-  except config_lib.ConfigError as e:
-    fail(str(e))
+  measure(_CONFIG.value)
 
 
 def measure(config) -> None:
   """Times every micro-batch count in both modes and prints the table."""
-  unknown = [m for m in _MODES.value if m not in parallel.STEP_BUILDERS]
-  if unknown:
-    raise config_lib.ConfigError(f'--modes: {unknown} unknown; choose from '
-                                 f'{sorted(parallel.STEP_BUILDERS)}.')
+  parallel.check_modes(_MODES.value, '--modes')
   if config.mesh.stage < 2:
     raise config_lib.ConfigError(f'mesh.stage={config.mesh.stage}: the bubble is a pipeline\'s; '
                                  'use a mesh with stage > 1 (e.g. :mesh=2x1x1x1x4).')
@@ -73,12 +66,9 @@ def measure(config) -> None:
   for count in counts:
     config.train.microbatches = count
     config.data.global_batch_size = rows_per_micro * count
-    if corpus is None:
-      corpus, count_setup = setup(config)  # Validates; reads the data once.
-    else:
-      validation.validate(config, jax.device_count(), jax.process_count())
-      count_setup = build_setup(config, corpus.tokenizer.vocab_size)
-    variants += [(mode, count_setup) for mode in _MODES.value]
+    run = assemble(config, corpus=corpus)  # Reads the data once.
+    corpus = run.corpus
+    variants += [(mode, run.setup) for mode in _MODES.value]
     sizes += [config.data.global_batch_size] * len(_MODES.value)
   runs = benchmark.run_variants(config, corpus, variants, _STEPS.value, _WARMUP.value,
                                 batch_sizes=sizes)
@@ -100,4 +90,4 @@ def measure(config) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  run_command(main, 'engine.analysis.bubble', required=('config',))

@@ -19,15 +19,15 @@ import os
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from engine import config as config_lib
 from engine import parallel
 from engine.analysis import benchmark, collectives, comm_theory, compare_report
 from engine.analysis.reference import ReferenceRun
-from engine.library_output import quiet_library_output
-from engine.train import setup
+from engine.assemble import assemble
+from engine.cli import run_command
 
 
 def flat_params(params) -> dict[str, np.ndarray]:
@@ -129,11 +129,9 @@ def communication_table(runs, theory: dict) -> list[dict]:
 def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
             atol: float = 1e-4) -> dict:
   """Runs the comparison and writes the report; returns the report's data."""
-  corpus, train_setup = setup(config)
-  unknown = [m for m in modes if m not in parallel.STEP_BUILDERS]
-  if unknown:
-    raise config_lib.ConfigError(f'--modes: {unknown} unknown; choose from '
-                                 f'{sorted(parallel.STEP_BUILDERS)}.')
+  parallel.check_modes(modes, '--modes')
+  run = assemble(config)
+  corpus, train_setup = run.corpus, run.setup
   os.makedirs(workdir, exist_ok=True)
   observer = None
   if jax.process_count() == 1:
@@ -184,18 +182,16 @@ def main():
   atol = flags.DEFINE_float(
       'atol', 1e-4, 'Largest difference from the single-device reference that still agrees: '
       'absolute for parameters and the loss, relative for gradient norms above 1.')
-  flags.mark_flags_as_required(['config', 'workdir'])
 
   def run(argv):
     del argv
-    quiet_library_output()
     if steps.value < 1 or warmup.value < 0 or not math.isfinite(atol.value):
-      raise app.UsageError('--steps must be >= 1, --warmup >= 0 and --atol finite.')
+      raise config_lib.ConfigError('--steps must be >= 1, --warmup >= 0 and --atol finite.')
     report = compare(config.value, workdir.value, modes.value, steps.value, warmup.value,
                      atol.value)
     print(compare_report.markdown(report))
 
-  app.run(run)
+  run_command(run, 'engine.analysis.compare', required=('config', 'workdir'))
 
 
 if __name__ == '__main__':

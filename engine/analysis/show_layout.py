@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 
 import jax
-from absl import app, flags
+from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 from ml_collections import config_flags
 
-from engine.train import setup
+from engine import config as config_lib
+from engine.assemble import VOCABULARY, assemble
+from engine.cli import run_command
 
 
 def visualize(shape, named_sharding: NamedSharding) -> None:
@@ -44,7 +46,7 @@ def main():
   def run(argv):
     del argv
     config = config_flag.value
-    _, train_setup = setup(config)
+    train_setup = assemble(config, reads=VOCABULARY).setup
     params = train_setup.parameters()
     print(f'mesh {dict(train_setup.mesh.shape)}')
     for p in params:
@@ -55,7 +57,8 @@ def main():
     by_path = {p.path: p for p in params}
     name = param_flag.value or max(params, key=lambda p: math.prod(p.shape)).path
     if name not in by_path:
-      raise app.UsageError(f'--param={name} is not a parameter; choose one of {sorted(by_path)}.')
+      raise config_lib.ConfigError(f'--param={name} is not a parameter; choose one of '
+                                   f'{sorted(by_path)}.')
     chosen = by_path[name]
     print(f'\n{chosen.path} {chosen.shape} {chosen.spec}:')
     visualize(chosen.shape, NamedSharding(train_setup.mesh, chosen.spec))
@@ -64,7 +67,7 @@ def main():
     print(f'\ninput batch {shape} {batch.spec}:')
     visualize(shape, batch)
 
-  app.run(run)
+  run_command(run, 'engine.analysis.show_layout', required=('config',))
 
 
 if __name__ == '__main__':

@@ -27,7 +27,7 @@ from engine.data import sources
 from engine.data import shards
 from engine.data import tokenizers as tokenizer_lib
 from engine.config import ConfigError
-from engine.flag_errors import fail
+from engine.cli import fail
 
 _TOKENIZER = None  # Each worker process's own.
 

@@ -17,7 +17,7 @@ from absl import app, flags, logging
 
 from engine.data import sources
 from engine.config import ConfigError
-from engine.flag_errors import fail
+from engine.cli import fail
 
 END_OF_TEXT = '<|endoftext|>'
 

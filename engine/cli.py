@@ -1,9 +1,16 @@
-"""Bad flags in one line. absl and ml_collections report them with tracebacks, usage pages or
-the config library's internals; `parse_flags` turns each into one line, `error: ...`, naming the
-flag and the fix (exit status 2). The common cases are checked on argv before the experiment file
-runs; --debug raises instead, with the traceback."""
+"""Every command's command line: flags parsed, and bad input reported in one line.
 
+absl and ml_collections report bad flags with tracebacks, usage pages or the config library's
+internals; `parse_flags` turns each into one line, `error: ...`, naming the flag and the fix
+(exit status 2). The common cases are checked on argv before the experiment file runs; --debug
+raises instead, with the traceback. `run_command` is every command's `app.run`: the same
+parsing, the libraries' chatter quieted, and the engine's own errors (a bad config, a damaged
+checkpoint) as that one line.
+"""
+
+import dataclasses
 import difflib
+import functools
 import os
 import re
 import sys
@@ -13,8 +20,30 @@ from typing import NoReturn
 from absl import flags
 from ml_collections import ConfigDict
 
+from absl import app
+
 from engine import config as config_lib
+from engine.checkpoint import CheckpointError
 from engine.config import ConfigError
+from engine.library_output import quiet_library_output
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """What the parser needs to know of a command: its name (for help hints) and its required
+  flags, with the line that says what each is when it is missing (else the flag's help)."""
+  program: str = 'engine.main'
+  required: tuple[str, ...] = ('config', 'workdir')
+  missing: tuple[tuple[tuple[str, ...], str], ...] = ()
+
+
+MAIN = Command(missing=(
+    (('config',), '--config is required: the experiment file, e.g. '
+                  '--config=experiments/tiny.py.'),
+    (('workdir',), '--workdir is required: the directory for checkpoints and metrics (rerun '
+                   'with the same one to resume), e.g. --workdir=/tmp/tiny.'),
+    (('config', 'workdir'), '--config and --workdir are required, e.g. python -m engine.main '
+                            '--config=experiments/tiny.py --workdir=/tmp/tiny.')))
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -96,29 +125,30 @@ def _is_flag(name: str) -> bool:
           flags.FLAGS[name[2:]].boolean)
 
 
-def _check_argv(argv: Sequence[str]) -> None:
+def _check_required(argv: Sequence[str], command: Command) -> None:
+  if any(arg.split('=')[0] in _HELP for arg in _flag_args(argv)):
+    return  # Help needs none.
+  missing = tuple(name for name in command.required if _given(argv, name) is None)
+  if not missing:
+    return
+  said = dict(command.missing)
+  if missing in said:
+    raise ConfigError(said[missing])
+  help_text = flags.FLAGS[missing[0]].help.rstrip('.') if missing[0] in flags.FLAGS else ''
+  raise ConfigError(f'--{missing[0]} is required' + (f': {help_text}.' if help_text else '.'))
+
+
+def _check_argv(argv: Sequence[str], command: Command) -> None:
   """The mistakes found on argv alone, before the experiment file runs: an unknown flag, a
   missing flag or experiment file, overrides before --config, keys the config does not have."""
   for arg in _flag_args(argv):
     flag = re.match(r'^--?([A-Za-z_][\w.]*)', arg)
     if flag and not (_OVERRIDE.match(arg) or _is_flag(flag.group(1))):
       raise flags.UnrecognizedFlagError(flag.group(1), arg)
-  if any(arg.split('=')[0] in _HELP for arg in _flag_args(argv)):
-    missing = []  # Help needs neither.
-  else:
-    missing = [name for name in ('config', 'workdir') if _given(argv, name) is None]
-  if missing == ['config']:
-    raise ConfigError('--config is required: the experiment file, e.g. '
-                      '--config=experiments/tiny.py.')
-  if missing == ['workdir']:
-    raise ConfigError('--workdir is required: the directory for checkpoints and metrics (rerun '
-                      'with the same one to resume), e.g. --workdir=/tmp/tiny.')
-  if missing:
-    raise ConfigError('--config and --workdir are required, e.g. python -m engine.main '
-                      '--config=experiments/tiny.py --workdir=/tmp/tiny.')
+  _check_required(argv, command)
   experiment = _given(argv, 'config')
-  if experiment is None:
-    return  # Help without an experiment.
+  if experiment is None or 'config' not in flags.FLAGS:
+    return  # Help without an experiment, or a command that takes none.
   path = experiment.split(':', 1)[0]
   fix = 'pass an experiment file, e.g. --config=experiments/tiny.py'
   if not path:
@@ -157,7 +187,7 @@ def _check_argv(argv: Sequence[str]) -> None:
                         f'one by one{_example("config." + first)}.')
 
 
-def _flag_error(error: Exception, argv: Sequence[str]) -> str:
+def _flag_error(error: Exception, argv: Sequence[str], command: Command) -> str:
   """One line for an error raised while absl parsed `argv` (the experiment file runs then)."""
   if isinstance(error, ConfigError):  # From _check_argv: says it all.
     return str(error)
@@ -169,8 +199,9 @@ def _flag_error(error: Exception, argv: Sequence[str]) -> str:
     names = [n for n in flags.FLAGS if not n.startswith('config.') and len(n) > 1]
     close = difflib.get_close_matches(error.flagname, names, n=1)
     hint = f' (did you mean --{close[0]}?)' if close else ''
-    return (f'--{error.flagname} is not a flag{hint}; python -m engine.main --helpfull lists '
-            'them, and config keys are set with --config.KEY=VALUE.')
+    keys = ', and config keys are set with --config.KEY=VALUE' if 'config' in flags.FLAGS else ''
+    return (f'--{error.flagname} is not a flag{hint}; python -m {command.program} --helpfull '
+            f'lists them{keys}.')
   message = str(error)
   missing = re.match(r'Missing value for flag (-+[\w.]+)', message)
   if missing:
@@ -187,7 +218,8 @@ def _flag_error(error: Exception, argv: Sequence[str]) -> str:
       return f'--{name}={value} is not {_TYPE_NAMES[kind]}; give one{_example(name)}.'
     return f'--{name}={value}: {innermost(error).rstrip(".")}.'
   if isinstance(error, flags.Error):
-    return f'{message.splitlines()[0]}; python -m engine.main --helpfull lists the flags.'
+    return (f'{message.splitlines()[0]}; python -m {command.program} --helpfull lists the '
+            'flags.')
   # Anything else was raised while the experiment file ran.
   if isinstance(error, AttributeError) and 'get_config' in str(error):
     return (f'--config={experiment}: the file defines no get_config(); an experiment file '
@@ -196,17 +228,36 @@ def _flag_error(error: Exception, argv: Sequence[str]) -> str:
           'fix the file, or see the traceback with --debug.')
 
 
-def parse_flags(argv: Sequence[str]) -> list[str]:
+def parse_flags(argv: Sequence[str], command: Command = MAIN) -> list[str]:
   """absl's flag parsing, with every bad flag (a missing or unreadable experiment file, an
   unknown key, a value of the wrong type) reported in one line, `error: ...`, exit status 2;
   --debug raises instead, with the traceback."""
   try:
     if not any(arg.split('=')[0] in _NOT_CHECKED for arg in _flag_args(argv)):
-      _check_argv(argv)
+      _check_argv(argv, command)
     return flags.FLAGS(list(argv))
   except Exception as error:  # pylint: disable=broad-except
     if _debug_requested(argv):
       raise
-    fail(_flag_error(error, argv))
+    fail(_flag_error(error, argv, command))
 
 
+# The engine's own errors, which say everything in one line (a traceback would bury it).
+EXPLAINED_ERRORS = (ConfigError, CheckpointError)
+
+
+def run_command(main, program: str, required: tuple[str, ...] = ()) -> None:
+  """`app.run(main)` for a command other than engine.main: its flags through parse_flags, the
+  libraries' chatter quieted, and a ConfigError or CheckpointError as one `error:` line."""
+
+  def wrapped(argv):
+    if len(argv) > 1:
+      fail(f'unexpected arguments {argv[1:]}; everything is given as a flag, --name=value.')
+    quiet_library_output()
+    try:
+      main(argv)
+    except EXPLAINED_ERRORS as error:
+      fail(str(error))
+
+  app.run(wrapped, flags_parser=functools.partial(
+      parse_flags, command=Command(program, tuple(required))))
