@@ -48,6 +48,7 @@ from engine import config as config_lib  # noqa: E402
 from engine import data, parallel, validation  # noqa: E402
 from engine.analysis import benchmark, chips, collectives, comm_theory  # noqa: E402
 from engine.analysis.compare import communication_table  # noqa: E402
+from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound  # noqa: E402
 from engine.flag_errors import fail  # noqa: E402
 from engine.library_output import quiet_library_output  # noqa: E402
 from engine.metrics import log_memory  # noqa: E402
@@ -67,9 +68,15 @@ _WIRE_FACTOR = {
 }
 
 
-# Where XLA:TPU's collectives differ from the theory's (and from the CPU compile), measured on a
-# GPT-2-small-sized step for v5p 2x2x2 (BUILD.md, "Planning").
-TPU_NOTES = """Reading measured / theory on TPU: the theory counts what manual mode asks for, in \
+# Where XLA:TPU's collectives differ from the theory's (and from the CPU compile), and which
+# compiles showed it (BUILD.md, "Benchmarks": the ahead-of-time TPU compiles and the Llama-3-8B
+# plan; tests/test_plan.py for the two slices).
+TPU_NOTES = """Measured on ahead-of-time compiles (libtpu's compiler on a CPU machine, jax 0.10.2, \
+libtpu 0.0.42.1) of a GPT-2-small-sized train step (12 layers, width 768, vocabulary 50304, \
+sequence 1024, batch 64, bfloat16, full remat) for TPU v5p 2x2x2, the Llama-8B figure in (b) \
+of a Llama-3-8B-shaped step (sequence 8192, batch 128, bfloat16, full remat) for v5p 4x4x8, \
+and (f) of a GPT step on two v5p 2x2x1 slices; other compiler versions may differ. \
+Reading measured / theory on TPU: the theory counts what manual mode asks for, in \
 the dtypes it asks for. XLA:TPU (a) gathers FSDP weights in the compute dtype (bfloat16: \
 all-gather at 0.5) and once per step (no re-gather for the backward pass); (b) turns some FSDP \
 gradients' reduce-scatters (all, at GPT-2-small size; the head's float32 gradient at Llama-8B \
@@ -341,10 +348,16 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
               '|---|---|---:|---:|---:|---:|']
     for row in r['communication']:
       e = row[r['mode']]
-      ratio = f'{e["ratio"]:.2f}' if e['ratio'] is not None else (
+      ratio = lower_bound(e, f'{e["ratio"]:.2f}') if e['ratio'] is not None else (
           'not in theory' if e['unexpected'] else '-')
-      lines.append(f'| {row["kind"]} | {row["axes"]} | {e["executions"]} | '
-                   f'{e["bytes"] / 2**20:.1f} | {row["theory_bytes"] / 2**20:.1f} | {ratio} |')
+      executions = lower_bound(e, e['executions']) + (
+          " (a loop's trip count unknown)" if e.get('lower_bound') else '')
+      mib = lower_bound(e, f'{e["bytes"] / 2**20:.1f}')
+      lines.append(f'| {row["kind"]} | {row["axes"]} | {executions} | {mib} | '
+                   f'{row["theory_bytes"] / 2**20:.1f} | {ratio} |')
+    if any(row[r['mode']].get('lower_bound') for row in r['communication']):
+      lines += ['', f'**Lower bounds**: {LOWER_BOUND_NOTE} The ICI and DCN times of this '
+                'candidate are lower bounds too.']
     command = train_command(config_arg, list(overrides), r['mesh_shape'], r['mode'],
                             ml_collections.ConfigDict(r['config']))
     lines += ['', f'Train it: `{command}`', '']
