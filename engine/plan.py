@@ -56,8 +56,8 @@ from engine.train import build_setup, resolve_vocab_size  # noqa: E402
 
 _TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
 # Default bandwidth between slices (data-centre network), GB/s per chip: an assumption, not a
-# published figure; set --dcn_gbps to your network's.
-DCN_GBPS = 12.5
+# published figure; set --dcn_gb_per_s to your network's.
+DCN_GB_PER_S = 12.5
 # Bytes each device sends per byte of a collective's result, for a group of n devices on a ring.
 _WIRE_FACTOR = {
     'all-reduce': lambda n: 2 * (n - 1) / n,  # Reduce-scatter, then all-gather.
@@ -127,17 +127,17 @@ class Hardware:
   devices_per_chip: int  # TPU v4's topology lists each TensorCore as a device.
   num_devices: int
   num_slices: int
-  dcn_gbps: float
+  dcn_gb_per_s: float
 
   @classmethod
-  def of(cls, devices, dcn_gbps: float = DCN_GBPS) -> Hardware:
+  def of(cls, devices, dcn_gb_per_s: float = DCN_GB_PER_S) -> Hardware:
     chip = chips.chip_of(devices[0].device_kind)
     if chip is None:
       raise PlanError(f'{devices[0].device_kind!r} is not in engine/analysis/chips.py; add its '
                       'published figures there.')
     places = {(getattr(d, 'slice_index', 0), tuple(d.coords)) for d in devices}
     return cls(chip, len(devices) // len(places), len(devices),
-               validation.count_slices(devices), dcn_gbps)
+               validation.count_slices(devices), dcn_gb_per_s)
 
   def per_device(self, per_chip: float) -> float:
     return per_chip / self.devices_per_chip
@@ -158,7 +158,7 @@ def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
   flops = max(float(cost.get('flops', 0.0)), executed_flops)
   compute_s = flops / peak
   memory_s = float(cost.get('bytes accessed', 0.0)) / hardware.per_device(
-      hardware.chip.hbm_gbps * 1e9)
+      hardware.chip.hbm_gb_per_s * 1e9)
   comm_s = {'ici': 0.0, 'dcn': 0.0}
   sizes = {**mesh_shape, collectives.DCN: hardware.num_slices}
   for (kind, axes), row in table.items():
@@ -167,9 +167,9 @@ def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
       continue
     wire = row['array_bytes'] * _WIRE_FACTOR[kind](group)
     if collectives.DCN in axes:  # Between slices: Megascale's sends (engine.analysis.collectives).
-      comm_s['dcn'] += wire / (hardware.dcn_gbps * 1e9)
+      comm_s['dcn'] += wire / (hardware.dcn_gb_per_s * 1e9)
     else:
-      comm_s['ici'] += wire / hardware.per_device(hardware.chip.interconnect_gbps * 1e9)
+      comm_s['ici'] += wire / hardware.per_device(hardware.chip.interconnect_gb_per_s * 1e9)
   communication_s = comm_s['ici'] + comm_s['dcn']
   return {'compute_s': compute_s, 'memory_s': memory_s, 'ici_s': comm_s['ici'],
           'dcn_s': comm_s['dcn'], 'overlapped_s': max(compute_s, memory_s, communication_s),
@@ -269,13 +269,13 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices, hardwa
 
 
 def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, modes: list[str],
-         meshes: list[str], dcn_gbps: float = DCN_GBPS) -> dict:
+         meshes: list[str], dcn_gb_per_s: float = DCN_GB_PER_S) -> dict:
   """Every candidate (mesh x mode) compiled for the topology, ranked."""
   unknown = [m for m in modes if m not in parallel.STEP_BUILDERS]
   if unknown:
     raise PlanError(f'--modes: {unknown} unknown; choose from {sorted(parallel.STEP_BUILDERS)}.')
   devices = topology_devices(topology, num_slices)
-  hardware = Hardware.of(devices, dcn_gbps)
+  hardware = Hardware.of(devices, dcn_gb_per_s)
   num_processes = len({d.process_index for d in devices})
   if config.model.vocab_size == -1:  # The tokenizer decides: read the data once.
     vocab = data.load_corpus(config.data, config.seed).tokenizer.vocab_size
@@ -296,7 +296,7 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
   return {'topology': topology, 'num_slices': num_slices, 'chip': hardware.chip.name,
           'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
           'processes': num_processes, 'hbm_bytes_per_device': hardware.hbm_bytes,
-          'dcn_gbps': dcn_gbps, 'candidates': rows}
+          'dcn_gb_per_s': dcn_gb_per_s, 'candidates': rows}
 
 
 def _gib(n) -> str:
@@ -374,7 +374,8 @@ def main():
   modes = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compile.')
   meshes = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]]; '
                              'default: the config\'s own.')
-  dcn_gbps = flags.DEFINE_float('dcn_gbps', DCN_GBPS, 'Bandwidth between slices, GB/s per chip.')
+  dcn_gb_per_s = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
+                                    'Bandwidth between slices, GB/s (gigabytes) per chip.')
   out = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
   flags.mark_flags_as_required(['config', 'topology'])
 
@@ -384,7 +385,7 @@ def main():
     start = time.perf_counter()
     try:
       result = plan(config.value, topology.value, num_slices.value, modes.value, meshes.value,
-                    dcn_gbps.value)
+                    dcn_gb_per_s.value)
     except config_lib.ConfigError as e:
       fail(str(e))
     result['wall_s'] = time.perf_counter() - start
