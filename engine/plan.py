@@ -48,6 +48,7 @@ from engine import config as config_lib  # noqa: E402
 from engine import hf, parallel, validation  # noqa: E402
 from engine.analysis import benchmark, chips, collectives, comm_theory  # noqa: E402
 from engine.analysis.compare import communication_table  # noqa: E402
+from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound  # noqa: E402
 from engine.cli import fail  # noqa: E402
 from engine.library_output import quiet_library_output  # noqa: E402
 from engine.metrics import log_memory  # noqa: E402
@@ -55,8 +56,8 @@ from engine.assemble import VOCABULARY, assemble  # noqa: E402
 
 _TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
 # Default bandwidth between slices (data-centre network), GB/s per chip: an assumption, not a
-# published figure; set --dcn_gbps to your network's.
-DCN_GBPS = 12.5
+# published figure; set --dcn_gb_per_s to your network's.
+DCN_GB_PER_S = 12.5
 # Bytes each device sends per byte of a collective's result, for a group of n devices on a ring.
 _WIRE_FACTOR = {
     'all-reduce': lambda n: 2 * (n - 1) / n,  # Reduce-scatter, then all-gather.
@@ -67,9 +68,15 @@ _WIRE_FACTOR = {
 }
 
 
-# Where XLA:TPU's collectives differ from the theory's (and from the CPU compile), measured on a
-# GPT-2-small-sized step for v5p 2x2x2 (BUILD.md, "Planning").
-TPU_NOTES = """Reading measured / theory on TPU: the theory counts what manual mode asks for, in \
+# Where XLA:TPU's collectives differ from the theory's (and from the CPU compile), and which
+# compiles showed it (BUILD.md, "Benchmarks": the ahead-of-time TPU compiles and the Llama-3-8B
+# plan; tests/test_plan.py for the two slices).
+TPU_NOTES = """Measured on ahead-of-time compiles (libtpu's compiler on a CPU machine, jax 0.10.2, \
+libtpu 0.0.42.1) of a GPT-2-small-sized train step (12 layers, width 768, vocabulary 50304, \
+sequence 1024, batch 64, bfloat16, full remat) for TPU v5p 2x2x2, the Llama-8B figure in (b) \
+of a Llama-3-8B-shaped step (sequence 8192, batch 128, bfloat16, full remat) for v5p 4x4x8, \
+and (f) of a GPT step on two v5p 2x2x1 slices; other compiler versions may differ. \
+Reading measured / theory on TPU: the theory counts what manual mode asks for, in \
 the dtypes it asks for. XLA:TPU (a) gathers FSDP weights in the compute dtype (bfloat16: \
 all-gather at 0.5) and once per step (no re-gather for the backward pass); (b) turns some FSDP \
 gradients' reduce-scatters (all, at GPT-2-small size; the head's float32 gradient at Llama-8B \
@@ -120,17 +127,17 @@ class Hardware:
   devices_per_chip: int  # TPU v4's topology lists each TensorCore as a device.
   num_devices: int
   num_slices: int
-  dcn_gbps: float
+  dcn_gb_per_s: float
 
   @classmethod
-  def of(cls, devices, dcn_gbps: float = DCN_GBPS) -> Hardware:
+  def of(cls, devices, dcn_gb_per_s: float = DCN_GB_PER_S) -> Hardware:
     chip = chips.chip_of(devices[0].device_kind)
     if chip is None:
       raise PlanError(f'{devices[0].device_kind!r} is not in engine/analysis/chips.py; add its '
                       'published figures there.')
     places = {(getattr(d, 'slice_index', 0), tuple(d.coords)) for d in devices}
     return cls(chip, len(devices) // len(places), len(devices),
-               validation.count_slices(devices), dcn_gbps)
+               validation.count_slices(devices), dcn_gb_per_s)
 
   def per_device(self, per_chip: float) -> float:
     return per_chip / self.devices_per_chip
@@ -151,7 +158,7 @@ def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
   flops = max(float(cost.get('flops', 0.0)), executed_flops)
   compute_s = flops / peak
   memory_s = float(cost.get('bytes accessed', 0.0)) / hardware.per_device(
-      hardware.chip.hbm_gbps * 1e9)
+      hardware.chip.hbm_gb_per_s * 1e9)
   comm_s = {'ici': 0.0, 'dcn': 0.0}
   sizes = {**mesh_shape, collectives.DCN: hardware.num_slices}
   for (kind, axes), row in table.items():
@@ -160,9 +167,9 @@ def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
       continue
     wire = row['array_bytes'] * _WIRE_FACTOR[kind](group)
     if collectives.DCN in axes:  # Between slices: Megascale's sends (engine.analysis.collectives).
-      comm_s['dcn'] += wire / (hardware.dcn_gbps * 1e9)
+      comm_s['dcn'] += wire / (hardware.dcn_gb_per_s * 1e9)
     else:
-      comm_s['ici'] += wire / hardware.per_device(hardware.chip.interconnect_gbps * 1e9)
+      comm_s['ici'] += wire / hardware.per_device(hardware.chip.interconnect_gb_per_s * 1e9)
   communication_s = comm_s['ici'] + comm_s['dcn']
   return {'compute_s': compute_s, 'memory_s': memory_s, 'ici_s': comm_s['ici'],
           'dcn_s': comm_s['dcn'], 'overlapped_s': max(compute_s, memory_s, communication_s),
@@ -261,13 +268,13 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
 
 
 def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, modes: list[str],
-         meshes: list[str], dcn_gbps: float = DCN_GBPS) -> dict:
+         meshes: list[str], dcn_gb_per_s: float = DCN_GB_PER_S) -> dict:
   """Every candidate (mesh x mode) compiled for the topology, ranked."""
   parallel.check_modes(modes, '--modes')
   for mesh in meshes:
     config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before anything compiles.
   devices = topology_devices(topology, num_slices)
-  hardware = Hardware.of(devices, dcn_gbps)
+  hardware = Hardware.of(devices, dcn_gb_per_s)
   num_processes = len({d.process_index for d in devices})
   hf.apply_model_config(config)  # train.init_from=hf:DIR: plan DIR's model, once.
   rows = []
@@ -284,7 +291,7 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
   return {'topology': topology, 'num_slices': num_slices, 'chip': hardware.chip.name,
           'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
           'processes': num_processes, 'hbm_bytes_per_device': hardware.hbm_bytes,
-          'dcn_gbps': dcn_gbps, 'candidates': rows}
+          'dcn_gb_per_s': dcn_gb_per_s, 'candidates': rows}
 
 
 def _gib(n) -> str:
@@ -336,10 +343,16 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
               '|---|---|---:|---:|---:|---:|']
     for row in r['communication']:
       e = row[r['mode']]
-      ratio = f'{e["ratio"]:.2f}' if e['ratio'] is not None else (
+      ratio = lower_bound(e, f'{e["ratio"]:.2f}') if e['ratio'] is not None else (
           'not in theory' if e['unexpected'] else '-')
-      lines.append(f'| {row["kind"]} | {row["axes"]} | {e["executions"]} | '
-                   f'{e["bytes"] / 2**20:.1f} | {row["theory_bytes"] / 2**20:.1f} | {ratio} |')
+      executions = lower_bound(e, e['executions']) + (
+          " (a loop's trip count unknown)" if e.get('lower_bound') else '')
+      mib = lower_bound(e, f'{e["bytes"] / 2**20:.1f}')
+      lines.append(f'| {row["kind"]} | {row["axes"]} | {executions} | {mib} | '
+                   f'{row["theory_bytes"] / 2**20:.1f} | {ratio} |')
+    if any(row[r['mode']].get('lower_bound') for row in r['communication']):
+      lines += ['', f'**Lower bounds**: {LOWER_BOUND_NOTE} The ICI and DCN times of this '
+                'candidate are lower bounds too.']
     command = train_command(config_arg, list(overrides), r['mesh_shape'], r['mode'],
                             ml_collections.ConfigDict(r['config']))
     lines += ['', f'Train it: `{command}`', '']
@@ -356,7 +369,8 @@ def main():
   modes = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compile.')
   meshes = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]]; '
                              'default: the config\'s own.')
-  dcn_gbps = flags.DEFINE_float('dcn_gbps', DCN_GBPS, 'Bandwidth between slices, GB/s per chip.')
+  dcn_gb_per_s = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
+                                    'Bandwidth between slices, GB/s (gigabytes) per chip.')
   out = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
   flags.mark_flags_as_required(['config', 'topology'])
 
@@ -366,7 +380,7 @@ def main():
     start = time.perf_counter()
     try:
       result = plan(config.value, topology.value, num_slices.value, modes.value, meshes.value,
-                    dcn_gbps.value)
+                    dcn_gb_per_s.value)
     except config_lib.ConfigError as e:
       fail(str(e))
     result['wall_s'] = time.perf_counter() - start

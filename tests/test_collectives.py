@@ -52,9 +52,11 @@ def test_loop_bodies_count_once_per_iteration_and_tuples_per_buffer():
       '}'])
   table = collectives.summarize(collectives.count_collectives(hlo, _Mesh(MESH_222)))
   assert table[('all-gather', ('tensor',))] == {'ops': 1, 'executions': 6, 'buffers': 6,
-                                                'bytes': 6 * 64, 'array_bytes': 6 * 64}
+                                                'bytes': 6 * 64, 'array_bytes': 6 * 64,
+                                                'ops_in_unknown_loops': 0}
   assert table[('all-reduce', ('data',))] == {'ops': 1, 'executions': 1, 'buffers': 3,
-                                              'bytes': 32 + 24 + 4, 'array_bytes': 32 + 24}
+                                              'bytes': 32 + 24 + 4, 'array_bytes': 32 + 24,
+                                              'ops_in_unknown_loops': 0}
 
 
 def _compiled_manual_step(mesh, **model):
@@ -100,6 +102,7 @@ def test_data_parallel_step_all_reduces_each_gradient_once_where_it_is_produced(
   assert {(c.kind, c.axes) for c in found} == {('all-reduce', ('data',))}
   assert _reduced_per_step(found) == _each_once(train_setup.parameters())  # Never twice.
   assert any(c.executions == train_setup.model.num_layers for c in found)  # In the loop.
+  assert all(c.trip_count_known for c in found)  # Every loop's count exact, none a lower bound.
 
 
 def test_tensor_parallel_step_has_two_all_reduces_per_block_each_way():

@@ -79,6 +79,9 @@ def test_tpu_collectives_against_the_cpu_compile(gpt_plan):
   """Manual mode's collectives on TPU, read from the TPU HLO (no recorded loop trip counts,
   async permutes), against the CPU compile of the same layout."""
   rows = {r['mesh_shape']['data']: r for r in gpt_plan['candidates'] if r['mode'] == 'manual'}
+  # Every loop's trip count read off the TPU HLO: no count is a lower bound.
+  assert not any(c[r['mode']]['lower_bound'] for r in gpt_plan['candidates']
+                 for c in r['communication'])
   config = _config()
   # Data parallel: the same all-reduces, byte for byte.
   assert _tpu_collectives(rows[8]) == _cpu_collectives(config, 'manual')

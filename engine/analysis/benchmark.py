@@ -148,8 +148,11 @@ def measurements(run: ModeRun, tokens_per_step: int, model_flops_per_step: float
 
 
 def _collectives_cell(rows: list[dict]) -> str:
-  return '<br>'.join(f'{r["kind"]} {",".join(r["axes"]) or "-"}: {r["executions"]}x, '
-                     f'{r["bytes"] / 2**20:.1f} MiB' for r in rows) or 'none'
+  """One line per (kind, axes); '>= ' where a loop's unknown trip count makes it a lower bound
+  (engine.analysis.collectives)."""
+  bound = lambda r: '>= ' if r.get('ops_in_unknown_loops') else ''
+  return '<br>'.join(f'{r["kind"]} {",".join(r["axes"]) or "-"}: {bound(r)}{r["executions"]}x, '
+                     f'{bound(r)}{r["bytes"] / 2**20:.1f} MiB' for r in rows) or 'none'
 
 
 def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
@@ -172,6 +175,10 @@ def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
         f'{mfu} | {m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("temp_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("peak_estimate_bytes", 0) / 2**20:.1f} | {_collectives_cell(r["collectives"])} |')
+  if any(c.get('ops_in_unknown_loops') for r in rows for c in r['collectives']):
+    lines += ['', 'Collectives marked >= sit in a `while` loop whose trip count is unknown '
+              '(neither recorded in the HLO nor readable off the loop): its body is counted '
+              'once, so their counts and bytes are lower bounds.']
   if external:
     lines += ['', f'{external["name"]}, interleaved with the rows above: median '
               f'{external["median_ms"]:.1f} ms (min {external["min_ms"]:.1f}, max '

@@ -25,8 +25,8 @@ class Chip:
   device_kinds: tuple[str, ...]  # Words in jax.Device.device_kind that mean this chip.
   peak_tflops: dict[str, float]  # compute dtype -> dense TFLOP/s per chip.
   hbm_gib: float
-  hbm_gbps: float  # GB/s.
-  interconnect_gbps: float  # GB/s per chip, all ICI / NVLink links together.
+  hbm_gb_per_s: float  # GB/s.
+  interconnect_gb_per_s: float  # GB/s per chip, all ICI / NVLink links together.
 
 
 CHIPS = (

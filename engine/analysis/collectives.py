@@ -8,10 +8,14 @@ Shardy's `mesh['axis_0'=2,...] {'axis_0'}`) are turned into the names of the mes
 spans. Collectives inside `while` bodies (the layer scan, TPU's windowed einsums) count once per
 iteration, using XLA's known trip count, or, where the compiled HLO does not record one (XLA:TPU
 does not), the trip count read off the loop itself: a counter set to a constant before the loop,
-stepped by a constant in the body and compared with a constant in the condition. Bytes are per
-device and per execution: the size of the collective's result (of an async `-start`, the result
-part of its (operand, result, context...) tuple). Collectives between TPU slices, which XLA:TPU
-compiles to Megascale `send`s over the data-centre network, are listed under the axis `dcn`.
+stepped by a constant in the body and compared with a constant in the condition. A loop whose
+trip count is neither recorded nor readable has its body counted once, as a lower bound, and
+loudly: each collective inside it names the loop (`Collective.unknown_trip_loops`), `summarize`
+counts them per row (`ops_in_unknown_loops`), the reports mark those rows as lower bounds, and
+one warning per count names the loops. Bytes are per device and per execution: the size of the
+collective's result (of an async `-start`, the result part of its (operand, result, context...)
+tuple). Collectives between TPU slices, which XLA:TPU compiles to Megascale `send`s over the
+data-centre network, are listed under the axis `dcn`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import re
 
 import numpy as np
+from absl import logging
 
 from engine.analysis import hlo_loops
 
@@ -48,6 +53,14 @@ class Collective:
   executions: int  # Per step: 1, or the trip count of the loops it sits in.
   name: str
   computation: str  # The HLO computation it sits in (a loop body, or the entry).
+  # The bodies of the `while` loops around it whose trip count is unknown (neither recorded by
+  # XLA nor readable off the loop): each counted once, so `executions` is a lower bound.
+  unknown_trip_loops: tuple[str, ...] = ()
+
+  @property
+  def trip_count_known(self) -> bool:
+    """Whether `executions` is exact (False: a lower bound, see `unknown_trip_loops`)."""
+    return not self.unknown_trip_loops
 
   @property
   def buffers(self) -> int:
@@ -140,13 +153,17 @@ def _results(type_text: str, shapes: list) -> list:
 
 
 def count_collectives(hlo_text: str, mesh) -> list[Collective]:
-  """Every collective the compiled program runs per step, with the mesh axes it spans."""
+  """Every collective the compiled program runs per step, with the mesh axes it spans.
+
+  A collective inside a loop of unknown trip count is counted once per execution of the code
+  around the loop (a lower bound) and carries the loop's body in `unknown_trip_loops`; one
+  warning names every such loop that holds collectives."""
   mesh_shape = dict(mesh.shape)
   computations, entry = _parse(hlo_text)
   parsed = []  # Every instruction, parsed only when a loop lacks a known trip count.
   found: list[Collective] = []
 
-  def visit(computation: str, executions: int, depth: int = 0):
+  def visit(computation: str, executions: int, unknown: tuple[str, ...] = (), depth: int = 0):
     if depth > 32:
       return
     for name, type_text, op, is_start, rest in computations.get(computation, ()):
@@ -155,28 +172,30 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
         body = re.search(r'body=%?([\w.\-]+)', rest)
         cond = re.search(r'condition=%?([\w.\-]+)', rest)
         init = re.match(r'\s*%?([\w.\-]+)\)', rest)
+        trips = None
         if trip:
           trips = int(trip.group(1))
         elif body and cond and init:
           if not parsed:
             parsed.extend(hlo_loops.parse_instructions(hlo_text))
           trips = hlo_loops.trip_count(*parsed, computation, init.group(1), cond.group(1),
-                              body.group(1))
-          trips = 1 if trips is None else trips
-        else:
-          trips = 1
+                                       body.group(1))
         if body:
-          visit(body.group(1), executions * trips, depth + 1)
+          if trips is None:  # Unknown: the body once, a lower bound, and said so.
+            visit(body.group(1), executions, unknown + (body.group(1),), depth + 1)
+          else:
+            visit(body.group(1), executions * trips, unknown, depth + 1)
       elif op in ('call', 'conditional'):
         for callee in re.findall(r'(?:to_apply|calls|branch_computations)=\{?%?([\w.\-]+)', rest):
-          visit(callee, executions, depth + 1)
+          visit(callee, executions, unknown, depth + 1)
       elif op == 'send':
         if m := _MEGASCALE.search(rest):  # ALL_REDUCE -> all-reduce, ...
           shapes = _shapes(type_text)
           found.append(Collective(
               kind=m.group(1).lower().replace('_', '-'), axes=(DCN,),
               shapes=tuple(s for s, _ in shapes), buffer_bytes=tuple(b for _, b in shapes),
-              executions=executions, name=name, computation=computation))
+              executions=executions, name=name, computation=computation,
+              unknown_trip_loops=unknown))
       else:
         shapes = _shapes(type_text)
         if is_start and op in ('all-gather', 'collective-permute', 'all-to-all'):
@@ -184,20 +203,33 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
         found.append(Collective(
             kind=op, axes=group_axes(replica_groups(rest), mesh_shape),
             shapes=tuple(s for s, _ in shapes), buffer_bytes=tuple(b for _, b in shapes),
-            executions=executions, name=name, computation=computation))
+            executions=executions, name=name, computation=computation,
+            unknown_trip_loops=unknown))
 
   visit(entry, 1)
+  loops = sorted({loop for c in found for loop in c.unknown_trip_loops})
+  if loops:
+    affected = sum(1 for c in found if c.unknown_trip_loops)
+    logging.warning(
+        'Collective count: the trip count of %d while loop(s) is neither recorded in the HLO '
+        'nor readable off the loop (body: %s); their bodies are counted once, so the executions '
+        'and bytes of the %d collective(s) inside them are lower bounds.', len(loops),
+        ', '.join(loops), affected)
   return found
 
 
 def summarize(collectives: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
-  """(kind, axes) -> {'ops', 'executions', 'buffers', 'bytes', 'array_bytes'} per step
-  (`array_bytes` leaves out scalar buffers such as losses and norms)."""
+  """(kind, axes) -> {'ops', 'executions', 'buffers', 'bytes', 'array_bytes',
+  'ops_in_unknown_loops'} per step (`array_bytes` leaves out scalar buffers such as losses and
+  norms). `ops_in_unknown_loops` counts the row's ops inside a loop of unknown trip count: when
+  it is above 0, executions, buffers and bytes are lower bounds."""
   table = collections.defaultdict(
-      lambda: {'ops': 0, 'executions': 0, 'buffers': 0, 'bytes': 0, 'array_bytes': 0})
+      lambda: {'ops': 0, 'executions': 0, 'buffers': 0, 'bytes': 0, 'array_bytes': 0,
+               'ops_in_unknown_loops': 0})
   for c in collectives:
     row = table[(c.kind, c.axes)]
     row['ops'] += 1
+    row['ops_in_unknown_loops'] += 0 if c.trip_count_known else 1
     row['executions'] += c.executions
     row['buffers'] += c.buffers * c.executions
     row['bytes'] += c.bytes * c.executions

@@ -108,7 +108,9 @@ def verdict(numerics: dict[str, ModeNumerics], atol: float, steps: int) -> str:
 
 
 def communication_table(runs, theory: dict) -> list[dict]:
-  """One row per (kind, axes): each mode's measured bytes, the theory, ratios and flags."""
+  """One row per (kind, axes): each mode's measured bytes, the theory, ratios and flags.
+  `lower_bound`: some of the mode's collectives of that row sit in a loop whose trip count is
+  unknown (counted once), so its executions, bytes and ratio are lower bounds."""
   measured = {run.mode: collectives.summarize(run.collectives) for run in runs}
   keys = sorted(set(theory) | {k for table in measured.values() for k in table
                                 if table[k]['array_bytes']})  # Scalar-only rows say nothing.
@@ -116,12 +118,14 @@ def communication_table(runs, theory: dict) -> list[dict]:
   for kind, axes in keys:
     row = {'kind': kind, 'axes': ','.join(axes) or '-', 'theory_bytes': theory.get((kind, axes), 0)}
     for mode, table in measured.items():
-      entry = table.get((kind, axes), {'executions': 0, 'array_bytes': 0, 'bytes': 0})
+      entry = table.get((kind, axes), {'executions': 0, 'array_bytes': 0, 'bytes': 0,
+                                       'ops_in_unknown_loops': 0})
       row[mode] = {'executions': entry['executions'], 'bytes': entry['array_bytes'],
                    'ratio': (entry['array_bytes'] / row['theory_bytes']
                              if row['theory_bytes'] else None),
                    # Not in the theory and moving arrays, not just a loss or a norm.
-                   'unexpected': not row['theory_bytes'] and entry['array_bytes'] > 0}
+                   'unexpected': not row['theory_bytes'] and entry['array_bytes'] > 0,
+                   'lower_bound': entry['ops_in_unknown_loops'] > 0}
     rows.append(row)
   return rows
 

@@ -26,6 +26,18 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
   return lines
 
 
+# What '>=' means in a communication table (engine.analysis.collectives: unknown trip counts).
+LOWER_BOUND_NOTE = ('>= N: a collective of this row sits in a `while` loop whose trip count is '
+                    'unknown (neither recorded in the HLO nor readable off the loop); its body is '
+                    'counted once, so the count, the bytes and the ratio are lower bounds.')
+
+
+def lower_bound(entry: dict, text) -> str:
+  """`text` as it stands, or '>= text' when `entry` (a mode's communication row) is a lower
+  bound."""
+  return f'>= {text}' if entry.get('lower_bound') else str(text)
+
+
 def markdown(report: dict) -> str:
   modes = report['modes']
   out = [f'# auto vs manual on mesh {report["mesh"]}', '',
@@ -101,11 +113,17 @@ def markdown(report: dict) -> str:
     cells = [row['kind'], row['axes'], f'{row["theory_bytes"] / 1024:.1f}']
     for m in modes:
       e = row[m]
-      ratio = f'{e["ratio"]:.2f}' if e['ratio'] is not None else (
+      ratio = lower_bound(e, f'{e["ratio"]:.2f}') if e['ratio'] is not None else (
           '**unexpected**' if e['unexpected'] else '-')
-      cells += [e['executions'], f'{e["bytes"] / 1024:.1f}', ratio]
+      cells += [lower_bound(e, e['executions']) + (
+                    " (a loop's trip count unknown)" if e.get('lower_bound') else ''),
+                lower_bound(e, f'{e["bytes"] / 1024:.1f}'), ratio]
     rows.append(cells)
   out += _table(header, rows) + ['']
+  uncertain = [f'{m}: {r["kind"]} over {r["axes"]}' for r in report['communication']
+               for m in modes if r[m].get('lower_bound')]
+  if uncertain:
+    out += [f'**Lower bounds** ({"; ".join(uncertain)}). {LOWER_BOUND_NOTE}', '']
   microbatches = report.get('microbatches', 1)
   stages = report['mesh'].get('stage', 1)
   if stages > 1:

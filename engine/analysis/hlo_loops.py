@@ -3,7 +3,8 @@
 XLA:CPU records `known_trip_count` on each loop; XLA:TPU does not. A loop that counts (a counter
 set to a constant before the loop, stepped by a constant in the body, compared with a constant
 in the condition) has its count recovered here, for the collective counter
-(engine.analysis.collectives).
+(engine.analysis.collectives). Any other loop gets None: the counter then counts its body once,
+as a lower bound, and marks and reports it as such.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ _FLIP = {'LT': 'GT', 'GT': 'LT', 'LE': 'GE', 'GE': 'LE', 'NE': 'NE', 'EQ': 'EQ'}
 def trip_count(ops, roots, caller: str, init: str, cond: str, body: str) -> int | None:
   """Iterations of `while(init), condition=cond, body=body` called from `caller`, when its
   counter starts at a constant, moves by a constant step and is compared with a constant
-  (XLA:CPU wraps the compare and the step in fusions; XLA:TPU leaves them bare)."""
+  (XLA:CPU wraps the compare and the step in fusions; XLA:TPU leaves them bare); None when the
+  loop is not of that form (the caller must not guess a count for it)."""
 
   def expr(comp, name, bind=None, depth=0):
     """(op, operands' values, attrs) of an instruction, looking through a fusion's wrapper."""
