@@ -41,7 +41,7 @@ os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
 os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
 
 import ml_collections  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from engine import config as config_lib  # noqa: E402
@@ -49,8 +49,7 @@ from engine import hf, parallel, validation  # noqa: E402
 from engine.analysis import benchmark, chips, collectives, comm_theory  # noqa: E402
 from engine.analysis.compare import communication_table  # noqa: E402
 from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound  # noqa: E402
-from engine.cli import fail  # noqa: E402
-from engine.library_output import quiet_library_output  # noqa: E402
+from engine.cli import run_command  # noqa: E402
 from engine.metrics import log_memory  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
 
@@ -372,17 +371,12 @@ def main():
   dcn_gb_per_s = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
                                     'Bandwidth between slices, GB/s (gigabytes) per chip.')
   out = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
-  flags.mark_flags_as_required(['config', 'topology'])
 
   def run(argv):
     del argv
-    quiet_library_output()
     start = time.perf_counter()
-    try:
-      result = plan(config.value, topology.value, num_slices.value, modes.value, meshes.value,
-                    dcn_gb_per_s.value)
-    except config_lib.ConfigError as e:
-      fail(str(e))
+    result = plan(config.value, topology.value, num_slices.value, modes.value, meshes.value,
+                  dcn_gb_per_s.value)
     result['wall_s'] = time.perf_counter() - start
     config_arg = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
                       flags.FLAGS['config'].value)
@@ -397,7 +391,7 @@ def main():
         json.dump(result, f, indent=1, default=str)
       logging.info('Wrote %s.md and %s.json', out.value, out.value)
 
-  app.run(run)
+  run_command(run, 'engine.plan', required=('config', 'topology'))
 
 
 if __name__ == '__main__':
