@@ -33,9 +33,11 @@ import re
 import sys
 import time
 
+# The plan compiles for the topology and runs nothing: CPU even on a TPU VM, which `import engine`
+# leaves to JAX (engine/platforms.py). libtpu still loads: jax.experimental.topologies needs it.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Several plans may load libtpu at once (it takes a lock by default); without a TPU host these
 # settings only keep libtpu from guessing (and warning about) one.
-os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # The plan compiles for the topology; runs nothing.
 os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
 os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
