@@ -54,13 +54,17 @@ class Run:
                                      self.config.data.seq_len)
 
   def compile_train_step(self, global_batch: int | None = None):
-    """The train step lowered and compiled ahead of time for the abstract state and batch."""
-    return self.steps.train.lower(self.setup.abstract_state(),
-                                  self.abstract_batch(global_batch)).compile()
+    """The train step compiled ahead of time for the abstract state and batch."""
+    return compile_train_step(self.steps, self.setup, self.abstract_batch(global_batch))
 
   def compile_eval_step(self, global_batch: int | None = None):
     return self.steps.eval.lower(self.setup.abstract_state()['params'],
                                  self.abstract_batch(global_batch)).compile()
+
+
+def compile_train_step(steps: Steps, train_setup: TrainSetup, abstract_batch):
+  """A mode's train step lowered and compiled for the setup's abstract state and a batch."""
+  return steps.train.lower(train_setup.abstract_state(), abstract_batch).compile()
 
 
 def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:

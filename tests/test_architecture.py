@@ -90,7 +90,70 @@ def test_no_module_shadows_the_standard_library():
 
 def test_the_rules_above_hold_of_a_real_graph():
   # The parser sees the edges that matter, so the tests above can fail.
-  assert 'engine.parallel' in GRAPH['engine.train']
+  assert 'engine.parallel' in GRAPH['engine.assemble']
   assert 'engine.models.ops' in GRAPH['engine.parallel.auto']
   assert 'engine.state' in GRAPH['engine.analysis.comm_theory']
   assert 'engine.models' in _reachable('engine.parallel.auto')  # Via the package __init__.
+
+
+def _parameter_names() -> set[str]:
+  """Every registered model's parameter paths ('blocks/w_up_DF') and their last parts."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from engine import config as config_lib, models, sharding
+  from flax import nnx
+  names = set()
+  for name in models.MODELS:
+    model_config = config_lib.default_config().model
+    model_config.name = name
+    _, abstract = sharding.abstract_model(models.build(model_config, 256).create)
+    for keys, _ in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(abstract)):
+      path = [str(getattr(k, 'key', k)) for k in keys]
+      names.add('/'.join(path))
+      if '_' in path[-1]:  # 'w_up_DF', 'head_DV'; not generic parts such as 'scale'.
+        names.add(path[-1])
+  return names
+
+
+def _strings(path: pathlib.Path) -> list[str]:
+  """The string literals of a module, less docstrings (which may show an example flag)."""
+  tree = ast.parse(path.read_text())
+  docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                and node.body and isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)}
+  return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+          and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_no_parameter_name_outside_the_models():
+  """The engine reads parameters by logical axes and the models' own tables (ModelSpec,
+  HFFormat); a parameter's name in the engine's code would break for the next model."""
+  names = _parameter_names()
+  assert {'blocks/w_up_DF', 'tok_embed_VD', 'head_DV'} <= names  # The check sees real names.
+  found = {}
+  for module, path in MODULES.items():
+    if module.startswith('engine.models'):
+      continue
+    hits = sorted({n for s in _strings(path) for n in names if n in s})
+    if hits:
+      found[module] = hits
+  assert not found, f'parameter names outside engine/models/: {found}'
+
+
+# Every command: its module, and the module its work starts in.
+COMMANDS = ('engine.main', 'engine.bench', 'engine.plan', 'engine.generate', 'engine.evaluate',
+            'engine.export', 'engine.analysis.compare', 'engine.analysis.bubble',
+            'engine.analysis.show_layout')
+# What only the run path does (engine.assemble): validate, build a mesh or a model, compile a
+# train step.
+RUN_PATH_CALLS = ('validation.validate(', 'validate(config', 'make_mesh(', 'models.build(',
+                  'steps.train.lower(')
+
+
+def test_every_command_starts_from_the_one_run_path():
+  for command in COMMANDS:
+    assert 'engine.assemble' in _reachable(command) | {command}, command
+  copies = {module: [call for call in RUN_PATH_CALLS if call in path.read_text()]
+            for module, path in MODULES.items()
+            if module not in ('engine.assemble', 'engine.validation', 'engine.mesh')}
+  assert not {m: c for m, c in copies.items() if c}, copies

@@ -20,6 +20,7 @@ import numpy as np
 from absl import logging
 
 from engine import data, parallel
+from engine.assemble import compile_train_step
 from engine.analysis import chips, collectives
 from engine.config import MESH_AXES
 from engine.metrics import log_memory
@@ -56,7 +57,7 @@ def mesh_name(shape: dict[str, int]) -> str:
 def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
   steps = parallel.STEP_BUILDERS[mode](train_setup)
   start = time.perf_counter()
-  compiled = steps.train.lower(train_setup.abstract_state(), abstract_batch).compile()
+  compiled = compile_train_step(steps, train_setup, abstract_batch)
   seconds = time.perf_counter() - start
   name = f'{mode} {mesh_name(dict(train_setup.mesh.shape))} train step'
   return ModeRun(mode, train_setup, compiled, seconds, log_memory(name, compiled),
