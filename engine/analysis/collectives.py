@@ -152,6 +152,58 @@ def _results(type_text: str, shapes: list) -> list:
   return shapes[end // 2:end]
 
 
+def _while_trips(hlo_text: str, parsed: list, computation: str,
+                 rest: str) -> tuple[str | None, int | None]:
+  """(body, trip count) of one `while` op: XLA's recorded count, else the one read off the loop
+  (None when neither); `parsed` is filled with every instruction only when first needed."""
+  trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+  body = re.search(r'body=%?([\w.\-]+)', rest)
+  cond = re.search(r'condition=%?([\w.\-]+)', rest)
+  init = re.match(r'\s*%?([\w.\-]+)\)', rest)
+  trips = None
+  if trip:
+    trips = int(trip.group(1))
+  elif body and cond and init:
+    if not parsed:
+      parsed.extend(hlo_loops.parse_instructions(hlo_text))
+    trips = hlo_loops.trip_count(*parsed, computation, init.group(1), cond.group(1),
+                                 body.group(1))
+  return (body.group(1) if body else None), trips
+
+
+def _collective(instruction: tuple, mesh_shape: dict[str, int], executions: int,
+                computation: str, unknown: tuple[str, ...]) -> Collective | None:
+  """The Collective one parsed instruction runs: a `send` counts only when Megascale's (between
+  TPU slices, over `dcn`); None otherwise."""
+  name, type_text, op, is_start, rest = instruction
+  shapes = _shapes(type_text)
+  if op == 'send':
+    if not (m := _MEGASCALE.search(rest)):
+      return None
+    kind, axes = m.group(1).lower().replace('_', '-'), (DCN,)  # ALL_REDUCE -> all-reduce, ...
+  else:
+    if is_start and op in ('all-gather', 'collective-permute', 'all-to-all'):
+      shapes = _results(type_text, shapes)
+    kind, axes = op, group_axes(replica_groups(rest), mesh_shape)
+  return Collective(
+      kind=kind, axes=axes, shapes=tuple(s for s, _ in shapes),
+      buffer_bytes=tuple(b for _, b in shapes), executions=executions, name=name,
+      computation=computation, unknown_trip_loops=unknown)
+
+
+def _warn_unknown_loops(found: list[Collective]) -> None:
+  """One warning naming every loop of unknown trip count that holds collectives, so the lower
+  bounds are never silent."""
+  loops = sorted({loop for c in found for loop in c.unknown_trip_loops})
+  if loops:
+    affected = sum(1 for c in found if c.unknown_trip_loops)
+    logging.warning(
+        'Collective count: the trip count of %d while loop(s) is neither recorded in the HLO '
+        'nor readable off the loop (body: %s); their bodies are counted once, so the executions '
+        'and bytes of the %d collective(s) inside them are lower bounds.', len(loops),
+        ', '.join(loops), affected)
+
+
 def count_collectives(hlo_text: str, mesh) -> list[Collective]:
   """Every collective the compiled program runs per step, with the mesh axes it spans.
 
@@ -166,55 +218,23 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
   def visit(computation: str, executions: int, unknown: tuple[str, ...] = (), depth: int = 0):
     if depth > 32:
       return
-    for name, type_text, op, is_start, rest in computations.get(computation, ()):
+    for instruction in computations.get(computation, ()):
+      op, rest = instruction[2], instruction[4]
       if op == 'while':
-        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
-        body = re.search(r'body=%?([\w.\-]+)', rest)
-        cond = re.search(r'condition=%?([\w.\-]+)', rest)
-        init = re.match(r'\s*%?([\w.\-]+)\)', rest)
-        trips = None
-        if trip:
-          trips = int(trip.group(1))
-        elif body and cond and init:
-          if not parsed:
-            parsed.extend(hlo_loops.parse_instructions(hlo_text))
-          trips = hlo_loops.trip_count(*parsed, computation, init.group(1), cond.group(1),
-                                       body.group(1))
+        body, trips = _while_trips(hlo_text, parsed, computation, rest)
         if body:
           if trips is None:  # Unknown: the body once, a lower bound, and said so.
-            visit(body.group(1), executions, unknown + (body.group(1),), depth + 1)
+            visit(body, executions, unknown + (body,), depth + 1)
           else:
-            visit(body.group(1), executions * trips, unknown, depth + 1)
+            visit(body, executions * trips, unknown, depth + 1)
       elif op in ('call', 'conditional'):
         for callee in re.findall(r'(?:to_apply|calls|branch_computations)=\{?%?([\w.\-]+)', rest):
           visit(callee, executions, unknown, depth + 1)
-      elif op == 'send':
-        if m := _MEGASCALE.search(rest):  # ALL_REDUCE -> all-reduce, ...
-          shapes = _shapes(type_text)
-          found.append(Collective(
-              kind=m.group(1).lower().replace('_', '-'), axes=(DCN,),
-              shapes=tuple(s for s, _ in shapes), buffer_bytes=tuple(b for _, b in shapes),
-              executions=executions, name=name, computation=computation,
-              unknown_trip_loops=unknown))
-      else:
-        shapes = _shapes(type_text)
-        if is_start and op in ('all-gather', 'collective-permute', 'all-to-all'):
-          shapes = _results(type_text, shapes)
-        found.append(Collective(
-            kind=op, axes=group_axes(replica_groups(rest), mesh_shape),
-            shapes=tuple(s for s, _ in shapes), buffer_bytes=tuple(b for _, b in shapes),
-            executions=executions, name=name, computation=computation,
-            unknown_trip_loops=unknown))
+      elif collective := _collective(instruction, mesh_shape, executions, computation, unknown):
+        found.append(collective)
 
   visit(entry, 1)
-  loops = sorted({loop for c in found for loop in c.unknown_trip_loops})
-  if loops:
-    affected = sum(1 for c in found if c.unknown_trip_loops)
-    logging.warning(
-        'Collective count: the trip count of %d while loop(s) is neither recorded in the HLO '
-        'nor readable off the loop (body: %s); their bodies are counted once, so the executions '
-        'and bytes of the %d collective(s) inside them are lower bounds.', len(loops),
-        ', '.join(loops), affected)
+  _warn_unknown_loops(found)
   return found
 
 

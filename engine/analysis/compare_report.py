@@ -38,16 +38,18 @@ def lower_bound(entry: dict, text) -> str:
   return f'>= {text}' if entry.get('lower_bound') else str(text)
 
 
-def markdown(report: dict) -> str:
-  modes = report['modes']
-  out = [f'# auto vs manual on mesh {report["mesh"]}', '',
-         f'{report["steps"]} steps ({report["warmup"]} warm-up, {report["timed_steps"]} timed), '
-         f'{report["tokens_per_step"]:,} tokens per step, compute dtype '
-         f'{report.get("dtype", "float32")}, same seed, data and initial state.', '']
+def _summary(report: dict) -> list[str]:
+  """Title and setup line: what was compared, on which mesh, for how many steps."""
+  return [f'# auto vs manual on mesh {report["mesh"]}', '',
+          f'{report["steps"]} steps ({report["warmup"]} warm-up, {report["timed_steps"]} timed), '
+          f'{report["tokens_per_step"]:,} tokens per step, compute dtype '
+          f'{report.get("dtype", "float32")}, same seed, data and initial state.', '']
 
-  out += ['## Numerics', '']
-  if 'verdict' in report:
-    out += ['**Verdict**', '', *report['verdict'].splitlines(), '']
+
+def _loss_table(report: dict) -> list[str]:
+  """Per-step losses of each mode, against each other and the single-device reference (with
+  grad norms) when there is one."""
+  modes = report['modes']
   reference = report.get('reference_losses')
   header = ['step'] + [f'{m} loss' for m in modes]
   if reference:
@@ -68,7 +70,16 @@ def markdown(report: dict) -> str:
       row += [f'{report["reference_grad_norms"][i]:.5f}'] + [
           f'{report["grad_norms"][m][i]:.5f}' for m in modes]
     rows.append(row)
-  out += _table(header, rows) + ['']
+  return _table(header, rows) + ['']
+
+
+def _numerics(report: dict) -> list[str]:
+  """## Numerics: the verdict, the loss table and the final parameters against the reference."""
+  modes = report['modes']
+  out = ['## Numerics', '']
+  if 'verdict' in report:
+    out += ['**Verdict**', '', *report['verdict'].splitlines(), '']
+  out += _loss_table(report)
   if 'numerics' in report:
     out += [f'Parameters after step {report["steps"]} against the single-device reference '
             '(relative = max abs difference / max abs reference value):', '']
@@ -77,10 +88,14 @@ def markdown(report: dict) -> str:
     rows = [[p] + [f'{report["numerics"][m][k][p]:.2e}' for m in modes
                    for k in ('final_abs', 'final_rel')] for p in paths]
     out += _table(header, rows) + ['']
+  return out
 
-  out += ['## Speed', '']
+
+def _speed(report: dict) -> list[str]:
+  """## Speed: compile time and step-time statistics per mode, and their ratio."""
+  out = ['## Speed', '']
   rows = []
-  for m in modes:
+  for m in report['modes']:
     s = report['speed'][m]
     rows.append([m, f'{s["compile_s"]:.1f}', f'{s["median_ms"]:.2f}', f'{s["min_ms"]:.2f}',
                  f'{s["max_ms"]:.2f}', f'{s["tokens_per_s"]:,.0f}'])
@@ -89,22 +104,30 @@ def markdown(report: dict) -> str:
     r = report['speed']['ratio']
     out += ['', f'Median step time ratio {r["of"]}: **{r["median"]:.3f}** (steps interleaved in '
             'one run).']
-  out += ['']
+  return out + ['']
 
-  out += ['## Memory per device (MiB, compiled train step)', '']
+
+def _memory(report: dict) -> list[str]:
+  """## Memory: the compiled train step's buffers per device, per mode."""
   rows = []
-  for m in modes:
+  for m in report['modes']:
     mem = report['memory'][m]
     rows.append([m] + [_mib(mem.get(k, 0)) for k in (
         'argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
         'alias_size_in_bytes', 'peak_estimate_bytes')])
-  out += _table(['mode', 'arguments', 'outputs', 'temporaries', 'aliased', 'peak (args + '
-                 'outputs + temp - aliased)'], rows) + ['']
+  return ['## Memory per device (MiB, compiled train step)', ''] + _table(
+      ['mode', 'arguments', 'outputs', 'temporaries', 'aliased', 'peak (args + '
+       'outputs + temp - aliased)'], rows) + ['']
 
-  out += ['## Communication per step and device', '',
-          'Bytes are the results of each collective, summed over its executions (loop bodies once '
-          'per layer); scalar reductions (loss, norms) are left out. Theory: see '
-          'engine/analysis/comm_theory.py.', '']
+
+def _communication_table(report: dict) -> list[str]:
+  """## Communication: each (kind, axes) row's count, bytes and ratio to theory per mode, with
+  lower bounds marked."""
+  modes = report['modes']
+  out = ['## Communication per step and device', '',
+         'Bytes are the results of each collective, summed over its executions (loop bodies once '
+         'per layer); scalar reductions (loss, norms) are left out. Theory: see '
+         'engine/analysis/comm_theory.py.', '']
   header = ['kind', 'mesh axes', 'theory KiB']
   for m in modes:
     header += [f'{m} count', f'{m} KiB', f'{m} / theory']
@@ -119,32 +142,53 @@ def markdown(report: dict) -> str:
                     " (a loop's trip count unknown)" if e.get('lower_bound') else ''),
                 lower_bound(e, f'{e["bytes"] / 1024:.1f}'), ratio]
     rows.append(cells)
-  out += _table(header, rows) + ['']
-  uncertain = [f'{m}: {r["kind"]} over {r["axes"]}' for r in report['communication']
-               for m in modes if r[m].get('lower_bound')]
-  if uncertain:
-    out += [f'**Lower bounds** ({"; ".join(uncertain)}). {LOWER_BOUND_NOTE}', '']
+  return out + _table(header, rows) + ['']
+
+
+def _schedule_note(report: dict) -> list[str]:
+  """How micro-batches shape the communication: the pipeline's bubble, or the gradient syncs
+  per step that a ratio near the micro-batch count betrays."""
   microbatches = report.get('microbatches', 1)
   stages = report['mesh'].get('stage', 1)
   if stages > 1:
     repeats = report.get('pipeline_repeats', 1)
     schedule = 'GPipe' if repeats == 1 else f'circular ({repeats} layer groups per stage)'
-    out += [f'Pipeline: {stages} stages fed {microbatches} micro-batches on the {schedule} '
+    return [f'Pipeline: {stages} stages fed {microbatches} micro-batches on the {schedule} '
             'schedule; each stage idles (stages - 1) / (repeats x microbatches + stages - 1) = '
             f'**{bubble_fraction(stages, microbatches, repeats):.3f}** of the step (the bubble '
             'the schedule implies; `python -m engine.analysis.bubble` measures it from step '
             'times at several micro-batch counts). Micro-batches feed the pipeline here, not '
             'gradient accumulation.', '']
-  elif microbatches > 1:
-    out += [f'{microbatches} micro-batches per optimizer step. The theory synchronises each '
+  if microbatches > 1:
+    return [f'{microbatches} micro-batches per optimizer step. The theory synchronises each '
             'gradient once per step, as manual mode does (under FSDP it gathers every weight once '
             'per step); a measured / theory ratio near '
             f'{microbatches} on a gradient reduction means that mode synchronises once per '
             'micro-batch.', '']
+  return []
+
+
+def _communication(report: dict) -> list[str]:
+  """The communication table and its notes: lower bounds, the schedule, and the collectives
+  the theory did not expect."""
+  modes = report['modes']
+  out = _communication_table(report)
+  uncertain = [f'{m}: {r["kind"]} over {r["axes"]}' for r in report['communication']
+               for m in modes if r[m].get('lower_bound')]
+  if uncertain:
+    out += [f'**Lower bounds** ({"; ".join(uncertain)}). {LOWER_BOUND_NOTE}', '']
+  out += _schedule_note(report)
   flagged = [f'{m}: {r["kind"]} over {r["axes"]}' for r in report['communication'] for m in modes
              if r[m]['unexpected']]
   if flagged:
     out += ['Not expected by the theory for this layout: ' + '; '.join(flagged) + '.', '']
+  return out
+
+
+def markdown(report: dict) -> str:
+  """The whole report as Markdown, one section after another, the plots last."""
+  out = _summary(report) + _numerics(report) + _speed(report) + _memory(report)
+  out += _communication(report)
   out += ['## Plots', ''] + [f'![{name}]({name})' for name in PLOTS]
   return '\n'.join(out) + '\n'
 

@@ -56,43 +56,44 @@ def parse_instructions(hlo_text: str) -> tuple[dict[str, dict[str, _Op]], dict[s
 _FLIP = {'LT': 'GT', 'GT': 'LT', 'LE': 'GE', 'GE': 'LE', 'NE': 'NE', 'EQ': 'EQ'}
 
 
-def trip_count(ops, roots, caller: str, init: str, cond: str, body: str) -> int | None:
-  """Iterations of `while(init), condition=cond, body=body` called from `caller`, when its
-  counter starts at a constant, moves by a constant step and is compared with a constant
-  (XLA:CPU wraps the compare and the step in fusions; XLA:TPU leaves them bare); None when the
-  loop is not of that form (the caller must not guess a count for it)."""
-
-  def expr(comp, name, bind=None, depth=0):
-    """(op, operands' values, attrs) of an instruction, looking through a fusion's wrapper."""
-    op = ops[comp].get(name)
-    if op is None or depth > 8:
-      return None
-    if op.op == 'fusion' and (callee := re.search(r'calls=%?([\w.\-]+)', op.attrs)):
-      callee = callee.group(1)
-      inner = {i: (comp, o, bind) for i, o in enumerate(op.operands)}
-      return expr(callee, roots.get(callee, ''), inner, depth + 1)
-    return op.op, [value(comp, o, bind, depth + 1) for o in op.operands], op.attrs
-
-  def value(comp, name, bind=None, depth=0):
-    """('const', n), ('index', k) for element k of the loop computation's parameter, or None."""
-    op = ops[comp].get(name)
-    if op is None or depth > 16:
-      return None
-    if op.op == 'constant':
-      return ('const', int(op.literal)) if re.fullmatch(r'-?\d+', op.literal) else None
-    if op.op == 'parameter' and bind is not None:
-      outer = bind.get(int(op.literal)) if op.literal.isdigit() else None
-      return value(*outer, depth + 1) if outer else None
-    if op.op in ('copy', 'convert', 'bitcast', 'reshape') and op.operands:
-      return value(comp, op.operands[0], bind, depth + 1)
-    if op.op == 'get-tuple-element' and op.operands and bind is None:
-      source = ops[comp].get(op.operands[0])
-      index = re.search(r'index=(\d+)', op.attrs)
-      if source is not None and source.op == 'parameter' and index:
-        return ('index', int(index.group(1)))
+def _expr(ops, roots, comp, name, bind=None, depth=0):
+  """(op, operands' values, attrs) of an instruction, looking through a fusion's wrapper: XLA:CPU
+  hides the loop's compare and step inside fusions."""
+  op = ops[comp].get(name)
+  if op is None or depth > 8:
     return None
+  if op.op == 'fusion' and (callee := re.search(r'calls=%?([\w.\-]+)', op.attrs)):
+    callee = callee.group(1)
+    inner = {i: (comp, o, bind) for i, o in enumerate(op.operands)}
+    return _expr(ops, roots, callee, roots.get(callee, ''), inner, depth + 1)
+  return op.op, [_value(ops, comp, o, bind, depth + 1) for o in op.operands], op.attrs
 
-  compare = expr(cond, roots.get(cond, ''))
+
+def _value(ops, comp, name, bind=None, depth=0):
+  """('const', n), ('index', k) for element k of the loop computation's parameter, or None: the
+  only operands a countable loop's compare and step may have."""
+  op = ops[comp].get(name)
+  if op is None or depth > 16:
+    return None
+  if op.op == 'constant':
+    return ('const', int(op.literal)) if re.fullmatch(r'-?\d+', op.literal) else None
+  if op.op == 'parameter' and bind is not None:
+    outer = bind.get(int(op.literal)) if op.literal.isdigit() else None
+    return _value(ops, *outer, depth + 1) if outer else None
+  if op.op in ('copy', 'convert', 'bitcast', 'reshape') and op.operands:
+    return _value(ops, comp, op.operands[0], bind, depth + 1)
+  if op.op == 'get-tuple-element' and op.operands and bind is None:
+    source = ops[comp].get(op.operands[0])
+    index = re.search(r'index=(\d+)', op.attrs)
+    if source is not None and source.op == 'parameter' and index:
+      return ('index', int(index.group(1)))
+  return None
+
+
+def _loop_test(ops, roots, cond: str) -> tuple[int, int, str] | None:
+  """(counter's tuple index, constant limit, direction) of the condition's compare, written as
+  `counter <direction> limit`; None when the condition is no such compare."""
+  compare = _expr(ops, roots, cond, roots.get(cond, ''))
   direction = re.search(r'direction=(\w+)', compare[2]) if compare else None
   if not direction or compare[0] != 'compare' or len(compare[1]) != 2:
     return None
@@ -101,15 +102,21 @@ def trip_count(ops, roots, caller: str, init: str, cond: str, body: str) -> int 
     lhs, rhs, direction = rhs, lhs, _FLIP[direction]
   if not (lhs and rhs and lhs[0] == 'index' and rhs[0] == 'const'):
     return None
-  index, limit = lhs[1], rhs[1]
+  return lhs[1], rhs[1], direction
+
+
+def _counter_start_step(ops, roots, caller: str, init: str, body: str,
+                        index: int) -> tuple[int, int] | None:
+  """(start, step) of the counter at `index`: a constant in the loop's initial tuple and a
+  constant added or subtracted in the body; None when either is not."""
   start_tuple = ops[caller].get(init)
   body_tuple = ops[body].get(roots.get(body, ''))
   if (start_tuple is None or start_tuple.op != 'tuple' or body_tuple is None
       or body_tuple.op != 'tuple' or index >= min(len(start_tuple.operands),
                                                   len(body_tuple.operands))):
     return None
-  start = value(caller, start_tuple.operands[index])
-  update = expr(body, body_tuple.operands[index])
+  start = _value(ops, caller, start_tuple.operands[index])
+  update = _expr(ops, roots, body, body_tuple.operands[index])
   if not (start and start[0] == 'const' and update and update[0] in ('add', 'subtract')
           and len(update[1]) == 2):
     return None
@@ -118,7 +125,12 @@ def trip_count(ops, roots, caller: str, init: str, cond: str, body: str) -> int 
     terms = terms[::-1]
   if terms[0] != ('index', index) or not terms[1] or terms[1][0] != 'const':
     return None
-  start, step = start[1], terms[1][1] * (-1 if update[0] == 'subtract' else 1)
+  return start[1], terms[1][1] * (-1 if update[0] == 'subtract' else 1)
+
+
+def _iterations(start: int, limit: int, step: int, direction: str) -> int | None:
+  """How often `counter <direction> limit` holds as the counter goes from start by step; None
+  when it need not end (or ends only by overflow)."""
   if direction in ('GT', 'GE'):  # Counting down: mirror it.
     start, limit, step, direction = -start, -limit, -step, {'GT': 'LT', 'GE': 'LE'}[direction]
   if direction == 'LE':
@@ -130,3 +142,17 @@ def trip_count(ops, roots, caller: str, init: str, cond: str, body: str) -> int 
   return None
 
 
+def trip_count(ops, roots, caller: str, init: str, cond: str, body: str) -> int | None:
+  """Iterations of `while(init), condition=cond, body=body` called from `caller`, when its
+  counter starts at a constant, moves by a constant step and is compared with a constant
+  (XLA:CPU wraps the compare and the step in fusions; XLA:TPU leaves them bare); None when the
+  loop is not of that form (the caller must not guess a count for it)."""
+  test = _loop_test(ops, roots, cond)
+  if test is None:
+    return None
+  index, limit, direction = test
+  counter = _counter_start_step(ops, roots, caller, init, body, index)
+  if counter is None:
+    return None
+  start, step = counter
+  return _iterations(start, limit, step, direction)

@@ -165,7 +165,8 @@ def make_optimizer(model, lr, betas, weight_decay):
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
-def main(argv=None):
+def parse_args(argv=None):
+  """The model's shape and the run's settings from the command line (defaults: Shakespeare)."""
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--layers', type=int, default=4)
   parser.add_argument('--heads', type=int, default=4)
@@ -182,17 +183,12 @@ def main(argv=None):
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--lr', type=float, default=1e-3)
   parser.add_argument('--clip', type=float, default=1.0)
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
 
-  torch.set_num_threads(args.threads)
-  torch.manual_seed(args.seed)
-  np.random.seed(args.seed)
-  max_len = args.max_len if args.max_len > 0 else args.seq
 
-  model = GPT(args.vocab, args.layers, args.heads, args.width, args.mlp, max_len, tie=args.tie)
-  model.train()
-  num_params = sum(p.numel() for p in model.parameters())
-  optimizer = make_optimizer(model, args.lr, (0.9, 0.99), 0.1)
+def make_train_step(model, optimizer, args):
+  """One whole training step on a fresh random batch (forward, backward, clip, optimizer), so
+  that a timed step covers all of it; returns the step's loss."""
   batches = torch.Generator().manual_seed(args.seed + 1)
 
   def train_step():
@@ -206,10 +202,12 @@ def main(argv=None):
     optimizer.zero_grad(set_to_none=True)
     return loss
 
-  for _ in range(2):
-    train_step()
-  print('ready', flush=True)
+  return train_step
 
+
+def serve(train_step, num_params):
+  """The stdin / stdout protocol (see the module doc): `step N` runs and times N steps, `quit`
+  or end of input ends; returns the exit status (2 on an unknown command)."""
   for line in sys.stdin:
     words = line.split()
     if not words:
@@ -228,6 +226,26 @@ def main(argv=None):
     print(json.dumps({'step_ms': step_ms, 'loss': None if loss is None else float(loss.item()),
                       'params': num_params}), flush=True)
   return 0
+
+
+def main(argv=None):
+  """Builds the model and optimizer, warms up with two steps, says `ready`, then serves."""
+  args = parse_args(argv)
+  torch.set_num_threads(args.threads)
+  torch.manual_seed(args.seed)
+  np.random.seed(args.seed)
+  max_len = args.max_len if args.max_len > 0 else args.seq
+
+  model = GPT(args.vocab, args.layers, args.heads, args.width, args.mlp, max_len, tie=args.tie)
+  model.train()
+  num_params = sum(p.numel() for p in model.parameters())
+  optimizer = make_optimizer(model, args.lr, (0.9, 0.99), 0.1)
+  train_step = make_train_step(model, optimizer, args)
+
+  for _ in range(2):
+    train_step()
+  print('ready', flush=True)
+  return serve(train_step, num_params)
 
 
 if __name__ == '__main__':
