@@ -159,7 +159,8 @@ def parse_arg(arg: str | None, **defaults):
 
 
 def parse_run_arg(arg: str | None, steps: int, **extra):
-  """The experiment arguments every experiment takes: mode=, mesh=DxFxT, steps=N (+ extra)."""
+  """The experiment arguments every experiment takes: mode=, mesh=DxFxT[xC[xS]] (parse_mesh),
+  steps=N (+ extra)."""
   return parse_arg(arg, mode='auto', mesh='', steps=steps, **extra)
 
 

@@ -1,10 +1,11 @@
-"""Writes a run's latest checkpoint as a Hugging Face Llama checkpoint (engine/hf.py).
+"""Writes a run's latest checkpoint as a Hugging Face checkpoint (engine/hf.py writes the files;
+the model family's HFFormat, e.g. engine/models/llama_hf.py, names the tensors).
 
   python -m engine.export --workdir=/tmp/run --format=hf --out=/tmp/run_hf
 
 Reads WORKDIR/config.json, restores the newest intact checkpoint's parameters onto this
 machine's devices (any mesh it was trained on), and writes `config.json` and
-`model.safetensors` in Hugging Face's Llama layout, float32, head untied.
+`model.safetensors` in the family's Hugging Face layout (Llama: float32, head untied).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every read and write of the workdir goes through `etils.epath` (as Orbax's do), so a workdir may
 be a local path or a bucket URI such as gs://bucket/run (remote schemes need their filesystem
-package: gcsfs for gs://, see README). Local paths are made absolute; URIs are kept as given.
+package: gcsfs for gs://, see docs/training.md). Local paths are made absolute; URIs are kept as given.
 """
 
 from __future__ import annotations

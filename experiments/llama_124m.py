@@ -10,13 +10,29 @@ lr 6e-4 (warmup 200, cosine to 6e-5 at 5000 steps), weight decay 0.1 on matrices
 parameters: 75M in the 12 blocks (GPT-2 small's body) and 77M in the untied embedding table and
 output head; 0.80 GFLOP per token for training (ModelSpec.flops_per_token).
 
-Tokens: bytes until subword tokenizers exist (only ids 0-255 of the vocabulary occur), so the loss
-is per byte. Hardware: one or more accelerators (mesh=-1x1x1 is data parallel over all of them;
-use fsdp or tensor axes when memory needs it). Not yet measured on an accelerator: no loss or
+Tokens: bytes as given (data.tokenizer='byte': only ids 0-255 of the vocabulary occur, so the loss
+is per byte). For subword tokens, train a byte-level BPE tokenizer on the text, tokenize the text
+once into shards with it, and train on the shards (they carry their tokenizer, whatever
+data.tokenizer says):
+
+  python -m engine.data.train_tokenizer --input=../shared/data/tinyshakespeare.txt \
+      --vocab_size=2048 --out=/tmp/shakespeare_bpe.json
+  python -m engine.data.prepare --input=../shared/data/tinyshakespeare.txt --tokenizer=hf \
+      --tokenizer_path=/tmp/shakespeare_bpe.json --out=/tmp/shakespeare_shards
+  python -m engine.main --config=experiments/llama_124m.py:mesh=-1x1x1 \
+      --config.data.source=shards --config.data.shards=/tmp/shakespeare_shards \
+      --workdir=/tmp/llama_124m_bpe
+
+The vocabulary stays 50,304 rows, which holds any tokenizer of up to that many ids;
+--config.model.vocab_size=-1 sizes it to the tokenizer's instead (rounded up to a multiple of
+model.vocab_multiple).
+
+Hardware: one or more accelerators (mesh=-1x1x1 is data parallel over all of them; use fsdp or
+tensor axes when memory needs it). Not yet measured on an accelerator: no loss or
 tokens/s are claimed here. On the 2-core CPU machine it compiles and trains but at a few hundred
 tokens/s (use experiments/shakespeare_char.py there).
 
-Arguments (comma separated): mode=auto|manual, mesh=DxFxT, steps=N.
+Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS]], steps=N.
 """
 
 from engine.config import apply_run_args, default_config, parse_run_arg

@@ -1,6 +1,6 @@
 """Bad input to `python -m engine.main`: each row of BAD_INPUTS is something a user could type,
 with the exit status and the one line, `error: ...`, that it gets: no traceback, nothing
-written, nothing compiled. README.md's "Bad input" section lists the same rows.
+written, nothing compiled. docs/bad_inputs.md lists the same rows, in a table this file prints.
 
 The rows run inside this process (engine.main.run parses the flags afresh each time), on the 8
 simulated CPU devices of conftest.py, and no XLA compile may happen before the error; two of them
@@ -23,7 +23,7 @@ from engine.config import ConfigError
 pytestmark = pytest.mark.filterwarnings('ignore:the load_module.. method is deprecated')
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, 'README.md')
+BAD_INPUTS_DOC = os.path.join(ROOT, 'docs', 'bad_inputs.md')
 
 TINY = '--config=experiments/tiny.py'
 RUN = '--workdir=$T/run'
@@ -95,8 +95,9 @@ BAD_INPUTS = [
      '--config=experiments/tiny.py:steps=abc: experiment argument steps=abc is not an integer; '
      'give one, e.g. steps=600.'),
     (['--config=experiments/tiny.py:mesh=2x2', RUN], 2, '--config=experiments/tiny.py:mesh=2x2: '
-     'mesh=2x2 is not DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], integers joined by x; give e.g. '
-     'mesh=2x2x2 or mesh=2x1x1x2x2 (-1: the devices the other axes leave, e.g. mesh=-1x1x2).'),
+     'mesh=2x2: a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], 3 to 5 integers joined by x (axes '
+     'not given are 1); e.g. 2x2x2, or 2x1x1x2x2 for context 2 and stage 2 (-1: the devices the '
+     'other axes leave, e.g. -1x1x2).'),
     # Overrides: keys and types.
     ([TINY, RUN, '--config.model.num_layerz=3'], 2, '--config.model.num_layerz=3: the config has '
      'no key model.num_layerz (did you mean model.num_layers?); the keys and their defaults are in '
@@ -342,31 +343,31 @@ def test_debug_shows_the_traceback_instead(tmp_path, monkeypatch):
 def test_rows_are_distinct():
   argvs = [tuple(row[0]) for row in BAD_INPUTS]
   assert len(set(argvs)) == len(argvs) >= 42
-  assert not any(' ' in arg for argv in argvs for arg in argv)  # The README joins them by spaces.
+  assert not any(' ' in arg for argv in argvs for arg in argv)  # The table joins them by spaces.
 
 
-# The README's table: `argv` | exit status | `message`, one row per BAD_INPUTS row, in order.
+# docs/bad_inputs.md's table: `argv` | exit status | `message`, one row per BAD_INPUTS row, in
+# order.
 
 def _cell(text: str) -> str:
   escaped = text.replace('|', r'\|')  # A | inside a table cell, even in code, is escaped.
   return f'`{escaped}`'
 
 
-def readme_table() -> str:
-  """The table README.md's "Bad input" section holds (print it with `python -m
-  tests.test_bad_inputs` after changing BAD_INPUTS)."""
+def bad_inputs_table() -> str:
+  """The table docs/bad_inputs.md holds (print it with `python -m tests.test_bad_inputs` after
+  changing BAD_INPUTS)."""
   lines = ['| given (after `python -m engine.main`) | exit | the `error:` line |', '|---|---|---|']
   lines += [f'| {_cell(" ".join(argv))} | {code} | {_cell(message)} |'
             for argv, code, message in BAD_INPUTS]
   return '\n'.join(lines)
 
 
-def _readme_rows() -> list:
-  with open(README) as f:
+def _doc_rows() -> list:
+  with open(BAD_INPUTS_DOC) as f:
     text = f.read()
-  section = text.split('\n## Bad input\n', 1)[1].split('\n## ', 1)[0]
   rows = []
-  for line in section.splitlines():
+  for line in text.splitlines():
     if not line.startswith('|') or line.startswith('|---') or line.startswith('| given'):
       continue
     cells = [c.strip() for c in re.split(r'(?<!\\)\|', line)[1:-1]]
@@ -376,11 +377,11 @@ def _readme_rows() -> list:
   return rows
 
 
-def test_the_readme_table_lists_every_row():
-  assert _readme_rows() == [(list(argv), code, message) for argv, code, message in BAD_INPUTS], (
-      'README.md\'s "Bad input" table differs from BAD_INPUTS; the table that matches:\n' +
-      readme_table())
+def test_the_docs_table_lists_every_row():
+  assert _doc_rows() == [(list(argv), code, message) for argv, code, message in BAD_INPUTS], (
+      'docs/bad_inputs.md\'s table differs from BAD_INPUTS; the table that matches:\n' +
+      bad_inputs_table())
 
 
 if __name__ == '__main__':
-  print(readme_table())
+  print(bad_inputs_table())

@@ -3,6 +3,7 @@ imports them.
 
   reference.py       the single-device computation every layout must reproduce
   collectives.py     counts the collectives of a compiled step by kind and mesh axes
+  hlo_loops.py       reads the trip counts of compiled loops that do not record them (TPU)
   comm_theory.py     the bytes a layout should move, from the model's spec and the rules
   benchmark.py       step time, FLOP/s, memory and collectives of modes x meshes, interleaved
                      in one run (command: python -m engine.bench)
@@ -11,4 +12,5 @@ imports them.
   compare.py         auto against manual against the reference: numerics, speed, memory, bytes
   compare_report.py  the comparison as Markdown, JSON and plots
   show_layout.py     prints where every parameter and the batch live on the mesh
+  bubble.py          measures a pipeline's bubble from step times at several micro-batch counts
 """

@@ -114,7 +114,7 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
 def run_interleaved(config, corpus: data.Corpus, train_setup: TrainSetup, modes: list[str],
                     num_steps: int, warmup: int = 2,
                     observe: Callable | None = None) -> list[ModeRun]:
-  """`run_variants` for several modes on one setup (engine.train.setup(config))."""
+  """`run_variants` for several modes on one setup (engine.assemble)."""
   return run_variants(config, corpus, [(mode, train_setup) for mode in modes], num_steps,
                       warmup, observe)
 

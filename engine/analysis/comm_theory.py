@@ -3,7 +3,7 @@
 It reads only the model's spec (engine/models/spec.py: width, depth, the dimensions its
 row-parallel matmuls contract) and the parameter table, never a parameter's name.
 
-Units match engine.collectives: bytes of each collective's result on one device, summed over
+Units match engine.analysis.collectives: bytes of each collective's result on one device, summed over
 its executions in one step. Keys are (kind, mesh axes).
 
 - Data parallel: one all-reduce of every gradient over the batch axes its parameter is

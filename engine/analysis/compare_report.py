@@ -1,4 +1,4 @@
-"""Renders a comparison (engine.compare) as Markdown, JSON and PNG plots in its workdir."""
+"""Renders a comparison (engine.analysis.compare) as Markdown, JSON and PNG plots in its workdir."""
 
 from __future__ import annotations
 

@@ -8,10 +8,15 @@
 
 Inputs (--input, repeatable): text files, directories of them (every file, recursively, in name
 order), or `embedded` (the standard library's modules). Each file is a document; a document
-longer than --piece_bytes is tokenized in pieces cut after a newline (subword merges never cross
-a piece boundary there). Pieces are tokenized by --processes worker processes, in order; each
-document is preceded by the tokenizer's beginning-of-text token and followed by its end-of-text
-token, where it has them. A progress line goes to the log.
+longer than `piece_bytes` (an argument of `prepare()`, 1 << 20 by default, counted in characters,
+which are bytes for ASCII text; no flag sets it) is tokenized in pieces, each cut after the last
+newline within that length, or at the length where there is none (subword merges never cross a
+piece boundary). Pieces are tokenized by --processes worker processes (0, the default: one per
+core), in order; each document is preceded by the tokenizer's beginning-of-text token and
+followed by its end-of-text token, where it has them. --tokenizer is byte, hf or sentencepiece
+(a character vocabulary is fitted to one corpus in memory, so it cannot write shards). A
+progress line goes to the log, and the last line printed gives the tokens, documents, shards and
+tokens/s.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from engine.data import sources
 from engine.data import shards
 from engine.data import tokenizers as tokenizer_lib
 from engine.config import ConfigError
-from engine.cli import fail
+from engine.cli import run_command
 
 _TOKENIZER = None  # Each worker process's own.
 
@@ -94,26 +99,23 @@ def prepare(inputs: list[str], kind: str, path: str, out: str, processes: int = 
 
 
 def main():
-  inputs = flags.DEFINE_multi_string('input', None, 'Text file, directory, or "embedded".')
+  inputs = flags.DEFINE_multi_string('input', None, 'Text file, directory, or "embedded"; '
+                                     'repeatable.')
   kind = flags.DEFINE_enum('tokenizer', 'hf', ['byte', 'hf', 'sentencepiece'], 'Tokenizer kind.')
   path = flags.DEFINE_string('tokenizer_path', '', 'tokenizer.json (hf) or .model file.')
   out = flags.DEFINE_string('out', None, 'Directory to write the shards and meta.json to.')
   processes = flags.DEFINE_integer('processes', 0, 'Tokenizing processes (0: one per core).')
   record_tokens = flags.DEFINE_integer('record_tokens', 4096, 'Tokens per record.')
   records_per_shard = flags.DEFINE_integer('records_per_shard', 1024, 'Records per shard file.')
-  flags.mark_flags_as_required(['input', 'out'])
 
   def run(argv):
     del argv
-    try:
-      meta = prepare(inputs.value, kind.value, path.value, out.value, processes.value,
-                     record_tokens.value, records_per_shard.value)
-    except ConfigError as e:
-      fail(str(e))
+    meta = prepare(inputs.value, kind.value, path.value, out.value, processes.value,
+                   record_tokens.value, records_per_shard.value)
     print(f'{out.value}: {meta["num_tokens"]} tokens from {meta["num_documents"]} documents in '
           f'{len(meta["shards"])} shards, {meta["num_tokens"] / meta["seconds"]:,.0f} tokens/s')
 
-  app.run(run)
+  run_command(run, 'engine.data.prepare', required=('input', 'out'))
 
 
 if __name__ == '__main__':

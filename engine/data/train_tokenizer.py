@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from engine.data import sources
 from engine.config import ConfigError
-from engine.cli import fail
+from engine.cli import run_command
 
 END_OF_TEXT = '<|endoftext|>'
 
@@ -45,21 +45,17 @@ def main():
                                '"embedded" (the engine\'s built-in corpus).')
   vocab_size = flags.DEFINE_integer('vocab_size', 4096, 'Vocabulary size, special token included.')
   out = flags.DEFINE_string('out', None, 'Where to write the tokenizer.json.')
-  flags.mark_flags_as_required(['out'])
 
   def run(argv):
     del argv
     start = time.perf_counter()
-    try:
-      documents = list(sources.documents(source.value))
-      tokenizer = train(documents, vocab_size.value, out.value)
-    except ConfigError as e:
-      fail(str(e))
+    documents = list(sources.documents(source.value))
+    tokenizer = train(documents, vocab_size.value, out.value)
     logging.info('Trained on %d documents (%.1f MB) in %.1f s', len(documents),
                  sum(map(len, documents)) / 1e6, time.perf_counter() - start)
     print(f'Wrote {out.value}: vocabulary {tokenizer.get_vocab_size()}')
 
-  app.run(run)
+  run_command(run, 'engine.data.train_tokenizer', required=('out',))
 
 
 if __name__ == '__main__':

@@ -209,99 +209,115 @@ class ManualOps(LocalOps):
     return (jnp.log(sum_exp_BL) + max_BL - target_logit_BL).mean()
 
 
-def build_steps(setup: TrainSetup) -> Steps:
-  # With pipeline stages the micro-batches feed the schedule (ops.stack); gradients are taken
-  # once for the whole batch.
-  pipelined = bool(setup.rules.mesh_axes('layers'))
-  microbatches = 1 if pipelined else setup.options.microbatches
-  # Where the backward pass runs each layer more than once (micro-batches accumulated, or the
-  # pipeline's iterations), gradients are synchronised after it, once, not in it.
-  sync_after = microbatches > 1 or pipelined
-  ops = ManualOps(setup, average_in_backward=not sync_after)
-  state_specs = setup.state_specs()
-  param_specs = state_specs['params']
-  batch_spec = setup.batch_sharding().spec
-  batch_axes = ops.batch_axes
-  reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
-  gathers = any(setup.rules.gather_axes(name) for p in setup.parameters()
-                for name in p.logical_axes)
+class _Gradients:
+  """The manual step's loss and gradients on local shards, synchronised one of three ways:
+  averaged inside the backward pass (one micro-batch, no pipeline), or once after it
+  (micro-batches accumulated, or the pipeline's iterations), with FSDP weights gathered once per
+  step when there are micro-batches to accumulate."""
 
-  def map_param_values(tree, fn):
+  def __init__(self, setup: TrainSetup):
+    self.setup = setup
+    # With pipeline stages the micro-batches feed the schedule (ops.stack); gradients are taken
+    # once for the whole batch.
+    pipelined = bool(setup.rules.mesh_axes('layers'))
+    self.microbatches = 1 if pipelined else setup.options.microbatches
+    # Where the backward pass runs each layer more than once (micro-batches accumulated, or the
+    # pipeline's iterations), gradients are synchronised after it, once, not in it.
+    self.sync_after = self.microbatches > 1 or pipelined
+    self.ops = ManualOps(setup, average_in_backward=not self.sync_after)
+    self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
+    self.gathers = any(setup.rules.gather_axes(name) for p in setup.parameters()
+                       for name in p.logical_axes)
+
+  def map_param_values(self, tree, fn):
     """fn(value, logical axes) on a tree laid out like the parameters."""
-    module = map_params(nnx.merge(setup.graphdef, tree), fn)
+    module = map_params(nnx.merge(self.setup.graphdef, tree), fn)
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
-  def average(grads):
+  def average(self, grads):
     """Each gradient's pmean over the batch axes, after the backward pass (micro-batches)."""
-    return map_param_values(grads, lambda g, axes: _average_over_batch(
-        g, *ops.batch_reduction(axes), reduce_dtype))
+    return self.map_param_values(grads, lambda g, axes: _average_over_batch(
+        g, *self.ops.batch_reduction(axes), self.reduce_dtype))
 
-  def local_loss(params, tokens_BL1, ops=ops):
-    return next_token_loss(params, setup.graphdef, tokens_BL1, ops)
+  def local_loss(self, params, tokens_BL1, ops=None):
+    return next_token_loss(params, self.setup.graphdef, tokens_BL1, ops or self.ops)
 
-  def local_gradients(params, tokens_BL1):
+  def local_gradients(self, params, tokens_BL1):
     """One micro-batch: `ops` averages each gradient inside the backward pass."""
-    return jax.value_and_grad(local_loss)(params, tokens_BL1)
+    return jax.value_and_grad(self.local_loss)(params, tokens_BL1)
 
-  def accumulated_gradients(params, tokens_BL1):
+  def accumulated_gradients(self, params, tokens_BL1):
     """Gradients w.r.t. a local copy of each parameter (gathered ones arrive reduce-scattered
     by the gathers' transposes, once per micro-batch), then one pmean over the batch axes."""
-    local_params = map_param_values(params, lambda p, axes: _cast_to_varying(
-        p, ops.batch_reduction(axes)[0]))
-    loss, grads = accumulate_gradients(jax.value_and_grad(local_loss), local_params,
-                                       tokens_BL1, microbatches)
-    return loss, average(grads)
+    local_params = self.map_param_values(params, lambda p, axes: _cast_to_varying(
+        p, self.ops.batch_reduction(axes)[0]))
+    loss, grads = accumulate_gradients(jax.value_and_grad(self.local_loss), local_params,
+                                       tokens_BL1, self.microbatches)
+    return loss, self.average(grads)
 
-  def gradients_gathered_once(params, tokens_BL1):
+  def gradients_gathered_once(self, params, tokens_BL1):
     """Micro-batches under FSDP: every split weight is gathered once for the whole step and the
     gradients w.r.t. the gathered copies accumulate locally, so each is reduce-scattered (and
     averaged) once per optimizer step rather than once per micro-batch. The price is ZeRO-2
     memory: whole weights and whole gradients on every device during the step."""
-    whole = map_param_values(params, ops.gathered)
+    whole = self.map_param_values(params, self.ops.gathered)
     # all_gather leaves its result typed as varying over the gathered axes; cast over the other
     # batch axes too, so the gradients w.r.t. these copies stay local.
-    whole = map_param_values(whole, lambda w, axes: _cast_to_varying(
-        w, ops.batch_reduction(axes)[0]))
-    pregathered = ManualOps(setup, gather=False)
+    whole = self.map_param_values(whole, lambda w, axes: _cast_to_varying(
+        w, self.ops.batch_reduction(axes)[0]))
+    pregathered = ManualOps(self.setup, gather=False)
     loss, grads = accumulate_gradients(
-        jax.value_and_grad(lambda p, t: local_loss(p, t, pregathered)), whole, tokens_BL1,
-        microbatches)
-    return loss, average(map_param_values(grads, ops.scattered))
+        jax.value_and_grad(lambda p, t: self.local_loss(p, t, pregathered)), whole, tokens_BL1,
+        self.microbatches)
+    return loss, self.average(self.map_param_values(grads, self.ops.scattered))
 
-  def gradients(params, tokens_BL1):
-    if not sync_after:
-      grads_fn = local_gradients
+  def __call__(self, params, tokens_BL1):
+    """(mean loss over the global batch, synchronised gradients)."""
+    if not self.sync_after:
+      grads_fn = self.local_gradients
     else:
-      grads_fn = gradients_gathered_once if gathers else accumulated_gradients
+      grads_fn = self.gradients_gathered_once if self.gathers else self.accumulated_gradients
     loss, grads = grads_fn(params, tokens_BL1)
-    return jax.lax.pmean(loss, batch_axes) if batch_axes else loss, grads
+    return self.batch_mean(loss), grads
 
-  def global_norm(grads):
+  def batch_mean(self, loss):
+    batch_axes = self.ops.batch_axes
+    return jax.lax.pmean(loss, batch_axes) if batch_axes else loss
+
+  def global_norm(self, grads):
     # Each shard's squared norm is summed over the axes that split that parameter.
     squares = jax.tree.map(
         lambda g, spec: _psum_if(jnp.sum(jnp.square(g.astype(jnp.float32))), spec_axes(spec)),
-        grads, param_specs)
+        grads, self.setup.state_specs()['params'])
     return jnp.sqrt(sum(jax.tree.leaves(squares)))
+
+
+def _shard_mapped(setup: TrainSetup, fn, in_specs, out_specs, donate=False):
+  """fn on local shards inside shard_map, jitted with the matching global shardings."""
+  return jax.jit(jax.shard_map(fn, mesh=setup.mesh, in_specs=in_specs, out_specs=out_specs),
+                 in_shardings=named(setup.mesh, in_specs),
+                 out_shardings=named(setup.mesh, out_specs),
+                 donate_argnums=0 if donate else ())
+
+
+def build_steps(setup: TrainSetup) -> Steps:
+  gradients = _Gradients(setup)
+  state_specs = setup.state_specs()
+  param_specs = state_specs['params']
+  batch_spec = setup.batch_sharding().spec
 
   def train_step(state, tokens_BL1):
     loss, grads = gradients(state['params'], tokens_BL1)
-    return apply_update(setup, state, loss, grads, global_norm(grads))
+    return apply_update(setup, state, loss, grads, gradients.global_norm(grads))
 
   def eval_step(params, tokens_BL1):
-    loss = local_loss(params, tokens_BL1)
-    return jax.lax.pmean(loss, batch_axes) if batch_axes else loss
-
-  def shard_mapped(fn, in_specs, out_specs, donate=False):
-    """fn on local shards inside shard_map, jitted with the matching global shardings."""
-    return jax.jit(jax.shard_map(fn, mesh=setup.mesh, in_specs=in_specs, out_specs=out_specs),
-                   in_shardings=named(setup.mesh, in_specs),
-                   out_shardings=named(setup.mesh, out_specs),
-                   donate_argnums=0 if donate else ())
+    return gradients.batch_mean(gradients.local_loss(params, tokens_BL1))
 
   return Steps(
-      train=shard_mapped(train_step, (state_specs, batch_spec), (state_specs, P()), donate=True),
-      eval=shard_mapped(eval_step, (param_specs, batch_spec), P()),
-      gradients=shard_mapped(gradients, (param_specs, batch_spec), (P(), param_specs)))
+      train=_shard_mapped(setup, train_step, (state_specs, batch_spec), (state_specs, P()),
+                          donate=True),
+      eval=_shard_mapped(setup, eval_step, (param_specs, batch_spec), P()),
+      gradients=_shard_mapped(setup, gradients, (param_specs, batch_spec), (P(), param_specs)))
 
 
 def _averaged_in_backward(param, replicated_axes, scatter_factor, reduce_dtype):
