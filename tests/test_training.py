@@ -13,7 +13,7 @@ import pytest
 from engine import data, parallel
 from engine.analysis.reference import ReferenceRun
 from engine.checkpoint import Checkpointer
-from engine.assemble import assemble
+from engine.assemble import assemble, lay_out
 from engine.finiteness import NonFiniteError
 from engine.train import train
 from tests.helpers import single_device_run, tiny_config, train_batches
@@ -91,31 +91,125 @@ def test_a_step_that_is_not_finite_stops_the_run_and_is_never_saved(
   assert not [p for p in os.listdir(tmp_path / 'checkpoints') if 'tmp' in p]
 
 
-def test_skip_nonfinite_steps_keeps_the_state_and_counts_them(monkeypatch, tmp_path):
-  """With train.skip_nonfinite_steps, a step whose gradients are NaN changes nothing and the run
-  goes on; one more in a row than allowed stops it as before."""
+# The poison: a batch holding this token. The synthetic corpus's 32-letter alphabet has no NUL.
+SENTINEL = 0
+
+
+def _nan_loss_where_poisoned(monkeypatch) -> None:
+  """Both modes' loss (so every gradient) is NaN on a device whose rows of the batch hold
+  SENTINEL; in manual mode the other devices learn of it only through the collectives."""
   from engine.parallel import auto, manual
   for module in (auto, manual):
-    def poisoned(setup, state, loss, grads, grad_norm, original=module.apply_update):
-      bad = (state['step'] + 1 == 3) | (state['step'] + 1 >= 5)  # Steps 3, 5, 6, ...
-      nan = jnp.where(bad, jnp.nan, 1.0)
-      return original(setup, state, loss * nan, jax.tree.map(lambda g: g * nan, grads),
-                      grad_norm * nan)
-    monkeypatch.setattr(module, 'apply_update', poisoned)
+    def loss(params, graphdef, tokens_BL1, ops, original=module.next_token_loss):
+      poisoned = jnp.any(tokens_BL1 == SENTINEL)
+      return original(params, graphdef, tokens_BL1, ops) * jnp.where(poisoned, jnp.nan, 1.0)
+    monkeypatch.setattr(module, 'next_token_loss', loss)
+
+
+def _poisoned(batch: np.ndarray) -> np.ndarray:
+  """The batch with SENTINEL in its first row only: on 2x2x2 only devices 0 and 1 hold it."""
+  assert not (batch == SENTINEL).any()
+  batch = batch.copy()
+  batch[0, 0] = SENTINEL
+  return batch
+
+
+class _PoisonedIterator:
+  """The engine's train iterator, whose batches of `steps` (1-based, from a fresh start) are
+  poisoned."""
+
+  def __init__(self, iterator, steps):
+    self.iterator, self.steps, self.step = iterator, steps, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    batch = next(self.iterator)
+    self.step += 1
+    return _poisoned(batch) if self.step in self.steps else batch
+
+  def get_state(self):
+    return self.iterator.get_state()
+
+  def set_state(self, state):
+    self.iterator.set_state(state)
+
+
+def test_skip_nonfinite_steps_skips_exactly_the_poisoned_steps(monkeypatch, tmp_path):
+  """With train.skip_nonfinite_steps=2 the loop skips exactly the steps whose batch was
+  poisoned, up to 2 in a row (a finite step resets the count); a third in a row stops the run
+  unsaved."""
+  import engine.train as train_module
+  _nan_loss_where_poisoned(monkeypatch)
+  monkeypatch.setattr(data, 'train_iterator', lambda *args, original=data.train_iterator:
+                      _PoisonedIterator(original(*args), {2, 4, 5, 6}))
+  results = []  # The run raises; its TrainResult is caught as it is made.
+
+  class RecordedResult(train_module.TrainResult):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      results.append(self)
+
+  monkeypatch.setattr(train_module, 'TrainResult', RecordedResult)
   config = _resumable_config((2, 2, 2), 6)
   config.parallelism.mode = 'manual'
-  config.train.skip_nonfinite_steps = 1
+  config.train.skip_nonfinite_steps = 2
   with pytest.raises(NonFiniteError, match='Step 6: the train loss is nan'):
     train(config, str(tmp_path))
-  # Steps 3 and 5 were skipped (one in a row each time); step 6 was the second in a row, so it
-  # stopped the run unsaved. Checkpoints 2 and 4 were written.
+  [result] = results
+  assert result.skipped_steps == [2, 4, 5]
+  # Checkpoints 2 and 4 (skipped steps leave a finite state, which is saved); step 6 stopped
+  # the run before anything of it was saved.
   checkpointer = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3)
   assert checkpointer.latest_step() == 4
   checkpointer.close()
   lines = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
-  assert [l['step'] for l in lines if 'train/loss' in l and np.isnan(l['train/loss'])] == [3, 5]
-  # The skipped steps left the parameters finite: step 4 (after skipped 3) trained normally.
-  assert np.isfinite([l['train/loss'] for l in lines if l['step'] == 4 and 'train/loss' in l])
+  losses = {l['step']: l['train/loss'] for l in lines if 'train/loss' in l}
+  assert sorted(losses) == [1, 2, 3, 4, 5]
+  assert [step for step, loss in losses.items() if not np.isfinite(loss)] == [2, 4, 5]
+
+
+def _per_device(tree) -> list[tuple[str, int, bytes]]:
+  """(path, device, bytes) of every shard of every leaf: each device's copy, bit for bit."""
+  return [(jax.tree_util.keystr(path), shard.device.id, np.asarray(shard.data).tobytes())
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+          for shard in leaf.addressable_shards]
+
+
+def test_a_skipped_step_keeps_parameters_and_optimizer_state_bit_for_bit(monkeypatch):
+  """The compiled manual step (skip_nonfinite on) on 4 batches, the 2nd and 3rd poisoned in one
+  row (so on 2 of the 8 devices): after each poisoned step every device's parameters and
+  optimizer state are bit-for-bit those before it, and only the step counter moved; the finite
+  steps 1 and 4 change every parameter and every optimizer state leaf."""
+  _nan_loss_where_poisoned(monkeypatch)
+  config = tiny_config(mesh=(2, 2, 2), steps=4)
+  config.train.skip_nonfinite_steps = 1
+  corpus, batches = train_batches(config)
+  train_setup = lay_out(config, corpus.tokenizer.vocab_size)
+  assert train_setup.options.skip_nonfinite
+  train_step = parallel.STEP_BUILDERS['manual'](train_setup).train
+  state, _ = train_setup.init(config.seed)
+  sharding = train_setup.batch_sharding()
+  poisoned = {2, 3}
+  kept = lambda s: _per_device({'params': s['params'], 'opt_state': s['opt_state']})
+  for step in range(1, 5):
+    before = kept(state)  # Host copies: the step donates `state`.
+    batch = _poisoned(batches[step - 1]) if step in poisoned else batches[step - 1]
+    state, metrics = train_step(state, jax.device_put(batch, sharding))
+    after = kept(state)
+    finite = [np.isfinite(float(metrics[k])) for k in ('loss', 'grad_norm')]
+    assert int(state['step']) == step  # The counter counts every step, skipped or not.
+    assert [(path, device) for path, device, _ in after] == [(p, d) for p, d, _ in before]
+    changed = {path for (path, _, a), (_, _, b) in zip(after, before) if a != b}
+    if step in poisoned:
+      assert finite == [False, False], step
+      assert not changed, (step, sorted(changed))
+    else:
+      assert finite == [True, True], step
+      assert changed == {path for path, _, _ in after}, step  # Every leaf moved.
+      assert all(np.isfinite(np.frombuffer(a, np.float32)).all()
+                 for path, _, a in after if 'count' not in path)
 
 
 @pytest.fixture(scope='module')

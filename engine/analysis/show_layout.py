@@ -32,8 +32,11 @@ def visualize(shape, named_sharding: NamedSharding) -> None:
   split = [i for i, s in enumerate(spec) if s is not None][:2]
   rest = [i for i in reversed(range(len(shape))) if i not in split]
   dims = sorted(split + rest[:max(0, 2 - len(split))])
+  # visualize_sharding draws 25 x (width / height) columns at scale 1 on an 80-column console;
+  # wider, rich squeezes the cells and their labels vanish: scale the picture to 70 columns.
   jax.debug.visualize_sharding(tuple(shape[i] for i in dims),
-                               NamedSharding(named_sharding.mesh, P(*(spec[i] for i in dims))))
+                               NamedSharding(named_sharding.mesh, P(*(spec[i] for i in dims))),
+                               scale=min(1.0, 2.8 * shape[dims[0]] / shape[dims[-1]]))
 
 
 def main():
