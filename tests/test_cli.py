@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from engine.config import MESH_AXES
+from tests.test_platforms import TPU_NOISE, require_cpu_only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_OVERRIDES = ['--config.model.embed_dim=32', '--config.model.mlp_dim=64',
@@ -18,17 +19,24 @@ TINY_OVERRIDES = ['--config.model.embed_dim=32', '--config.model.mlp_dim=64',
 
 
 def _run(*args, devices=1):
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
+  # As a user runs it: no JAX_PLATFORMS (conftest sets it for this process), so the engine
+  # chooses the platform itself (engine/platforms.py).
+  env = dict(os.environ, XLA_FLAGS=(
       os.environ['XLA_FLAGS'] + f' --xla_force_host_platform_device_count={devices}'))
+  env.pop('JAX_PLATFORMS', None)
   return subprocess.run([sys.executable, '-m', 'engine.main', *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
 
 
 def test_main_runs_an_experiment_with_overrides(tmp_path):
+  """...and, on this CPU machine with the tpu extra installed, without a word from libtpu."""
+  require_cpu_only()
   proc = _run('--config=experiments/tiny.py:steps=3,mesh=2x1x2', f'--workdir={tmp_path}',
               *TINY_OVERRIDES, devices=4)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'step 3/3' in proc.stderr and 'per-device memory' in proc.stderr
+  noise = [line for line in proc.stderr.splitlines() if any(s in line for s in TPU_NOISE)]
+  assert not noise, noise
   saved = json.load(open(tmp_path / 'config.json'))
   assert saved['model']['embed_dim'] == 32
   assert (saved['mesh']['data'], saved['mesh']['fsdp'], saved['mesh']['tensor']) == (2, 1, 2)

@@ -63,7 +63,7 @@ def _env_without_jax_platforms(devices=1):
   return env
 
 
-def _require_cpu_only():
+def require_cpu_only():
   # The suite runs on CPU machines (README); on one with a TPU or an accelerator plugin these
   # two tests would prove nothing, so they fail rather than pass or skip.
   assert platforms.choose(None, platforms.tpu_visible(), platforms.installed_plugins()) == 'cpu', (
@@ -84,7 +84,7 @@ def test_import_engine_decides_without_importing_jax():
 
 
 def test_jax_imported_before_engine_gets_the_choice_through_its_config():
-  _require_cpu_only()
+  require_cpu_only()
   code = 'import jax, engine; print(jax.config.jax_platforms)'
   proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=_env_without_jax_platforms(),
                         capture_output=True, text=True, timeout=60)
@@ -92,15 +92,5 @@ def test_jax_imported_before_engine_gets_the_choice_through_its_config():
   assert proc.stdout.strip() == 'cpu'
 
 
-def test_a_cpu_run_without_jax_platforms_prints_no_tpu_noise(tmp_path):
-  _require_cpu_only()
-  proc = subprocess.run(
-      [sys.executable, '-m', 'engine.main', '--config=experiments/tiny.py:steps=1',
-       f'--workdir={tmp_path}', '--config.model.num_layers=1', '--config.model.embed_dim=32',
-       '--config.model.mlp_dim=64', '--config.data.embedded_max_bytes=100000',
-       '--config.train.eval_batches=1'],
-      cwd=ROOT, env=_env_without_jax_platforms(), capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert 'step 1/1' in proc.stderr
-  noise = [line for line in proc.stderr.splitlines() if any(s in line for s in TPU_NOISE)]
-  assert not noise, noise
+# A real run without JAX_PLATFORMS and without TPU noise: tests/test_cli.py
+# (test_main_runs_an_experiment_with_overrides).
