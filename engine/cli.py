@@ -17,10 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from absl import flags
+from absl import app, flags
 from ml_collections import ConfigDict
-
-from absl import app
 
 from engine import config as config_lib
 from engine.checkpoint import CheckpointError

@@ -51,17 +51,17 @@ def main():
     config = config_flag.value
     train_setup = assemble(config, reads=VOCABULARY).setup
     params = train_setup.parameters()
+    by_path = {p.path: p for p in params}
+    name = param_flag.value or max(params, key=lambda p: math.prod(p.shape)).path
+    if name not in by_path:  # Before anything is printed: the error is the only line.
+      raise config_lib.ConfigError(f'--param={name} is not a parameter; choose one of '
+                                   f'{sorted(by_path)}.')
     print(f'mesh {dict(train_setup.mesh.shape)}')
     for p in params:
       print(f'{p.path:28s} {str(p.shape):22s} {str(p.logical_axes):46s} {str(p.spec):38s} '
             f'{p.bytes_per_device:>10,d} B')
     total = sum(p.bytes_per_device for p in params)
     print(f'parameters per device: {total:,d} B; with AdamW moments: {3 * total:,d} B')
-    by_path = {p.path: p for p in params}
-    name = param_flag.value or max(params, key=lambda p: math.prod(p.shape)).path
-    if name not in by_path:
-      raise config_lib.ConfigError(f'--param={name} is not a parameter; choose one of '
-                                   f'{sorted(by_path)}.')
     chosen = by_path[name]
     print(f'\n{chosen.path} {chosen.shape} {chosen.spec}:')
     visualize(chosen.shape, NamedSharding(train_setup.mesh, chosen.spec))
