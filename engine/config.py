@@ -45,8 +45,28 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.norm_eps = 1e-5
   c.model.attention = 'einsum'  # einsum | dot_product_attention (jax.nn; cuDNN flash on GPUs)
   c.model.attention_scale_on = 'queries'  # Where 1/sqrt(head_dim) goes: queries | logits.
+  # Logits are multiplied by this before the softmax; -1: 1/sqrt(head_dim) (every attention path
+  # of both modes: einsum, dot_product_attention, ring attention, the generation cache).
+  c.model.attention_scale = -1.0
   c.model.num_kv_heads = -1  # Llama: key/value heads (grouped-query attention); -1: num_heads.
+  # Llama: the size of each head; -1: embed_dim / num_heads (Qwen3 and some Mistrals differ).
+  c.model.head_dim = -1
+  c.model.qkv_bias = False  # Llama: biases on the query / key / value projections (Qwen2).
+  c.model.qk_norm = False  # Llama: RMSNorm on each query and key head before rotary (Qwen3).
   c.model.rope_base = 10_000.0  # Llama: rotary position embedding base.
+  # Llama: rotary frequencies: default | linear (positions / rope_factor) | llama3 (Llama 3.1's
+  # wavelength-dependent scaling: rope_factor, the two freq factors, rope_original_max_len).
+  c.model.rope_type = 'default'
+  c.model.rope_factor = 1.0
+  c.model.rope_low_freq_factor = 1.0
+  c.model.rope_high_freq_factor = 4.0
+  c.model.rope_original_max_len = 8192
+  # Llama: attend only to this many most recent positions (Mistral); 0: all. The engine computes
+  # full causal attention, so a window shorter than the sequence is refused.
+  c.model.sliding_window = 0
+  # Llama: the Hugging Face architecture the model was loaded from and is exported as ('' : the
+  # family's own, LlamaForCausalLM); set by train.init_from=hf:DIR.
+  c.model.hf_architecture = ''
   # Compute dtype: float32 | bfloat16. Parameters and optimizer state stay float32; logits and
   # the loss are float32.
   c.model.dtype = 'float32'

@@ -42,25 +42,27 @@ def read_config(path: str) -> dict:
     return json.load(f)
 
 
-def format_of(hf: dict, where: str) -> tuple[str, HFFormat]:
-  """(model name, HFFormat) of the family a config.json describes."""
+def format_of(hf: dict, where: str) -> HFFormat:
+  """The HFFormat of the architecture a config.json names."""
   architectures = hf.get('architectures') or []
-  found = models.hf_format_of_architectures(architectures)
-  if found is None:
-    known = sorted(fmt.architecture for fmt in models.HF_FORMATS.values())
+  fmt = models.hf_format_of_architectures(architectures)
+  if fmt is None:
     raise ConfigError(f'{where}: model_type={hf.get("model_type")!r}, architectures='
-                      f'{architectures}; the engine loads {", ".join(known)} checkpoints.')
-  return found
+                      f'{architectures}; the engine loads {", ".join(sorted(models.HF_FORMATS))} '
+                      'checkpoints.')
+  return fmt
 
 
 def model_config(hf: dict, where: str) -> dict:
   """The engine's `model` settings for a Hugging Face config.json; ConfigError for anything
   the model family does not compute the same way."""
-  _, fmt = format_of(hf, where)
+  fmt = format_of(hf, where)
   try:
     return fmt.to_model_config(hf, where)
   except UnsupportedCheckpoint as e:
     raise ConfigError(str(e)) from None
+  except (KeyError, TypeError, ValueError) as e:
+    raise ConfigError(f'{where}: config.json lacks or garbles {e} for {fmt.architecture}.') from None
 
 
 def apply_model_config(config) -> None:
@@ -121,6 +123,9 @@ def _read_block(files: _Files, name: str, layout: str, index: tuple[slice, ...],
     block = files.read(name, (_span(h, shape[2]), d))
     block = block.reshape(h.stop - h.start, shape[2], -1)[:, k]
     return block.transpose(2, 0, 1)
+  if layout == 'heads_bias':  # Engine [H, K] from [H K].
+    h, k = index
+    return files.read(name, (_span(h, shape[1]),)).reshape(h.stop - h.start, shape[1])[:, k]
   assert layout == 'heads_in', layout  # Engine [H, K, D] from [D, H K].
   h, k, d = index
   block = files.read(name, (d, _span(h, shape[1])))
@@ -139,7 +144,7 @@ def by_path(params) -> dict[str, object]:
 
 def load_params(path: str, abstract_params):
   """The checkpoint's parameters, each created in the sharding `abstract_params` carries."""
-  _, fmt = format_of(read_config(path), f'train.init_from=hf:{path}')
+  fmt = format_of(read_config(path), f'train.init_from=hf:{path}')
   files = _Files(path)
   flat = by_path(abstract_params)
   unknown = set(flat) - {t.path for t in fmt.tensors}
@@ -148,6 +153,8 @@ def load_params(path: str, abstract_params):
                       f'{fmt.architecture} tensor maps to: {sorted(unknown)}.')
   loaded, tied = {}, False
   for tensor in fmt.tensors:
+    if tensor.path not in flat:
+      continue  # A tensor this model does not have (biases, q/k norms).
     target = flat[tensor.path]
     name, layout = tensor.name, tensor.layout
     if tensor.tied_to and not files.has(name):
@@ -189,6 +196,8 @@ def _hf_shape(layout: str, inner: tuple[int, ...]) -> tuple[int, ...]:
     return inner[::-1]
   if layout == 'heads_out':
     return (inner[1] * inner[2], inner[0])
+  if layout == 'heads_bias':
+    return (inner[0] * inner[1],)
   return (inner[2], inner[0] * inner[1])
 
 
@@ -200,6 +209,8 @@ def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
     return array.T
   if layout == 'heads_out':  # [D, H, K] -> [H K, D]
     return array.reshape(array.shape[0], -1).T
+  if layout == 'heads_bias':  # [H, K] -> [H K]
+    return array.reshape(-1)
   return array.reshape(-1, array.shape[-1]).T  # [H, K, D] -> [D, H K]
 
 
@@ -207,7 +218,7 @@ def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str)
   """Writes `config.json` and `model.safetensors` of the model family's Hugging Face format
   (params: engine '/'-paths -> host arrays; stacked parameters [L, ...], or grouped
   [R, L / R, ...]). Returns the tensor names written."""
-  fmt = models.HF_FORMATS[model_config.name]
+  fmt = models.hf_format_for(model_config)
   config = fmt.to_hf_config(model_config, vocab_size)
   tensors = {}
   for tensor in fmt.tensors:

@@ -11,14 +11,22 @@ from engine.models.hf_format import HFFormat
 from engine.models.spec import ModelSpec
 
 MODELS = {'gpt': gpt.build, 'llama': llama.build}
-HF_FORMATS = {'llama': llama_hf.FORMAT}
+# Hugging Face architecture -> its format; the first of a model's is what it exports by default.
+HF_FORMATS = {fmt.architecture: fmt for fmt in llama_hf.FORMATS}
 
 
 def build(model_config, vocab_size: int) -> ModelSpec:
   return MODELS[model_config.name](model_config, vocab_size)
 
 
-def hf_format_of_architectures(architectures) -> tuple[str, HFFormat] | None:
-  """(model name, format) of the family a config.json's `architectures` names, or None."""
-  return next(((name, fmt) for name, fmt in HF_FORMATS.items()
-               if fmt.architecture in (architectures or [])), None)
+def hf_format_of_architectures(architectures) -> HFFormat | None:
+  """The format a config.json's `architectures` names, or None."""
+  return next((HF_FORMATS[a] for a in architectures or [] if a in HF_FORMATS), None)
+
+
+def hf_format_for(model_config) -> HFFormat | None:
+  """The format a model exports as: the architecture it was loaded from (model.hf_architecture),
+  else its family's first; None for a model with no Hugging Face format."""
+  if model_config.get('hf_architecture'):
+    return HF_FORMATS.get(model_config.hf_architecture)
+  return next((fmt for fmt in HF_FORMATS.values() if fmt.model == model_config.name), None)

@@ -10,7 +10,11 @@ split out and stacked layers along leading axes):
   same       identical layout;
   linear     transposed: [out, in] -> [in, out];
   heads_out  [H K, D] -> [D, H, K] (a projection into heads);
-  heads_in   [D, H K] -> [H, K, D] (a projection out of heads).
+  heads_in   [D, H K] -> [H, K, D] (a projection out of heads);
+  heads_bias [H K] -> [H, K] (a bias on a projection into heads).
+A format lists every tensor any of its models may have; a model that lacks a parameter (no
+biases, no q/k norms) reads none of that entry's tensors, and a checkpoint tensor that no
+parameter of the model reads is an error.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-LAYOUTS = ('same', 'linear', 'heads_out', 'heads_in')
+LAYOUTS = ('same', 'linear', 'heads_out', 'heads_in', 'heads_bias')
 # Dimensions of one layer's engine array, by layout (stacked parameters have more in front).
-LAYER_NDIM = {'same': 1, 'linear': 2, 'heads_out': 3, 'heads_in': 3}
+LAYER_NDIM = {'same': 1, 'linear': 2, 'heads_out': 3, 'heads_in': 3, 'heads_bias': 2}
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -41,8 +45,9 @@ class HFTensor:
 
 @dataclasses.dataclass(frozen=True)
 class HFFormat:
-  """A model family's Hugging Face checkpoints."""
+  """A model family's Hugging Face checkpoints of one architecture."""
   architecture: str  # config.json's `architectures` entry, e.g. 'LlamaForCausalLM'.
+  model: str  # The engine model (model.name) that computes it.
   tensors: tuple[HFTensor, ...]
   # (config.json dict, where it came from) -> the engine's `model` settings; raises
   # UnsupportedCheckpoint (naming the key) for anything the family does not compute the same way.
