@@ -19,7 +19,7 @@ from ml_collections import ConfigDict
 from engine import models, parallel, sharding
 from engine.config import (DTYPES, SOURCES, TOKENIZERS, ConfigError, default_config,
                            resolve_mesh_shape)
-from engine.models import attention
+from engine.models import attention, llama
 
 
 def _unknown_keys(config: ConfigDict, schema: ConfigDict, prefix: str = '') -> list[str]:
@@ -148,16 +148,53 @@ def _check_model(model: ConfigDict) -> None:
     raise ConfigError(f'model.vocab_size={model.vocab_size} must be positive, or -1 to '
                       'take it from the tokenizer.')
   _require_non_negative(model, 'model', ['init_std'])
-  _require_divisible(model.embed_dim, 'model.embed_dim', model.num_heads, 'model.num_heads')
+  if model.attention_scale != -1 and not (math.isfinite(model.attention_scale) and
+                                          model.attention_scale > 0):
+    raise ConfigError(f'model.attention_scale={model.attention_scale} must be a positive number, '
+                      'or -1 for 1/sqrt(head_dim).')
+  _check_llama_keys(model)
+  if model.head_dim == -1:
+    _require_divisible(model.embed_dim, 'model.embed_dim', model.num_heads, 'model.num_heads')
+  elif model.head_dim <= 0:
+    raise ConfigError(f'model.head_dim={model.head_dim} must be positive, or -1 for '
+                      'model.embed_dim / model.num_heads.')
   kv_heads = model.num_kv_heads
   if kv_heads != -1 and (kv_heads <= 0 or model.num_heads % kv_heads):
     raise ConfigError(
         f'model.num_kv_heads={kv_heads} must divide model.num_heads={model.num_heads} '
         '(each key/value head serves a group of query heads), or be -1 for one per query head.')
-  if model.name == 'llama' and (model.embed_dim // model.num_heads) % 2:
+  head_dim = model.head_dim if model.head_dim > 0 else model.embed_dim // model.num_heads
+  if model.name == 'llama' and head_dim % 2:
+    what = ('model.head_dim' if model.head_dim > 0 else 'model.embed_dim / model.num_heads')
     raise ConfigError(
-        f'model.embed_dim / model.num_heads = {model.embed_dim // model.num_heads} '
-        'is odd; rotary embeddings rotate pairs of dimensions, so choose an even head size.')
+        f'{what} = {head_dim} is odd; rotary embeddings rotate pairs of dimensions, so choose '
+        'an even head size.')
+
+
+# Keys that only the Llama family reads, with their neutral values: another model refuses them.
+_LLAMA_ONLY = {'head_dim': -1, 'qkv_bias': False, 'qk_norm': False, 'rope_type': 'default',
+               'sliding_window': 0, 'hf_architecture': ''}
+
+
+def _check_llama_keys(model: ConfigDict) -> None:
+  """The rotary settings, and no Llama-only key set on a model that would ignore it."""
+  if model.name != 'llama':
+    changed = [k for k, neutral in _LLAMA_ONLY.items() if model[k] != neutral]
+    if changed:
+      raise ConfigError(f'model.{changed[0]}={model[changed[0]]!r} is read by the llama model '
+                        f'only; model.name={model.name!r} would ignore it: drop it.')
+    return
+  _choose(model, 'rope_type', 'model.rope_type', llama.ROPE_TYPES)
+  if model.rope_type != 'default':
+    _require_positive(model, 'model', ['rope_factor'])
+  if model.rope_type == 'llama3':
+    _require_positive(model, 'model', ['rope_low_freq_factor', 'rope_original_max_len'])
+    if not model.rope_high_freq_factor > model.rope_low_freq_factor:
+      raise ConfigError(f'model.rope_high_freq_factor={model.rope_high_freq_factor} must exceed '
+                        f'model.rope_low_freq_factor={model.rope_low_freq_factor} (llama3 '
+                        'interpolates between the two wavelengths).')
+  if model.sliding_window < 0:
+    raise ConfigError(f'model.sliding_window={model.sliding_window} must be >= 0 (0: none).')
 
 
 def _check_data(data: ConfigDict, model: ConfigDict) -> None:
@@ -183,10 +220,17 @@ def _check_data(data: ConfigDict, model: ConfigDict) -> None:
                                    'synthetic_tokens'])
   if not 0.0 < data.val_fraction < 1.0:
     raise ConfigError(f'data.val_fraction={data.val_fraction} must lie in (0, 1).')
-  if data.seq_len > model.max_len:
+  if 0 < model.sliding_window < data.seq_len:
     raise ConfigError(
-        f'data.seq_len={data.seq_len} exceeds model.max_len={model.max_len}; '
-        'raise model.max_len or shorten data.seq_len.')
+        f'model.sliding_window={model.sliding_window} is shorter than data.seq_len='
+        f'{data.seq_len}: the engine computes full causal attention, which differs from a '
+        f'sliding window once a sequence is longer than it; use data.seq_len <= '
+        f'{model.sliding_window}.')
+  if data.seq_len > model.max_len:
+    fix = ('raise model.max_len or shorten data.seq_len' if not model.hf_architecture else
+           "shorten data.seq_len (model.max_len is the checkpoint's max_position_embeddings)")
+    raise ConfigError(
+        f'data.seq_len={data.seq_len} exceeds model.max_len={model.max_len}; {fix}.')
 
 
 def _check_optim(optim: ConfigDict) -> None:

@@ -72,12 +72,13 @@ def test_rotary_rotates_pairs_by_position():
   """Rotate-half convention: dimension i pairs with i + K/2, angle position * base^(-i/(K/2)).
   Relative positions: the product of a rotated query and key depends only on their distance."""
   x = jax.random.normal(jax.random.key(0), (1, 6, 1, 8))
-  rotated = llama.rotary(x, jnp.arange(6), 10_000.0)
+  rotated = llama.rotary(x, jnp.arange(6), llama.Rope(10_000.0))
   np.testing.assert_allclose(rotated[:, 0], x[:, 0], atol=1e-6)  # Position 0: no rotation.
   angle = 1.0  # Position 1, pair 0: base^0.
   expected = x[0, 1, 0, 0] * np.cos(angle) - x[0, 1, 0, 4] * np.sin(angle)
   np.testing.assert_allclose(rotated[0, 1, 0, 0], expected, rtol=1e-5)
   q, k = x[:, :1], x[:, 1:2]  # One query and one key vector, moved to positions p and p + 2.
-  dots = [jnp.sum(llama.rotary(q, jnp.array([p]), 1e4) * llama.rotary(k, jnp.array([p + 2]), 1e4))
+  rope = llama.Rope(1e4)
+  dots = [jnp.sum(llama.rotary(q, jnp.array([p]), rope) * llama.rotary(k, jnp.array([p + 2]), rope))
           for p in range(3)]
   np.testing.assert_allclose(dots, dots[0], rtol=1e-5)

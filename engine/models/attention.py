@@ -15,14 +15,21 @@ IMPLEMENTATIONS = ('einsum', 'dot_product_attention')
 SCALE_ON = ('queries', 'logits')
 
 
-def causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on: str = 'queries',
-                     implementation: str = 'einsum'):
-  """softmax(q k^T / sqrt(K) + causal mask) v. `scale_on` says where 1/sqrt(K) is applied:
-  to the queries before the product (GPT-2, most Llama ports) or to the logits after it; the two
-  differ only in rounding, which shows in bfloat16."""
-  scale = q_BLHK.shape[-1] ** -0.5
+def prescale(q_BLHK, scale: float | None, scale_on: str):
+  """(queries, the scale left for the logits): the logit scale (None: 1/sqrt(K), K the head
+  size) goes on the queries before the product (GPT-2, most Llama ports) or on the logits
+  after it; the two differ only in rounding, which shows in bfloat16. Every attention path
+  (this module, ring attention, the generation cache) scales through here."""
+  scale = q_BLHK.shape[-1] ** -0.5 if scale is None else scale
   if scale_on == 'queries':
-    q_BLHK, scale = q_BLHK * jnp.asarray(scale, q_BLHK.dtype), 1.0
+    return q_BLHK * jnp.asarray(scale, q_BLHK.dtype), 1.0
+  return q_BLHK, scale
+
+
+def causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on: str = 'queries',
+                     implementation: str = 'einsum', scale: float | None = None):
+  """softmax(scale q k^T + causal mask) v, scale 1/sqrt(K) unless given (prescale)."""
+  q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   if implementation == 'dot_product_attention':
     return jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, scale=scale, is_causal=True)
   logits_BHQS = jnp.einsum('BQHK,BSHK->BHQS', q_BLHK, k_BLHK,

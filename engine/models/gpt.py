@@ -37,6 +37,7 @@ class GPTConfig:
   init_std: float = 0.02
   norm_eps: float = 1e-5
   attention_scale_on: str = 'queries'  # engine.models.attention.SCALE_ON
+  attention_scale: float | None = None  # None: 1 / sqrt(head_dim).
   attention: str = 'einsum'  # engine.models.attention.IMPLEMENTATIONS
 
   @property
@@ -85,7 +86,7 @@ class Block(nnx.Module):
         ops.constrain(dense(x_BLD, w_qkv_CDHK[c]), ('batch', 'length', 'heads', 'head_dim'))
         for c in range(3))
     out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, self.cfg.attention_scale_on,
-                             self.cfg.attention)
+                             self.cfg.attention, self.cfg.attention_scale)
     y_BLD = dense(out_BLHK, self.w_out_HKD[...], in_dims=2)
     return ops.finish_contraction(y_BLD, 'heads')
 
@@ -143,7 +144,9 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       mlp_dim=model_config.mlp_dim, max_len=model_config.max_len,
       tie_embeddings=model_config.tie_embeddings, scan_layers=model_config.scan_layers,
       init_std=model_config.init_std, norm_eps=model_config.norm_eps,
-      attention_scale_on=model_config.attention_scale_on, attention=model_config.attention)
+      attention_scale_on=model_config.attention_scale_on, attention=model_config.attention,
+      attention_scale=(None if model_config.attention_scale == -1 else
+                       model_config.attention_scale))
   D, F, HK = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads * cfg.head_dim
   # Weights that multiply activations: qkv, attention out, MLP up and down, the output head.
   matmul_params = cfg.num_layers * (4 * D * HK + 2 * D * F) + vocab_size * D

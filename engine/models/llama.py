@@ -15,6 +15,7 @@ F mlp hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,41 @@ from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
 
 
+ROPE_TYPES = ('default', 'linear', 'llama3')
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """Rotary frequencies (model.rope_*): Hugging Face's `default`, `linear` and `llama3` types."""
+  base: float = 10_000.0
+  type: str = 'default'  # ROPE_TYPES
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+  def inverse_frequencies(self, head_dim: int) -> jax.Array:
+    """[head_dim / 2] float32: base^(-2i / head_dim), rescaled by the type (as
+    transformers' modeling_rope_utils computes them)."""
+    half = head_dim // 2
+    inverse = self.base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if self.type == 'linear':
+      return inverse / self.factor
+    if self.type == 'llama3':
+      # Wavelengths above original_max_len / low_freq_factor are slowed by `factor`, those below
+      # original_max_len / high_freq_factor kept, and the band between interpolated.
+      wavelength = 2 * math.pi / inverse
+      low = self.original_max_len / self.low_freq_factor
+      high = self.original_max_len / self.high_freq_factor
+      scaled = jnp.where(wavelength > low, inverse / self.factor, inverse)
+      smooth = ((self.original_max_len / wavelength - self.low_freq_factor) /
+                (self.high_freq_factor - self.low_freq_factor))
+      smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+      medium = (wavelength >= high) & (wavelength <= low)
+      return jnp.where(medium, smoothed, scaled)
+    return inverse
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   vocab_size: int
@@ -33,16 +69,16 @@ class LlamaConfig:
   num_kv_heads: int
   embed_dim: int
   mlp_dim: int
-  rope_base: float = 10_000.0
+  head_dim: int
+  rope: Rope = Rope()
   norm_eps: float = 1e-5
   attention_scale_on: str = 'queries'  # engine.models.attention.SCALE_ON
+  attention_scale: float | None = None  # None: 1 / sqrt(head_dim).
   attention: str = 'einsum'  # engine.models.attention.IMPLEMENTATIONS
+  qkv_bias: bool = False  # Qwen2.
+  qk_norm: bool = False  # Qwen3: RMSNorm over each query / key head, before rotary.
   scan_layers: bool = True
   init_std: float = 0.02
-
-  @property
-  def head_dim(self) -> int:
-    return self.embed_dim // self.num_heads
 
 
 class RMSNorm(nnx.Module):
@@ -57,11 +93,11 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
 
 
-def rotary(x_BLHK: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+def rotary(x_BLHK: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
   """Rotary position embedding, rotate-half form: dimension i pairs with i + K/2. `positions`
   is [L] (every row alike) or [B, L] (generation: each row at its own position)."""
   half = x_BLHK.shape[-1] // 2
-  inverse_frequency = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  inverse_frequency = rope.inverse_frequencies(x_BLHK.shape[-1])
   angles = positions.astype(jnp.float32)[..., None] * inverse_frequency
   angles_K = jnp.concatenate([angles, angles], axis=-1)  # [(B,) L, K]
   x = x_BLHK.astype(jnp.float32)
@@ -82,6 +118,13 @@ class Block(nnx.Module):
     self.w_q_DHK = param(rngs, (D, H, K), ('embed', 'heads', 'head_dim'), cfg.init_std)
     self.w_k_DNK = param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
     self.w_v_DNK = param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
+    if cfg.qkv_bias:
+      self.b_q_HK = param(rngs, (H, K), ('heads', 'head_dim'), 0)
+      self.b_k_NK = param(rngs, (N, K), ('kv_heads', 'head_dim'), 0)
+      self.b_v_NK = param(rngs, (N, K), ('kv_heads', 'head_dim'), 0)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(K, cfg.norm_eps, rngs)
+      self.k_norm = RMSNorm(K, cfg.norm_eps, rngs)
     self.w_o_HKD = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), cfg.init_std)
     self.mlp_norm = RMSNorm(D, cfg.norm_eps, rngs)
     self.w_gate_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
@@ -93,17 +136,29 @@ class Block(nnx.Module):
     heads = ('batch', 'length', 'heads', 'head_dim')
     positions_L = ops.positions(x_BLD.shape[1])
     x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
-    q_BLHK = dense(x_BLD, self.w_q_DHK[...])
-    q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope_base), heads)
-    k_BLNK = dense(x_BLD, self.w_k_DNK[...])
-    k_BLNK = rotary(k_BLNK, positions_L, cfg.rope_base)
-    v_BLNK = dense(x_BLD, self.w_v_DNK[...])
+    q_BLHK, k_BLNK, v_BLNK = self.projections(x_BLD)
+    q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope), heads)
+    k_BLNK = rotary(k_BLNK, positions_L, cfg.rope)
     # Each query head's key / value head, laid out like the query heads.
     k_BLHK = ops.constrain(ops.kv_for_query_heads(k_BLNK, cfg.num_heads), heads)
     v_BLHK = ops.constrain(ops.kv_for_query_heads(v_BLNK, cfg.num_heads), heads)
-    out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_scale_on, cfg.attention)
+    out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_scale_on, cfg.attention,
+                             cfg.attention_scale)
     y_BLD = dense(out_BLHK, self.w_o_HKD[...], in_dims=2)
     return ops.finish_contraction(y_BLD, 'heads')
+
+  def projections(self, x_BLD):
+    """Queries, keys and values before rotary: biased (Qwen2), each head normalised (Qwen3)."""
+    q_BLHK = dense(x_BLD, self.w_q_DHK[...])
+    k_BLNK = dense(x_BLD, self.w_k_DNK[...])
+    v_BLNK = dense(x_BLD, self.w_v_DNK[...])
+    if self.cfg.qkv_bias:
+      q_BLHK = q_BLHK + self.b_q_HK[...].astype(q_BLHK.dtype)
+      k_BLNK = k_BLNK + self.b_k_NK[...].astype(k_BLNK.dtype)
+      v_BLNK = v_BLNK + self.b_v_NK[...].astype(v_BLNK.dtype)
+    if self.cfg.qk_norm:
+      q_BLHK, k_BLNK = self.q_norm(q_BLHK), self.k_norm(k_BLNK)
+    return q_BLHK, k_BLNK, v_BLNK
 
   def mlp(self, x_BLD, ops):
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')  # Feeds the gate and up projections.
@@ -150,9 +205,16 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       vocab_size=vocab_size, num_layers=model_config.num_layers,
       num_heads=model_config.num_heads, num_kv_heads=kv_heads,
       embed_dim=model_config.embed_dim, mlp_dim=model_config.mlp_dim,
-      rope_base=model_config.rope_base, norm_eps=model_config.norm_eps,
-      attention_scale_on=model_config.attention_scale_on, attention=model_config.attention,
-      scan_layers=model_config.scan_layers,
+      head_dim=(model_config.head_dim if model_config.head_dim > 0 else
+                model_config.embed_dim // model_config.num_heads),
+      rope=Rope(model_config.rope_base, model_config.rope_type, model_config.rope_factor,
+                model_config.rope_low_freq_factor, model_config.rope_high_freq_factor,
+                model_config.rope_original_max_len),
+      norm_eps=model_config.norm_eps, attention_scale_on=model_config.attention_scale_on,
+      attention_scale=(None if model_config.attention_scale == -1 else
+                       model_config.attention_scale),
+      attention=model_config.attention, qkv_bias=model_config.qkv_bias,
+      qk_norm=model_config.qk_norm, scan_layers=model_config.scan_layers,
       init_std=model_config.init_std)
   D, F, K = cfg.embed_dim, cfg.mlp_dim, cfg.head_dim
   HK, NK = cfg.num_heads * K, cfg.num_kv_heads * K

@@ -25,6 +25,7 @@ engine does not compute is refused, naming the key.
 from __future__ import annotations
 
 from engine.models.hf_format import HFFormat, HFTensor, UnsupportedCheckpoint
+from engine.models.llama import ROPE_TYPES
 
 _LAYER = 'model.layers.{i}.'
 TENSORS = (
@@ -46,9 +47,6 @@ TENSORS = (
     HFTensor('final_norm/scale', 'model.norm.weight', 'same'),
     HFTensor('head_DV', 'lm_head.weight', 'linear', tied_to='model.embed_tokens.weight'),
 )
-ROPE_TYPES = ('default', 'linear', 'llama3')
-
-
 def _rope(hf: dict, where: str) -> dict:
   """The rotary settings of either config format, or an error naming the key."""
   if 'rope_parameters' in hf and hf['rope_parameters'] is not None:  # transformers >= 5

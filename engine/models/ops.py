@@ -77,10 +77,11 @@ class LocalOps:
     return jnp.arange(length)
 
   def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on: str = 'queries',
-                implementation: str = 'einsum') -> jax.Array:
-    """Causal self-attention over the whole sequence (engine.models.attention); a layout that
-    splits the sequence passes keys and values between its devices."""
-    return causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation)
+                implementation: str = 'einsum', scale: float | None = None) -> jax.Array:
+    """Causal self-attention over the whole sequence (engine.models.attention), logits scaled
+    by `scale` (None: 1/sqrt(head size)); a layout that splits the sequence passes keys and
+    values between its devices."""
+    return causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale)
 
   def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     return jnp.take(table_VD, tokens_BL, axis=0)

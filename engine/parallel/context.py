@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from engine.models.attention import prescale
+
 _MASKED = jnp.finfo(jnp.float32).min
 
 
@@ -82,13 +84,11 @@ def _select(pick_first, a, b):
 
 
 def ring_attention(q_BLHK, k_BLHK, v_BLHK, axis: str, size: int,
-                   scale_on: str = 'queries') -> jax.Array:
+                   scale_on: str = 'queries', scale: float | None = None) -> jax.Array:
   """Causal attention of this device's queries (its two chunks) over the whole sequence, whose
   keys and values travel around the `axis` ring. Equal to engine.models.attention's
   causal_attention on the whole sequence, up to float32 rounding."""
-  scale = q_BLHK.shape[-1] ** -0.5
-  if scale_on == 'queries':
-    q_BLHK, scale = q_BLHK * jnp.asarray(scale, q_BLHK.dtype), 1.0
+  q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   chunk = q_BLHK.shape[1] // 2
   halves = lambda x: (x[:, :chunk], x[:, chunk:])
   q_early, q_late = halves(q_BLHK)

@@ -178,11 +178,12 @@ class ManualOps(LocalOps):
       return super().positions(length)
     return context.local_positions(length, self.context_axis, self.context_size)
 
-  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum'):
+  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
+                scale=None):
     if self.context_axis is None:
-      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation)
+      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale)
     return context.ring_attention(q_BLHK, k_BLHK, v_BLHK, self.context_axis, self.context_size,
-                                  scale_on)
+                                  scale_on, scale)
 
   def embed_lookup(self, table_VD, tokens_BL):
     axes, first = self._vocab_shard(table_VD.shape[0])
