@@ -2,9 +2,11 @@
 
   python -m engine.evaluate --workdir=/tmp/shakespeare --text_file=../shared/data/tinyshakespeare.txt
 
-The file is tokenized with the run's tokenizer and cut into consecutive windows of data.seq_len
-+ 1 tokens (the last partial one dropped); the loss is the mean next-token cross-entropy over
-every predicted token, the perplexity its exponential (per token of that tokenizer).
+The file is tokenized with the run's tokenizer, after its beginning-of-text token if it has one
+(as engine.data.prepare starts each document; --noadd_bos: not), and cut into consecutive windows
+of data.seq_len + 1 tokens (the last partial one dropped); the loss is the mean next-token
+cross-entropy over every predicted token, the perplexity its exponential (per token of that
+tokenizer).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from flax import nnx
 from engine import config as config_lib
 from engine import data
 from engine.cli import run_command
-from engine.generate import encode_prompt, load_run
+from engine.generate import add_bos_flag, bos_ids, encode_prompts, load_run
 from engine.parallel.auto import AutoOps
 
 
@@ -56,16 +58,19 @@ def main():
   batch = flags.DEFINE_integer('batch', 8, 'Windows per compiled call.')
   mesh = flags.DEFINE_string('mesh', '1x1x1', f'Mesh {config_lib.MESH_FORMAT} (axes not given '
                              'are 1; its devices are the first ones).')
+  add_bos = add_bos_flag()
 
   def run(argv):
     del argv
     loaded, params = load_run(workdir.value, mesh.value)
     config, tokenizer = loaded.config, loaded.tokenizer
-    tokens = encode_prompt(tokenizer, data.read_text_file(text_file.value), '--text_file')
+    tokens, = encode_prompts(tokenizer, [data.read_text_file(text_file.value)], add_bos.value,
+                             '--text_file')
+    bos = ', the beginning-of-text token first' if bos_ids(tokenizer, add_bos.value) else ''
     result = evaluate(loaded.setup, params, tokens, config.data.seq_len, batch.value)
     print(f'{text_file.value}: loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.3f} '
           f'over {result["tokens"]} tokens ({result["windows"]} windows of '
-          f'{config.data.seq_len}), {tokenizer.kind} tokens')
+          f'{config.data.seq_len}), {tokenizer.kind} tokens{bos}')
 
   run_command(run, 'engine.evaluate', required=('workdir', 'text_file'))
 

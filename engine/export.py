@@ -1,15 +1,26 @@
 """Writes a run's latest checkpoint as a Hugging Face checkpoint (engine/hf.py writes the files;
 the model family's HFFormat, e.g. engine/models/llama_hf.py, names the tensors).
 
-  python -m engine.export --workdir=/tmp/run --format=hf --out=/tmp/run_hf
+  python -m engine.export --workdir=/tmp/run --format=hf --out=/tmp/run_hf [--dtype=bfloat16]
 
 Reads WORKDIR/config.json, restores the newest intact checkpoint's parameters onto this
-machine's devices (any mesh it was trained on), and writes `config.json` and
-`model.safetensors` in the family's Hugging Face layout (Llama: float32, head untied).
+machine's devices (any mesh it was trained on), and writes a directory that transformers'
+`AutoModelForCausalLM` and `AutoTokenizer` load:
+
+  config.json              the family's Hugging Face config (Llama: head untied), with the run's
+                           tokenizer's bos / eos ids (null where it has none) and the dtype;
+  generation_config.json   the same bos / eos ids;
+  model.safetensors        the parameters, in --dtype (float32, bfloat16 or float16);
+  tokenizer files          the run's tokenizer (for shards, the one their meta.json names):
+                           data.tokenizer=hf: tokenizer.json, sentencepiece: tokenizer.model, each
+                           with a tokenizer_config.json; byte and char vocabularies have no
+                           Hugging Face tokenizer file, and none is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -17,25 +28,45 @@ from absl import flags
 
 from engine import config as config_lib
 from engine import hf, models
-from engine.assemble import VOCABULARY, assemble_finished_run
+from engine.assemble import TOKENIZER, assemble_finished_run
 from engine.checkpoint import restore_params
 from engine.cli import run_command
 
 FORMATS = ('hf',)
 
 
-def export(workdir: str, out: str) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Exported:
+  """What export_files wrote."""
+  tensors: list[str]  # The safetensors names.
+  files: list[str]  # The files of the output directory, sorted.
+  tokenizer: str  # A line on the tokenizer files (or why there are none).
+
+
+def export(workdir: str, out: str, dtype: str = 'float32') -> list[str]:
   """The latest checkpoint of `workdir` written to `out`; returns the tensor names."""
-  # Every parameter whole on this machine's devices (replicated), whatever mesh trained it.
-  run = assemble_finished_run(workdir, '-1x1x1', reads=VOCABULARY)
-  config = run.config
-  if config.model.name not in models.HF_FORMATS:
+  return export_files(workdir, out, dtype).tensors
+
+
+def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
+  """The latest checkpoint of `workdir` and its tokenizer written to `out` (module docstring)."""
+  if dtype not in hf.DTYPES:
+    raise config_lib.ConfigError(f'--dtype={dtype}: choose one of {", ".join(hf.DTYPES)}.')
+  # Every parameter whole on this machine's devices (replicated), whatever mesh trained it; the
+  # tokenizer that decodes (for shards, the file their meta.json names).
+  run = assemble_finished_run(workdir, '-1x1x1', reads=TOKENIZER)
+  config, tokenizer = run.config, run.tokenizer
+  if models.hf_format_for(config.model) is None:
+    families = sorted({fmt.model for fmt in models.HF_FORMATS.values()})
     raise config_lib.ConfigError(
         f'--workdir={workdir} trained model.name={config.model.name!r}; --format=hf writes '
-        f'{", ".join(sorted(models.HF_FORMATS))} models only.')
+        f'{", ".join(families)} models only.')
   params = restore_params(workdir, run.setup.abstract_state()['params'])
   host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
-  return hf.save(host, config.model, run.setup.model.vocab_size, out)
+  token_ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id}
+  names = hf.save(host, config.model, run.setup.model.vocab_size, out, dtype, token_ids)
+  line = hf.save_tokenizer(tokenizer, out, config.model.max_len)
+  return Exported(names, sorted(os.listdir(out)), line)
 
 
 def main():
@@ -43,11 +74,14 @@ def main():
   workdir = flags.DEFINE_string('workdir', None, 'The training run to export.')
   flags.DEFINE_enum('format', 'hf', FORMATS, 'Output format: hf (Hugging Face), the only one.')
   out = flags.DEFINE_string('out', None, 'Directory to write.')
+  dtype = flags.DEFINE_enum('dtype', 'float32', list(hf.DTYPES),
+                            'The dtype of the written tensors.')
 
   def run(argv):
     del argv
-    names = export(workdir.value, out.value)
-    print(f'Wrote {len(names)} tensors and config.json to {out.value}')
+    written = export_files(workdir.value, out.value, dtype.value)
+    print(f'Wrote {len(written.tensors)} tensors ({dtype.value}) and {", ".join(written.files)} '
+          f'to {out.value}\nTokenizer: {written.tokenizer}')
 
   run_command(run, 'engine.export', required=('workdir', 'out'))
 

@@ -14,6 +14,10 @@ the generation mesh (`--mesh`; heads over `tensor` shard the cache too).
 Sampling: greedy at temperature 0, else softmax(logits / temperature) restricted to the top_k
 tokens and the top_p probability mass, from a key folded from --seed and the step: the same
 seed gives the same samples. A row stops at the tokenizer's end-of-text token, if it has one.
+
+Each prompt starts with the tokenizer's beginning-of-text token, if it has one, as every training
+document does (engine.data.prepare); --noadd_bos leaves it out. It takes a cache slot of its own:
+--max_prompt_len counts the prompt's tokens after it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from engine.assemble import Run, assemble_finished_run
 from engine.checkpoint import restore_params
 from engine.cli import run_command
 from engine.data import tokenizers as tokenizer_lib
+from engine.models.attention import prescale
 from engine.models.layers import LAYERS, layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup
@@ -65,7 +70,8 @@ class DecodeOps(AutoOps):
         self._layer += 1
     return x
 
-  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum'):
+  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
+                scale=None):
     del implementation
     rows = jnp.arange(q_BLHK.shape[0])[:, None]
     for name, new in (('k', k_BLHK), ('v', v_BLHK)):
@@ -73,9 +79,7 @@ class DecodeOps(AutoOps):
           new.astype(self.cache[name].dtype))
       self.cache[name] = self.constrain(cache, CACHE_AXES)
     keys, values = self.cache['k'][self._layer], self.cache['v'][self._layer]
-    scale = q_BLHK.shape[-1] ** -0.5
-    if scale_on == 'queries':
-      q_BLHK, scale = q_BLHK * jnp.asarray(scale, q_BLHK.dtype), 1.0
+    q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
     logits_BHQS = jnp.einsum('BQHK,BSHK->BHQS', q_BLHK, keys.astype(q_BLHK.dtype),
                              preferred_element_type=jnp.float32) * scale
     slots_S = jnp.arange(keys.shape[1])
@@ -221,14 +225,58 @@ def encode_prompt(tokenizer, text: str, what: str = '--prompt') -> np.ndarray:
   return tokenizer.encode(text)
 
 
+def bos_ids(tokenizer, add_bos: bool = True) -> list[int]:
+  """[the tokenizer's beginning-of-text id] with add_bos if it has one (each document of the
+  training stream starts with it: engine.data.prepare), else []."""
+  return [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+
+
+def encode_prompts(tokenizer, texts: list[str], add_bos: bool = True,
+                   what: str = '--prompt') -> list[np.ndarray]:
+  """Each text's ids (encode_prompt), after the beginning-of-text id (bos_ids)."""
+  first = np.asarray(bos_ids(tokenizer, add_bos), np.int32)
+  return [np.concatenate([first, encode_prompt(tokenizer, text, what)]) for text in texts]
+
+
+def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,
+                      max_new_tokens: int, add_bos: bool) -> tuple[list[np.ndarray], int]:
+  """The prompts' ids (encode_prompts) and the Generator's prompt slots: --max_prompt_len
+  (default: the run's data.seq_len; GPT: what its learned positions leave after max_new_tokens)
+  counts a prompt's tokens, the beginning-of-text token takes one slot more (and, in the default,
+  one token less of the prompt)."""
+  ids = encode_prompts(tokenizer, texts, add_bos)
+  bos = len(bos_ids(tokenizer, add_bos))
+  prompt_len = max_prompt_len or (config.data.seq_len - bos if config.model.name != 'gpt' else
+                                  max(1, config.model.max_len - max_new_tokens - bos))
+  plus = ' + 1 beginning-of-text token' if bos else ''
+  if config.model.name == 'gpt' and prompt_len + bos + max_new_tokens > config.model.max_len:
+    raise config_lib.ConfigError(
+        f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '
+        f'GPT model\'s {config.model.max_len} learned positions; shorten them.')
+  longest = max(len(i) for i in ids) - bos
+  if longest > prompt_len:
+    raise config_lib.ConfigError(
+        f'a prompt has {longest} tokens, more than --max_prompt_len={prompt_len}{plus}; raise '
+        '--max_prompt_len or shorten the prompt.')
+  return ids, prompt_len + bos
+
+
+def add_bos_flag():
+  return flags.DEFINE_bool(
+      'add_bos', True, 'Start the tokens with the tokenizer\'s beginning-of-text id, if it has '
+      'one, as each training document does (engine.data.prepare); --noadd_bos: do not.')
+
+
 def main():
   """Command line; flags are defined here, not at import, so tests can import this module."""
   workdir = flags.DEFINE_string('workdir', None, 'The training run to sample from.')
   prompt = flags.DEFINE_string('prompt', None, 'A prompt.')
   prompts_file = flags.DEFINE_string('prompts_file', None, 'A file of prompts, one per line.')
   max_new = flags.DEFINE_integer('max_new_tokens', 100, 'New tokens per sample.')
-  max_prompt = flags.DEFINE_integer('max_prompt_len', 0, 'Prompt slots (0: the run\'s '
-                                    'data.seq_len; GPT: its max_len - max_new_tokens).')
+  max_prompt = flags.DEFINE_integer(
+      'max_prompt_len', 0, 'Prompt tokens, the beginning-of-text token not counted (0: the '
+      'run\'s data.seq_len, for GPT its max_len - max_new_tokens, less one for a '
+      'beginning-of-text token).')
   temperature = flags.DEFINE_float('temperature', 0.0, '0: greedy.')
   top_k = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens (0: all).')
   top_p = flags.DEFINE_float('top_p', 1.0, 'Sample within this probability mass.')
@@ -236,6 +284,7 @@ def main():
   num_samples = flags.DEFINE_integer('num_samples', 1, 'Samples per prompt.')
   mesh = flags.DEFINE_string('mesh', '1x1x1', f'Generation mesh {config_lib.MESH_FORMAT} (axes '
                              'not given are 1; its devices are the first ones).')
+  add_bos = add_bos_flag()
 
   def run(argv):
     del argv
@@ -250,15 +299,10 @@ def main():
                                    '--temperature >= 0.')
     run, params = load_run(workdir.value, mesh.value)
     config, tokenizer = run.config, run.tokenizer
-    ids = [encode_prompt(tokenizer, t) for t in texts for _ in range(num_samples.value)]
-    # Default: the training sequence length (GPT: what its learned positions leave).
-    prompt_len = max_prompt.value or (config.data.seq_len if config.model.name != 'gpt' else
-                                      max(1, config.model.max_len - max_new.value))
-    if config.model.name == 'gpt' and prompt_len + max_new.value > config.model.max_len:
-      raise config_lib.ConfigError(
-          f'--max_prompt_len={prompt_len} + --max_new_tokens={max_new.value} exceeds the GPT '
-          f'model\'s {config.model.max_len} learned positions; shorten them.')
-    generator = Generator(run.setup, prompt_len, max_new.value,
+    ids, slots = prompts_and_slots(config, tokenizer, [t for t in texts
+                                                       for _ in range(num_samples.value)],
+                                   max_prompt.value, max_new.value, add_bos.value)
+    generator = Generator(run.setup, slots, max_new.value,
                           Sampling(temperature.value, top_k.value, top_p.value),
                           tokenizer.vocab_size)
     outputs = generator.generate(params, ids, max_new.value, seed.value, tokenizer.eos_id)

@@ -6,16 +6,28 @@ model family's knowledge (its `HFFormat`, engine/models/hf_format.py, registered
 engine/models/__init__.py); this module only reads and writes safetensors. Loading builds every
 parameter with `jax.make_array_from_callback`: each device's block is read from the files as that
 slice alone (safetensors reads slices without loading the tensor), so no host or device ever
-holds a whole parameter it does not own.
+holds a whole parameter it does not own. Before anything is read, the files are checked against
+the model from their headers: every tensor of every layer there, in its shape and a float dtype,
+and nothing there that no parameter reads (buffers such as `rotary_emb.inv_freq` aside); a
+disagreement is one ConfigError line.
+
+Saving writes `config.json`, `generation_config.json` and `model.safetensors` (float32, bfloat16
+or float16), and `save_tokenizer` the run's tokenizer files, as transformers' Auto classes load
+them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 import os
+import re
+import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 from absl import logging
 from safetensors import safe_open
@@ -81,25 +93,45 @@ class _Files:
   """Every tensor of a checkpoint, by name, read in slices."""
 
   def __init__(self, path: str):
+    self.path, self.where_text = path, f'train.init_from=hf:{path}'
     index = os.path.join(path, 'model.safetensors.index.json')
     if os.path.isfile(index):
-      with open(index) as f:
-        weight_map = json.load(f)['weight_map']
-      files = sorted(set(weight_map.values()))
+      try:
+        with open(index) as f:
+          files = sorted(set(json.load(f)['weight_map'].values()))
+      except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f'{self.where_text}: model.safetensors.index.json has no readable '
+                          f'weight_map ({e}); rewrite it or remove it.') from None
+      absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+      if absent:
+        raise ConfigError(f'{self.where_text}: model.safetensors.index.json names {len(absent)} '
+                          f'file(s) not there, e.g. {absent[0]!r}; the download is incomplete.')
     else:
       files = sorted(f for f in os.listdir(path) if f.endswith('.safetensors'))
-      weight_map = None
     if not files:
-      raise ConfigError(f'train.init_from=hf:{path}: no *.safetensors files there.')
-    self.handles = {f: safe_open(os.path.join(path, f), framework='numpy') for f in files}
-    self.where = weight_map or {name: f for f, h in self.handles.items() for name in h.keys()}
-    self.path = path
+      raise ConfigError(f'{self.where_text}: no *.safetensors files there.')
+    self.handles = {}
+    for f in files:
+      try:
+        self.handles[f] = safe_open(os.path.join(path, f), framework='numpy')
+      except Exception as e:  # safetensors raises its own error type for a damaged file.
+        raise ConfigError(f'{self.where_text}: {f} is not a readable safetensors file '
+                          f'({str(e).splitlines()[0] if str(e) else type(e).__name__}); '
+                          'download it again.') from None
+    # Where each tensor is, from the files themselves (an index may name more than they hold).
+    self.where = {name: f for f, h in self.handles.items() for name in h.keys()}
+
+  def names(self) -> set[str]:
+    return set(self.where)
 
   def has(self, name: str) -> bool:
     return name in self.where
 
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self.handles[self.where[name]].get_slice(name).get_shape())
+
+  def dtype(self, name: str) -> str:
+    return self.handles[self.where[name]].get_slice(name).get_dtype()
 
   def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
     return self.handles[self.where[name]].get_slice(name)[index]
@@ -142,27 +174,141 @@ def by_path(params) -> dict[str, object]:
   return {_path(keys): leaf for keys, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
 
+# Tensors Hugging Face checkpoints may hold that are not weights (buffers older versions saved).
+NOT_WEIGHTS = ('rotary_emb.inv_freq',)
+# The safetensors dtypes a parameter is read from.
+FLOAT_DTYPES = ('F32', 'BF16', 'F16', 'F64')
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+  """One parameter and the checkpoint tensor(s) it is read from."""
+  path: str  # Engine path.
+  name: str  # Hugging Face name, '{i}' for the layer of a stacked parameter.
+  layout: str
+  lead: tuple[int, ...]  # The stacked dimensions ([L], or [R, L / R]); () if not stacked.
+  inner: tuple[int, ...]  # One layer's engine shape.
+
+  def names(self) -> list[str]:
+    if not self.lead:
+      return [self.name]
+    return [self.name.format(i=i) for i in range(math.prod(self.lead))]
+
+
+def _reads(fmt: HFFormat, files: _Files, flat: dict, tie: bool) -> list[_Read]:
+  """What each parameter of the model reads: its tensor, or the one a tied head is read from
+  (when the checkpoint has no head, or its config.json ties it)."""
+  reads = []
+  for tensor in fmt.tensors:
+    if tensor.path not in flat:
+      continue  # A tensor this model does not have (biases, q/k norms).
+    target = flat[tensor.path]
+    name, layout = tensor.name, tensor.layout
+    if tensor.tied_to and (tie or not files.has(name)):
+      name, layout = tensor.tied_to, 'linear'
+    lead = tuple(target.shape[:target.ndim - LAYER_NDIM[layout]]) if '{i}' in name else ()
+    reads.append(_Read(tensor.path, name, layout, lead, tuple(target.shape[len(lead):])))
+  return reads
+
+
+def _e_g(names: list[str], what: str, plural: str) -> str:
+  """'tensor X is missing' or '3 tensors are missing, e.g. X'."""
+  if len(names) == 1:
+    return f'tensor {names[0]!r} {what}'
+  return f'{len(names)} tensors {plural}, e.g. {names[0]!r}'
+
+
+def _check_tensors(fmt: HFFormat, hf_config: dict, files: _Files, reads: list[_Read]) -> None:
+  """One ConfigError line for the first kind of disagreement between the model and the files:
+  tensors missing (any layer), tensors no parameter reads, shapes, dtypes."""
+  where = files.where_text
+  expected = {}
+  for read in reads:
+    shape = _hf_shape(read.layout, read.inner)
+    expected.update((name, shape) for name in read.names())
+  stored = files.names()
+  ignored = {n for n in stored if n.endswith(NOT_WEIGHTS)}
+  ignored |= {t.name for t in fmt.tensors if t.tied_to and t.name in stored and
+              t.name not in expected and t.tied_to in expected}  # config.json ties the head.
+  missing = [n for n in expected if n not in stored]
+  extra = sorted(stored - set(expected) - ignored, key=_natural)
+  # The layers: how many the model has (config.json), which the files hold.
+  layers = max((math.prod(r.lead) for r in reads if r.lead), default=0)
+  patterns = [re.compile(re.escape(t.name).replace(re.escape('{i}'), r'(\d+)') + '$')
+              for t in fmt.tensors if '{i}' in t.name]
+  layer_of = {n: int(m.group(1)) for n in stored for p in patterns for m in [p.match(n)] if m}
+  held = sorted(set(layer_of.values()))
+  extra.sort(key=lambda n: layer_of.get(n, -1) < layers)  # Layers past the model's first.
+  says = (f'config.json says num_hidden_layers={hf_config["num_hidden_layers"]}'
+          if 'num_hidden_layers' in hf_config else f'the model has {layers} layers')
+  span = (f'the files hold layers {held[0]}..{held[-1]}' if held and held == list(
+      range(held[0], held[-1] + 1)) else f'the files hold {len(held)} layers')
+  if missing and extra:
+    raise ConfigError(
+        f'{where}: {_e_g(missing, "is missing", "are missing")}, and '
+        f'{_e_g(extra, "is there, read by no parameter", "no parameter reads are there")}; '
+        f'the files do not name their tensors as {fmt.architecture} checkpoints do, or '
+        'config.json describes another model than the weights.')
+  if missing:
+    layer_note = f' ({says}; {span})' if held and held[-1] + 1 != layers else ''
+    raise ConfigError(f'{where}: {_e_g(missing, "is missing", "are missing")}{layer_note}; the '
+                      'checkpoint is incomplete or its config.json names more layers than it '
+                      'holds.')
+  if extra:
+    beyond = held and held[-1] >= layers
+    note = f' ({says}; {span})' if beyond else ''
+    fix = ('config.json names fewer layers than the checkpoint holds; give it the right '
+           'num_hidden_layers' if beyond else
+           'the weights hold parameters config.json does not describe (biases, norms: another '
+           'architecture or variant); use the config.json the weights came with')
+    what = (f'tensor {extra[0]!r} is not read by any parameter of the model' if len(extra) == 1
+            else f'{len(extra)} tensors no parameter of the model reads, e.g. {extra[0]!r}')
+    raise ConfigError(f'{where}: {what}{note}: {fix}.')
+  wrong = [(n, files.shape(n), shape) for n, shape in expected.items()
+           if files.shape(n) != shape]
+  if wrong:
+    name, got, want = wrong[0]
+    what = (f'{name!r} is {got}' if len(wrong) == 1 else
+            f'{len(wrong)} tensors have other shapes than the model\'s, e.g. {name!r} is {got}')
+    raise ConfigError(f'{where}: {what}, the model needs {want}; the config.json and the weights '
+                      'disagree.')
+  odd = [(n, files.dtype(n)) for n in expected if files.dtype(n) not in FLOAT_DTYPES]
+  if odd:
+    what = _e_g([n for n, _ in odd], f'is {odd[0][1]}', 'are not floating point')
+    if len(odd) > 1:
+      what += f' ({odd[0][1]})'
+    raise ConfigError(f'{where}: {what}; the engine reads floating-point weights '
+                      f'({", ".join(FLOAT_DTYPES)}): load the unquantized checkpoint.')
+  if ignored:
+    logging.info('Not reading %d tensors of %s (buffers, or a head config.json ties to the '
+                 'embedding): %s', len(ignored), files.path, sorted(ignored, key=_natural)[:3])
+
+
+def _natural(name: str):
+  """Sorts 'layers.10' after 'layers.9'."""
+  return [int(part) if part.isdigit() else part for part in re.split(r'(\d+)', name)]
+
+
 def load_params(path: str, abstract_params):
-  """The checkpoint's parameters, each created in the sharding `abstract_params` carries."""
-  fmt = format_of(read_config(path), f'train.init_from=hf:{path}')
+  """The checkpoint's parameters, each created in the sharding `abstract_params` carries. Every
+  tensor's presence, shape and dtype, and that the checkpoint holds nothing the model does not
+  read, are checked first: a disagreement is one ConfigError, before anything is read."""
+  hf_config = read_config(path)
+  fmt = format_of(hf_config, f'train.init_from=hf:{path}')
   files = _Files(path)
   flat = by_path(abstract_params)
   unknown = set(flat) - {t.path for t in fmt.tensors}
   if unknown:
     raise ConfigError(f'train.init_from=hf:{path}: the model has parameters no '
                       f'{fmt.architecture} tensor maps to: {sorted(unknown)}.')
-  loaded, tied = {}, False
-  for tensor in fmt.tensors:
-    if tensor.path not in flat:
-      continue  # A tensor this model does not have (biases, q/k norms).
-    target = flat[tensor.path]
-    name, layout = tensor.name, tensor.layout
-    if tensor.tied_to and not files.has(name):
-      name, layout, tied = tensor.tied_to, 'linear', True
-    lead = target.shape[:target.ndim - LAYER_NDIM[layout]] if '{i}' in name else ()
-    inner = target.shape[len(lead):]
+  reads = _reads(fmt, files, flat, bool(hf_config.get('tie_word_embeddings')))
+  _check_tensors(fmt, hf_config, files, reads)
+  loaded = {}
+  for read in reads:
+    target = flat[read.path]
 
-    def block(index, name=name, layout=layout, lead=lead, inner=inner, dtype=target.dtype):
+    def block(index, read=read, dtype=target.dtype):
+      name, layout, lead, inner = read.name, read.layout, read.lead, read.inner
       if not lead:
         return _read_block(files, name, layout, index, inner).astype(dtype)
       # The stacked dimensions: [L], or [R, L / R] grouped; layer = their row-major position.
@@ -172,21 +318,12 @@ def load_params(path: str, abstract_params):
                 for at in itertools.product(*ranges)]
       return np.stack(layers).reshape(*map(len, ranges), *layers[0].shape).astype(dtype)
 
-    _check_shape(files, name, layout, inner, path)
-    loaded[tensor.path] = jax.make_array_from_callback(target.shape, target.sharding, block)
+    loaded[read.path] = jax.make_array_from_callback(target.shape, target.sharding, block)
+  tied = any(t.tied_to and r.path == t.path and r.name == t.tied_to
+             for t in fmt.tensors for r in reads)
   logging.info('Loaded %d tensors from %s%s', len(loaded), path,
                ' (output head tied to the embedding)' if tied else '')
   return jax.tree_util.tree_map_with_path(lambda keys, _: loaded[_path(keys)], abstract_params)
-
-
-def _check_shape(files: _Files, name: str, layout: str, inner: tuple[int, ...], path: str):
-  first = name.format(i=0)
-  if not files.has(first):
-    raise ConfigError(f'train.init_from=hf:{path}: tensor {first!r} is missing.')
-  expected = _hf_shape(layout, inner)
-  if files.shape(first) != expected:
-    raise ConfigError(f'train.init_from=hf:{path}: {first!r} is {files.shape(first)}, the model '
-                      f'needs {expected}; the config.json and the weights disagree.')
 
 
 def _hf_shape(layout: str, inner: tuple[int, ...]) -> tuple[int, ...]:
@@ -214,14 +351,24 @@ def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
   return array.reshape(-1, array.shape[-1]).T  # [H, K, D] -> [D, H K]
 
 
-def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str) -> list[str]:
+# --dtype of engine.export: the safetensors dtype written (numpy has no bfloat16: ml_dtypes').
+DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16}
+
+
+def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
+         dtype: str = 'float32', token_ids: dict[str, int | None] | None = None) -> list[str]:
   """Writes `config.json` and `model.safetensors` of the model family's Hugging Face format
   (params: engine '/'-paths -> host arrays; stacked parameters [L, ...], or grouped
-  [R, L / R, ...]). Returns the tensor names written."""
+  [R, L / R, ...]), its tensors in `dtype` (a key of DTYPES). `token_ids` ({'bos_token_id',
+  'eos_token_id'}: the tokenizer's, None where it has none) go into config.json and
+  generation_config.json: a null overrides the architecture's default ids (Llama's 1 and 2),
+  which are other tokens of another vocabulary. Returns the tensor names written."""
   fmt = models.hf_format_for(model_config)
   config = fmt.to_hf_config(model_config, vocab_size)
   tensors = {}
   for tensor in fmt.tensors:
+    if tensor.path not in params:
+      continue  # A tensor this model does not have (biases, q/k norms).
     array = np.asarray(params[tensor.path])
     if '{i}' not in tensor.name:
       tensors[tensor.name] = to_hf(tensor.layout, array)
@@ -229,12 +376,69 @@ def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str)
     per_layer = array.reshape(-1, *array.shape[array.ndim - LAYER_NDIM[tensor.layout]:])
     for i, layer in enumerate(per_layer):
       tensors[tensor.name.format(i=i)] = np.ascontiguousarray(to_hf(tensor.layout, layer))
+  tensors = {name: _cast(name, value, dtype) for name, value in tensors.items()}
+  # transformers 5 reads `dtype`; earlier versions `torch_dtype`.
+  config.update(dtype=dtype, torch_dtype=dtype, **(token_ids or {}))
   os.makedirs(out, exist_ok=True)
-  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-            os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
-  with open(os.path.join(out, 'config.json'), 'w') as f:
-    json.dump(config, f, indent=2)
-  logging.info('Wrote %d tensors (%.1f MB) to %s', len(tensors),
-               sum(v.nbytes for v in tensors.values()) / 1e6, out)
+  save_file(tensors, os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
+  _write_json(os.path.join(out, 'config.json'), config)
+  if token_ids is not None:
+    _write_json(os.path.join(out, 'generation_config.json'), dict(token_ids))
+  logging.info('Wrote %d tensors (%.1f MB, %s) to %s', len(tensors),
+               sum(v.nbytes for v in tensors.values()) / 1e6, dtype, out)
   return sorted(tensors)
+
+
+def _cast(name: str, value: np.ndarray, dtype: str) -> np.ndarray:
+  """`value` in `dtype`; a ConfigError if a finite value overflows it (float16's 65504)."""
+  if dtype not in DTYPES:
+    raise ConfigError(f'--dtype={dtype}: choose one of {", ".join(DTYPES)}.')
+  with np.errstate(over='ignore'):
+    cast = np.ascontiguousarray(value.astype(DTYPES[dtype]))
+  if not np.isfinite(cast).all() and np.isfinite(value).all():
+    raise ConfigError(f'--dtype={dtype}: {name!r} holds values up to {np.abs(value).max():g}, '
+                      f'beyond {dtype}\'s range; export --dtype=bfloat16 or float32.')
+  return cast
+
+
+def _write_json(path: str, content: dict) -> None:
+  with open(path, 'w') as f:
+    json.dump(content, f, indent=2)
+    f.write('\n')
+
+
+def save_tokenizer(tokenizer, out: str, max_len: int) -> str:
+  """Writes the run's tokenizer as Hugging Face's `AutoTokenizer` loads it, into `out`; returns
+  a line saying what it wrote (nothing for byte and character vocabularies, which have no Hugging
+  Face tokenizer file).
+
+    hf             tokenizer.json (copied) + tokenizer_config.json (PreTrainedTokenizerFast: the
+                   tokenizer.json decides everything, special tokens added or not included);
+    sentencepiece  tokenizer.model (copied) + tokenizer_config.json (LlamaTokenizer, which adds
+                   the beginning-of-text id as engine.data.prepare and engine.generate do; reading
+                   a .model needs the sentencepiece and protobuf packages).
+  """
+  kind = tokenizer.kind
+  if kind not in ('hf', 'sentencepiece'):
+    what = ('UTF-8 bytes' if kind == 'byte' else "the training text's characters, sorted")
+    return (f'no tokenizer files: data.tokenizer={kind} (ids are {what}) has no Hugging Face '
+            'tokenizer file.')
+  ids = {'bos_token': tokenizer.bos_id, 'eos_token': tokenizer.eos_id}
+  if kind == 'hf':
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    name, piece = 'tokenizer.json', tokenizers.Tokenizer.from_file(tokenizer.path).id_to_token
+    config = {'tokenizer_class': 'PreTrainedTokenizerFast'}
+  else:
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+    processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer.path)
+    name, piece = 'tokenizer.model', processor.id_to_piece
+    if processor.unk_id() >= 0:
+      ids['unk_token'] = processor.unk_id()
+    config = {'tokenizer_class': 'LlamaTokenizer', 'add_bos_token': tokenizer.bos_id is not None,
+              'add_eos_token': False}
+  config.update({key: None if i is None else piece(i) for key, i in ids.items()})
+  config['model_max_length'] = max_len
+  shutil.copyfile(tokenizer.path, os.path.join(out, name))
+  _write_json(os.path.join(out, 'tokenizer_config.json'), config)
+  return f'{name} and tokenizer_config.json ({config["tokenizer_class"]}) from {tokenizer.path}.'
 

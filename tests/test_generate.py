@@ -1,6 +1,7 @@
 """engine.generate and engine.evaluate: the cached decode against recomputing the whole forward
 pass, compilations, sharded parameters and cache, sampling, and the command lines."""
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import optax
 import pytest
 from flax import nnx
 
+from engine.config import ConfigError, default_config
+from engine.data import tokenizers as tokenizer_lib
 from engine.evaluate import evaluate
-from engine.generate import Generator, Sampling, load_run
+from engine.generate import Generator, Sampling, encode_prompts, load_run, prompts_and_slots
 from engine.main import run as run_main
 from engine.assemble import lay_out
 from tests.helpers import tiny_config
@@ -122,3 +125,61 @@ def test_generate_and_evaluate_a_trained_run(tmp_path):
   assert result['windows'] == len(losses) > 1
   assert result['loss'] == pytest.approx(np.mean(losses), abs=1e-5)
   assert result['perplexity'] == pytest.approx(np.exp(np.mean(losses)), rel=1e-5)
+
+
+def _bos_tokenizer(directory):
+  """A word-level tokenizer.json whose ids start with a beginning-of-text token (0) and an
+  end-of-text one (1)."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  words = ['<|begin_of_text|>', '<|endoftext|>', '<unk>', *'the cat sat on a mat'.split()]
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {w: i for i, w in enumerate(words)}, unk_token='<unk>'))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer.add_special_tokens(words[:2])
+  tokenizer.save(str(directory / 'tokenizer.json'))
+  return tokenizer_lib.load('hf', str(directory / 'tokenizer.json'))
+
+
+def test_prompts_start_with_the_beginning_of_text_token_unless_noadd_bos(tmp_path):
+  tokenizer = _bos_tokenizer(tmp_path)
+  assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+  config = tiny_config()  # data.seq_len = model.max_len = 16.
+  config.model.name = 'llama'
+  texts = ['the cat sat', 'on a mat']
+  ids, slots = prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=True)
+  assert [list(i) for i in ids] == [[0, 3, 4, 5], [0, 6, 7, 8]] and slots == 16
+  ids, slots = prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=False)  # --noadd_bos
+  assert [list(i) for i in ids] == [[3, 4, 5], [6, 7, 8]] and slots == 16
+  # The token takes a cache slot of its own: by default the prompt has one slot less.
+  sixteen = [' '.join(['the'] * 16)]
+  with pytest.raises(ConfigError, match=r'^a prompt has 16 tokens, more than --max_prompt_len=15 '
+                     r'\+ 1 beginning-of-text token; raise --max_prompt_len'):
+    prompts_and_slots(config, tokenizer, sixteen, 0, 4, add_bos=True)
+  assert prompts_and_slots(config, tokenizer, sixteen, 0, 4, add_bos=False)[1] == 16
+  assert prompts_and_slots(config, tokenizer, sixteen, 16, 4, add_bos=True)[1] == 17
+  # GPT: its learned positions hold the token too.
+  config.model.name = 'gpt'
+  assert prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=True)[1] == 12
+  with pytest.raises(ConfigError, match=r'--max_prompt_len=12 \+ 1 beginning-of-text token \+ '
+                     r'--max_new_tokens=4 exceeds the GPT model\'s 16 learned positions'):
+    prompts_and_slots(config, tokenizer, texts, 12, 4, add_bos=True)
+  # engine.evaluate: the file's tokens after it; a tokenizer without one adds nothing.
+  assert list(encode_prompts(tokenizer, ['the mat'], True, '--text_file')[0]) == [0, 3, 8]
+  byte = tokenizer_lib.ByteTokenizer()
+  assert list(encode_prompts(byte, ['hi'], True)[0]) == [104, 105]
+
+
+def test_generate_and_evaluate_take_noadd_bos(tmp_path):
+  """The flag is there: the commands get as far as the mesh (a finished run's record is all
+  they read before it)."""
+  (tmp_path / 'config.json').write_text(default_config().to_json())
+  commands = [['engine.generate', '--prompt=a'], ['engine.evaluate', '--text_file=README.md']]
+
+  def call(argv):
+    return subprocess.run([sys.executable, '-m', *argv, f'--workdir={tmp_path}', '--noadd_bos',
+                           '--mesh=2x'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    for proc in pool.map(call, commands):
+      assert proc.returncode == 2 and proc.stderr.startswith('error: --mesh=2x: a mesh is'), (
+          proc.stderr[-2000:])

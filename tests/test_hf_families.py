@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 from engine import hf
 from engine.assemble import assemble, lay_out
 from engine.config import ConfigError
+from engine.generate import Generator
 from engine.parallel.auto import AutoOps
 from tests.helpers import tiny_config
 
@@ -229,16 +230,37 @@ def test_sharded_in_both_modes_the_loss_is_the_references(qwen_runs, mode):
 
 
 def test_attention_scale_sets_the_logit_scale(tmp_path):
-  tensors = _checkpoint(tmp_path / 'hf', FAMILIES['llama2'])
+  """model.attention_scale in the einsum path, in manual mode's ring attention (context 8) and
+  in the generation cache, each against the reference computed with that scale."""
+  tensors = _checkpoint(tmp_path / 'hf', FAMILIES['qwen3'])
   config = _engine_config(tmp_path / 'hf')
   hf.apply_model_config(config)
   config.model.attention_scale = 0.05
   setup = lay_out(config, 256, jax.devices()[:1])
   params = hf.load_params(str(tmp_path / 'hf'), setup.abstract_state()['params'])
-  tokens = _tokens()[:2, :-1]
-  np.testing.assert_allclose(
-      _engine_logits(setup, params, tokens),
-      reference_logits(tensors, FAMILIES['llama2'], tokens, scale=0.05), atol=2e-4, rtol=1e-4)
+  tokens = _tokens()
+  expected = reference_logits(tensors, FAMILIES['qwen3'], tokens[:, :-1], scale=0.05)
+  np.testing.assert_allclose(_engine_logits(setup, params, tokens[:, :-1]), expected, atol=2e-4,
+                             rtol=1e-4)
+  default = reference_logits(tensors, FAMILIES['qwen3'], tokens[:, :-1])
+  assert np.abs(default - expected).max() > 100 * 2e-4  # The scale shows.
+  # Ring attention: the sequence split 8 ways, manual mode.
+  ring = _engine_config(tmp_path / 'hf', mesh=(1, 1, 1))
+  ring.mesh.context, ring.parallelism.mode, ring.model.attention_scale = 8, 'manual', 0.05
+  run = assemble(ring)
+  ring_params = hf.load_params(str(tmp_path / 'hf'), run.setup.abstract_state()['params'])
+  loss = float(run.steps.eval(ring_params, jax.device_put(tokens, run.setup.batch_sharding())))
+  shifted = expected - expected.max(-1, keepdims=True)
+  log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  assert abs(loss + np.take_along_axis(log_probs, tokens[:, 1:, None], -1).mean()) < 1e-5
+  # The generation cache: greedy tokens are the reference's argmax, token by token.
+  prompt = tokens[0, :5]
+  (generated,) = Generator(setup, 8, 4).generate(params, [prompt], 4)
+  sequence = list(prompt)
+  for _ in range(4):
+    logits = reference_logits(tensors, FAMILIES['qwen3'], np.array([sequence]), scale=0.05)
+    sequence.append(int(np.argmax(logits[0, -1])))
+  assert list(generated) == sequence[5:]
 
 
 @pytest.mark.parametrize('change, message', [
