@@ -13,4 +13,7 @@ imports them.
   compare_report.py  the comparison as Markdown, JSON and plots
   show_layout.py     prints where every parameter and the batch live on the mesh
   bubble.py          measures a pipeline's bubble from step times at several micro-batch counts
+  hf_check.py        the engine against transformers itself on each Hugging Face family
+                     (command: python -m engine.analysis.hf_check --torch_python=PY)
+  hf_reference.py    the transformers side of hf_check, a child process (not imported)
 """
