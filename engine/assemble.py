@@ -126,8 +126,10 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
   tokenizer = corpus.tokenizer if corpus is not None and reads != TOKENIZER else None
   if tokenizer is None and (reads == TOKENIZER or config.model.vocab_size == -1):
     tokenizer = _tokenizer(config.data, config.seed, reads)
-  return Run(config, lay_out(config, tokenizer.vocab_size if tokenizer else 0, devices), corpus,
-             tokenizer)
+  train_setup = lay_out(config, tokenizer.vocab_size if tokenizer else 0, devices)
+  if training and hf.path_of(config.train.init_from):  # Its files, before anything is written.
+    hf.check(hf.path_of(config.train.init_from), train_setup.abstract_params)
+  return Run(config, train_setup, corpus, tokenizer)
 
 
 def assemble_finished_run(workdir: str, mesh: str, where: str = '--mesh',

@@ -289,10 +289,10 @@ def _natural(name: str):
   return [int(part) if part.isdigit() else part for part in re.split(r'(\d+)', name)]
 
 
-def load_params(path: str, abstract_params):
-  """The checkpoint's parameters, each created in the sharding `abstract_params` carries. Every
-  tensor's presence, shape and dtype, and that the checkpoint holds nothing the model does not
-  read, are checked first: a disagreement is one ConfigError, before anything is read."""
+def _open_checked(path: str, abstract_params) -> tuple[_Files, dict, list[_Read]]:
+  """The checkpoint's files, opened (headers only), with every tensor's presence, shape and
+  dtype checked, and that they hold nothing the model does not read: one ConfigError for a
+  disagreement."""
   hf_config = read_config(path)
   fmt = format_of(hf_config, f'train.init_from=hf:{path}')
   files = _Files(path)
@@ -303,6 +303,19 @@ def load_params(path: str, abstract_params):
                       f'{fmt.architecture} tensor maps to: {sorted(unknown)}.')
   reads = _reads(fmt, files, flat, bool(hf_config.get('tie_word_embeddings')))
   _check_tensors(fmt, hf_config, files, reads)
+  return files, flat, reads
+
+
+def check(path: str, abstract_params) -> None:
+  """What load_params checks, reading headers only: engine.assemble calls it before a run
+  writes anything."""
+  _open_checked(path, abstract_params)
+
+
+def load_params(path: str, abstract_params):
+  """The checkpoint's parameters, each created in the sharding `abstract_params` carries, once
+  every tensor is checked (_open_checked)."""
+  files, flat, reads = _open_checked(path, abstract_params)
   loaded = {}
   for read in reads:
     target = flat[read.path]

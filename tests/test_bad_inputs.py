@@ -8,13 +8,16 @@ also run as the real command. In argv and messages, `$T` stands for the test's s
 directory, which holds the files of SCRATCH.
 """
 
+import json
 import os
 import re
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
+from safetensors.numpy import save as safetensors_bytes
 
 from engine import main as engine_main
 from engine.config import ConfigError
@@ -29,6 +32,27 @@ TINY = '--config=experiments/tiny.py'
 RUN = '--workdir=$T/run'
 FILE = '--config.data.source=file'
 
+# A tiny Llama's config.json (two layers).
+HF_LLAMA = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 16,
+            'intermediate_size': 32, 'num_hidden_layers': 2, 'num_attention_heads': 2,
+            'num_key_value_heads': 2, 'vocab_size': 256, 'rms_norm_eps': 1e-5,
+            'max_position_embeddings': 64, 'hidden_act': 'silu',
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': 1e4}}
+
+
+def _one_layer_of_two() -> bytes:
+  """HF_LLAMA's weights with layer 1 missing."""
+  D, F, V = 16, 32, 256
+  tensors = {'model.embed_tokens.weight': (V, D), 'model.norm.weight': (D,),
+             'lm_head.weight': (V, D)}
+  p = 'model.layers.0.'
+  tensors.update({p + 'input_layernorm.weight': (D,), p + 'post_attention_layernorm.weight': (D,),
+                  p + 'mlp.gate_proj.weight': (F, D), p + 'mlp.up_proj.weight': (F, D),
+                  p + 'mlp.down_proj.weight': (D, F),
+                  **{p + f'self_attn.{x}_proj.weight': (D, D) for x in 'qkvo'}})
+  return safetensors_bytes({k: np.zeros(v, np.float32) for k, v in tensors.items()})
+
+
 # What each test's scratch directory $T holds before the run (text, or bytes).
 SCRATCH = {
     'latin1.txt': b'caf\xe9 au lait\n',  # Latin-1, not UTF-8.
@@ -40,6 +64,13 @@ SCRATCH = {
                            '  config.model.num_layer = 4\n  return config\n'),
     'broken_experiment.py': 'def get_config(arg=None):\n  return defaults()\n',
     'unfinished_run/checkpoints/100.orbax-checkpoint-tmp-1/': None,  # A save cut short.
+    # Hugging Face checkpoints the engine does not compute exactly, or that are incomplete.
+    'hf_yarn/config.json': json.dumps(dict(
+        HF_LLAMA, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e4})),
+    'hf_window/config.json': json.dumps(dict(
+        HF_LLAMA, architectures=['MistralForCausalLM'], model_type='mistral', sliding_window=8)),
+    'hf_missing/config.json': json.dumps(HF_LLAMA),
+    'hf_missing/model.safetensors': _one_layer_of_two(),
 }
 
 # (argv without the program, exit status, the line on stderr after `error: `).
@@ -233,6 +264,24 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.train.init_from=$T/unfinished_run'], 2,
      "train.init_from='$T/unfinished_run' holds no complete checkpoint; pass the --workdir of a "
      'run that saved one.'),
+    # Hugging Face checkpoints.
+    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_yarn'], 2, 'train.init_from=hf:$T/hf_yarn: '
+     "rope_parameters.rope_type='yarn' is not implemented; the engine computes default, linear, "
+     'llama3 rotary frequencies.'),
+    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_window'], 2, 'model.sliding_window=8 is '
+     'shorter than data.seq_len=64: the engine computes full causal attention, which differs from '
+     'a sliding window once a sequence is longer than it; use data.seq_len <= 8.'),
+    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_missing'], 2, 'train.init_from=hf:'
+     "$T/hf_missing: 9 tensors are missing, e.g. 'model.layers.1.input_layernorm.weight' "
+     '(config.json says num_hidden_layers=2; the files hold layers 0..0); the checkpoint is '
+     'incomplete or its config.json names more layers than it holds.'),
+    # Keys of the Llama family.
+    ([TINY, RUN, '--config.model.name=llama', '--config.model.rope_type=yarn'], 2,
+     "model.rope_type='yarn' is unknown; choose one of ('default', 'linear', 'llama3')."),
+    ([TINY, RUN, '--config.model.qk_norm=true'], 2, "model.qk_norm=True is read by the llama model "
+     "only; model.name='gpt' would ignore it: drop it."),
+    ([TINY, RUN, '--config.model.attention_scale=0'], 2, 'model.attention_scale=0.0 must be a '
+     'positive number, or -1 for 1/sqrt(head_dim).'),
 ]
 
 
