@@ -289,7 +289,7 @@ def _natural(name: str):
   return [int(part) if part.isdigit() else part for part in re.split(r'(\d+)', name)]
 
 
-def _open_checked(path: str, abstract_params) -> tuple[_Files, dict, list[_Read]]:
+def _open_checked(path: str, abstract_params) -> tuple[HFFormat, _Files, dict, list[_Read]]:
   """The checkpoint's files, opened (headers only), with every tensor's presence, shape and
   dtype checked, and that they hold nothing the model does not read: one ConfigError for a
   disagreement."""
@@ -303,7 +303,7 @@ def _open_checked(path: str, abstract_params) -> tuple[_Files, dict, list[_Read]
                       f'{fmt.architecture} tensor maps to: {sorted(unknown)}.')
   reads = _reads(fmt, files, flat, bool(hf_config.get('tie_word_embeddings')))
   _check_tensors(fmt, hf_config, files, reads)
-  return files, flat, reads
+  return fmt, files, flat, reads
 
 
 def check(path: str, abstract_params) -> None:
@@ -315,7 +315,7 @@ def check(path: str, abstract_params) -> None:
 def load_params(path: str, abstract_params):
   """The checkpoint's parameters, each created in the sharding `abstract_params` carries, once
   every tensor is checked (_open_checked)."""
-  files, flat, reads = _open_checked(path, abstract_params)
+  fmt, files, flat, reads = _open_checked(path, abstract_params)
   loaded = {}
   for read in reads:
     target = flat[read.path]
