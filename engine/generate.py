@@ -253,6 +253,12 @@ def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,
     raise config_lib.ConfigError(
         f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '
         f'GPT model\'s {config.model.max_len} learned positions; shorten them.')
+  window = config.model.get('sliding_window', 0)
+  if window and prompt_len + bos + max_new_tokens > window:
+    raise config_lib.ConfigError(
+        f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '
+        f'model\'s sliding window of {window} tokens (model.sliding_window), past which the '
+        'engine\'s full attention would differ from the model\'s; shorten them.')
   longest = max(len(i) for i in ids) - bos
   if longest > prompt_len:
     raise config_lib.ConfigError(

@@ -157,6 +157,13 @@ def test_prompts_start_with_the_beginning_of_text_token_unless_noadd_bos(tmp_pat
     prompts_and_slots(config, tokenizer, sixteen, 0, 4, add_bos=True)
   assert prompts_and_slots(config, tokenizer, sixteen, 0, 4, add_bos=False)[1] == 16
   assert prompts_and_slots(config, tokenizer, sixteen, 16, 4, add_bos=True)[1] == 17
+  # A sliding window (Mistral) caps what generation may hold.
+  config.model.sliding_window = 19
+  with pytest.raises(ConfigError, match=r"--max_prompt_len=15 \+ 1 beginning-of-text token \+ "
+                     r"--max_new_tokens=4 exceeds the model's sliding window of 19 tokens"):
+    prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=True)
+  assert prompts_and_slots(config, tokenizer, texts, 0, 3, add_bos=True)[1] == 16
+  config.model.sliding_window = 0
   # GPT: its learned positions hold the token too.
   config.model.name = 'gpt'
   assert prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=True)[1] == 12
