@@ -27,7 +27,7 @@ import numpy as np
 from absl import flags
 
 from engine import config as config_lib
-from engine import hf, models
+from engine import hf, hf_save, models
 from engine.assemble import TOKENIZER, assemble_finished_run
 from engine.checkpoint import restore_params
 from engine.cli import run_command
@@ -50,8 +50,8 @@ def export(workdir: str, out: str, dtype: str = 'float32') -> list[str]:
 
 def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
   """The latest checkpoint of `workdir` and its tokenizer written to `out` (module docstring)."""
-  if dtype not in hf.DTYPES:
-    raise config_lib.ConfigError(f'--dtype={dtype}: choose one of {", ".join(hf.DTYPES)}.')
+  if dtype not in hf_save.DTYPES:
+    raise config_lib.ConfigError(f'--dtype={dtype}: choose one of {", ".join(hf_save.DTYPES)}.')
   # Every parameter whole on this machine's devices (replicated), whatever mesh trained it; the
   # tokenizer that decodes (for shards, the file their meta.json names).
   run = assemble_finished_run(workdir, '-1x1x1', reads=TOKENIZER)
@@ -64,8 +64,8 @@ def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
   params = restore_params(workdir, run.setup.abstract_state()['params'])
   host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
   token_ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id}
-  names = hf.save(host, config.model, run.setup.model.vocab_size, out, dtype, token_ids)
-  line = hf.save_tokenizer(tokenizer, out, config.model.max_len)
+  names = hf_save.save(host, config.model, run.setup.model.vocab_size, out, dtype, token_ids)
+  line = hf_save.save_tokenizer(tokenizer, out, config.model.max_len)
   return Exported(names, sorted(os.listdir(out)), line)
 
 
@@ -74,7 +74,7 @@ def main():
   workdir = flags.DEFINE_string('workdir', None, 'The training run to export.')
   flags.DEFINE_enum('format', 'hf', FORMATS, 'Output format: hf (Hugging Face), the only one.')
   out = flags.DEFINE_string('out', None, 'Directory to write.')
-  dtype = flags.DEFINE_enum('dtype', 'float32', list(hf.DTYPES),
+  dtype = flags.DEFINE_enum('dtype', 'float32', list(hf_save.DTYPES),
                             'The dtype of the written tensors.')
 
   def run(argv):

@@ -24,14 +24,11 @@ import json
 import math
 import os
 import re
-import shutil
 
 import jax
-import ml_dtypes
 import numpy as np
 from absl import logging
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from engine import models
 from engine.config import ConfigError
@@ -221,7 +218,6 @@ def _e_g(names: list[str], what: str, plural: str) -> str:
 def _check_tensors(fmt: HFFormat, hf_config: dict, files: _Files, reads: list[_Read]) -> None:
   """One ConfigError line for the first kind of disagreement between the model and the files:
   tensors missing (any layer), tensors no parameter reads, shapes, dtypes."""
-  where = files.where_text
   expected = {}
   for read in reads:
     shape = _hf_shape(read.layout, read.inner)
@@ -230,6 +226,21 @@ def _check_tensors(fmt: HFFormat, hf_config: dict, files: _Files, reads: list[_R
   ignored = {n for n in stored if n.endswith(NOT_WEIGHTS)}
   ignored |= {t.name for t in fmt.tensors if t.tied_to and t.name in stored and
               t.name not in expected and t.tied_to in expected}  # config.json ties the head.
+  _check_names(fmt, hf_config, files, reads, expected, ignored)
+  _check_shapes(files, expected)
+  _check_dtypes(files, expected)
+  if ignored:
+    logging.info('Not reading %d tensors of %s (buffers, or a head config.json ties to the '
+                 'embedding): %s', len(ignored), files.path, sorted(ignored, key=_natural)[:3])
+
+
+def _check_names(fmt: HFFormat, hf_config: dict, files: _Files, reads: list[_Read],
+                 expected: dict, ignored: set[str]) -> None:
+  """ConfigError if a tensor the model reads is not in the files, or the files hold one no
+  parameter reads (not `ignored`); the layers config.json names and the files hold, when they
+  differ."""
+  where = files.where_text
+  stored = files.names()
   missing = [n for n in expected if n not in stored]
   extra = sorted(stored - set(expected) - ignored, key=_natural)
   # The layers: how many the model has (config.json), which the files hold.
@@ -264,24 +275,29 @@ def _check_tensors(fmt: HFFormat, hf_config: dict, files: _Files, reads: list[_R
     what = (f'tensor {extra[0]!r} is not read by any parameter of the model' if len(extra) == 1
             else f'{len(extra)} tensors no parameter of the model reads, e.g. {extra[0]!r}')
     raise ConfigError(f'{where}: {what}{note}: {fix}.')
+
+
+def _check_shapes(files: _Files, expected: dict) -> None:
+  """ConfigError naming the first tensor whose shape is not the one the model needs."""
   wrong = [(n, files.shape(n), shape) for n, shape in expected.items()
            if files.shape(n) != shape]
   if wrong:
     name, got, want = wrong[0]
     what = (f'{name!r} is {got}' if len(wrong) == 1 else
             f'{len(wrong)} tensors have other shapes than the model\'s, e.g. {name!r} is {got}')
-    raise ConfigError(f'{where}: {what}, the model needs {want}; the config.json and the weights '
-                      'disagree.')
+    raise ConfigError(f'{files.where_text}: {what}, the model needs {want}; the config.json and '
+                      'the weights disagree.')
+
+
+def _check_dtypes(files: _Files, expected: dict) -> None:
+  """ConfigError if a tensor the model reads is not floating point (a quantized checkpoint)."""
   odd = [(n, files.dtype(n)) for n in expected if files.dtype(n) not in FLOAT_DTYPES]
   if odd:
     what = _e_g([n for n, _ in odd], f'is {odd[0][1]}', 'are not floating point')
     if len(odd) > 1:
       what += f' ({odd[0][1]})'
-    raise ConfigError(f'{where}: {what}; the engine reads floating-point weights '
+    raise ConfigError(f'{files.where_text}: {what}; the engine reads floating-point weights '
                       f'({", ".join(FLOAT_DTYPES)}): load the unquantized checkpoint.')
-  if ignored:
-    logging.info('Not reading %d tensors of %s (buffers, or a head config.json ties to the '
-                 'embedding): %s', len(ignored), files.path, sorted(ignored, key=_natural)[:3])
 
 
 def _natural(name: str):
@@ -349,109 +365,4 @@ def _hf_shape(layout: str, inner: tuple[int, ...]) -> tuple[int, ...]:
   if layout == 'heads_bias':
     return (inner[0] * inner[1],)
   return (inner[2], inner[0] * inner[1])
-
-
-def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
-  """One layer's engine array in the Hugging Face layout (the inverse of _read_block)."""
-  if layout == 'same':
-    return array
-  if layout == 'linear':
-    return array.T
-  if layout == 'heads_out':  # [D, H, K] -> [H K, D]
-    return array.reshape(array.shape[0], -1).T
-  if layout == 'heads_bias':  # [H, K] -> [H K]
-    return array.reshape(-1)
-  return array.reshape(-1, array.shape[-1]).T  # [H, K, D] -> [D, H K]
-
-
-# --dtype of engine.export: the safetensors dtype written (numpy has no bfloat16: ml_dtypes').
-DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16}
-
-
-def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
-         dtype: str = 'float32', token_ids: dict[str, int | None] | None = None) -> list[str]:
-  """Writes `config.json` and `model.safetensors` of the model family's Hugging Face format
-  (params: engine '/'-paths -> host arrays; stacked parameters [L, ...], or grouped
-  [R, L / R, ...]), its tensors in `dtype` (a key of DTYPES). `token_ids` ({'bos_token_id',
-  'eos_token_id'}: the tokenizer's, None where it has none) go into config.json and
-  generation_config.json: a null overrides the architecture's default ids (Llama's 1 and 2),
-  which are other tokens of another vocabulary. Returns the tensor names written."""
-  fmt = models.hf_format_for(model_config)
-  config = fmt.to_hf_config(model_config, vocab_size)
-  tensors = {}
-  for tensor in fmt.tensors:
-    if tensor.path not in params:
-      continue  # A tensor this model does not have (biases, q/k norms).
-    array = np.asarray(params[tensor.path])
-    if '{i}' not in tensor.name:
-      tensors[tensor.name] = to_hf(tensor.layout, array)
-      continue
-    per_layer = array.reshape(-1, *array.shape[array.ndim - LAYER_NDIM[tensor.layout]:])
-    for i, layer in enumerate(per_layer):
-      tensors[tensor.name.format(i=i)] = np.ascontiguousarray(to_hf(tensor.layout, layer))
-  tensors = {name: _cast(name, value, dtype) for name, value in tensors.items()}
-  # transformers 5 reads `dtype`; earlier versions `torch_dtype`.
-  config.update(dtype=dtype, torch_dtype=dtype, **(token_ids or {}))
-  os.makedirs(out, exist_ok=True)
-  save_file(tensors, os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
-  _write_json(os.path.join(out, 'config.json'), config)
-  if token_ids is not None:
-    _write_json(os.path.join(out, 'generation_config.json'), dict(token_ids))
-  logging.info('Wrote %d tensors (%.1f MB, %s) to %s', len(tensors),
-               sum(v.nbytes for v in tensors.values()) / 1e6, dtype, out)
-  return sorted(tensors)
-
-
-def _cast(name: str, value: np.ndarray, dtype: str) -> np.ndarray:
-  """`value` in `dtype`; a ConfigError if a finite value overflows it (float16's 65504)."""
-  if dtype not in DTYPES:
-    raise ConfigError(f'--dtype={dtype}: choose one of {", ".join(DTYPES)}.')
-  with np.errstate(over='ignore'):
-    cast = np.ascontiguousarray(value.astype(DTYPES[dtype]))
-  if not np.isfinite(cast).all() and np.isfinite(value).all():
-    raise ConfigError(f'--dtype={dtype}: {name!r} holds values up to {np.abs(value).max():g}, '
-                      f'beyond {dtype}\'s range; export --dtype=bfloat16 or float32.')
-  return cast
-
-
-def _write_json(path: str, content: dict) -> None:
-  with open(path, 'w') as f:
-    json.dump(content, f, indent=2)
-    f.write('\n')
-
-
-def save_tokenizer(tokenizer, out: str, max_len: int) -> str:
-  """Writes the run's tokenizer as Hugging Face's `AutoTokenizer` loads it, into `out`; returns
-  a line saying what it wrote (nothing for byte and character vocabularies, which have no Hugging
-  Face tokenizer file).
-
-    hf             tokenizer.json (copied) + tokenizer_config.json (PreTrainedTokenizerFast: the
-                   tokenizer.json decides everything, special tokens added or not included);
-    sentencepiece  tokenizer.model (copied) + tokenizer_config.json (LlamaTokenizer, which adds
-                   the beginning-of-text id as engine.data.prepare and engine.generate do; reading
-                   a .model needs the sentencepiece and protobuf packages).
-  """
-  kind = tokenizer.kind
-  if kind not in ('hf', 'sentencepiece'):
-    what = ('UTF-8 bytes' if kind == 'byte' else "the training text's characters, sorted")
-    return (f'no tokenizer files: data.tokenizer={kind} (ids are {what}) has no Hugging Face '
-            'tokenizer file.')
-  ids = {'bos_token': tokenizer.bos_id, 'eos_token': tokenizer.eos_id}
-  if kind == 'hf':
-    import tokenizers  # pylint: disable=g-import-not-at-top
-    name, piece = 'tokenizer.json', tokenizers.Tokenizer.from_file(tokenizer.path).id_to_token
-    config = {'tokenizer_class': 'PreTrainedTokenizerFast'}
-  else:
-    import sentencepiece  # pylint: disable=g-import-not-at-top
-    processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer.path)
-    name, piece = 'tokenizer.model', processor.id_to_piece
-    if processor.unk_id() >= 0:
-      ids['unk_token'] = processor.unk_id()
-    config = {'tokenizer_class': 'LlamaTokenizer', 'add_bos_token': tokenizer.bos_id is not None,
-              'add_eos_token': False}
-  config.update({key: None if i is None else piece(i) for key, i in ids.items()})
-  config['model_max_length'] = max_len
-  shutil.copyfile(tokenizer.path, os.path.join(out, name))
-  _write_json(os.path.join(out, 'tokenizer_config.json'), config)
-  return f'{name} and tokenizer_config.json ({config["tokenizer_class"]}) from {tokenizer.path}.'
 

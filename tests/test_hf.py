@@ -12,7 +12,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from engine import hf, parallel
+from engine import hf, hf_save, parallel
 from engine.checkpoint import restore_params
 from engine.export import export
 from engine.main import run as run_main
@@ -112,7 +112,7 @@ def test_loads_with_the_reference_logits_and_exports_back(tmp_path, tied):
   # Export -> import is the identity: every Hugging Face tensor written back exactly (a tied
   # head is written out as its own tensor).
   host = {path: np.asarray(v) for path, v in hf.by_path(params).items()}
-  hf.save(host, config.model, 256, str(tmp_path / 'out'))
+  hf_save.save(host, config.model, 256, str(tmp_path / 'out'))
   with safe_open(str(tmp_path / 'out' / 'model.safetensors'), framework='numpy') as f:
     written = {name: f.get_tensor(name) for name in f.keys()}
   expected = dict(tensors, **({'lm_head.weight': tensors['model.embed_tokens.weight']}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from engine.analysis import hf_check
+from engine.analysis import hf_check, hf_compare
 from engine.config import ConfigError
 from tests.test_hf import HF_CONFIG, _random_checkpoint, _reference_logits
 
@@ -34,7 +34,7 @@ def checkpoint(tmp_path_factory):
   """A random Llama checkpoint, its fixed tokens and the reference logits of their inputs."""
   path = tmp_path_factory.mktemp('hf_check') / 'llama2'
   tensors, config = _random_checkpoint(path)
-  tokens = hf_check.make_tokens(vocab=config['vocab_size'])
+  tokens = hf_compare.make_tokens(vocab=config['vocab_size'])
   return str(path), tokens, _reference_logits(tensors, config, tokens[:, :-1])
 
 
@@ -42,12 +42,12 @@ def checkpoint(tmp_path_factory):
 def measured(checkpoint):
   """The engine's side in both modes on 2x2x2 (each compiled once for the whole module)."""
   path, tokens, _ = checkpoint
-  return {mode: hf_check.measure(path, mode, tokens, f'{path}_{mode}_export', '2x2x2')
+  return {mode: hf_compare.measure(path, mode, tokens, f'{path}_{mode}_export', '2x2x2')
           for mode in MODES}
 
 
 def _measure_as(measured):
-  """hf_check.measure, answered from the module's runs: their exports copied where asked."""
+  """hf_compare.measure, answered from the module's runs: their exports copied where asked."""
 
   def measure(path, mode, tokens, export_dir, mesh='2x2x2'):
     del path, tokens, mesh
@@ -60,7 +60,7 @@ def _measure_as(measured):
 def _row(checkpoint, measured, mode, reference=None, export=None, warnings=()):
   path, tokens, reference_logits = checkpoint
   export_logits, _ = _numpy_transformers(measured[mode].export_dir, tokens[:, :-1])
-  return hf_check.compare('llama2', 'v5', measured[mode],
+  return hf_compare.compare('llama2', 'v5', measured[mode],
                           reference_logits if reference is None else reference, tokens,
                           export_logits if export is None else export, list(warnings))
 
@@ -105,7 +105,7 @@ def test_a_perturbed_reference_fails(checkpoint, measured):
 
 def test_check_runs_measure_reload_compare(checkpoint, measured, monkeypatch, tmp_path):
   path, tokens, reference = checkpoint
-  monkeypatch.setattr(hf_check, 'measure', _measure_as(measured))
+  monkeypatch.setattr(hf_compare, 'measure', _measure_as(measured))
   reloaded = []
 
   def reload(directory):
@@ -113,7 +113,7 @@ def test_check_runs_measure_reload_compare(checkpoint, measured, monkeypatch, tm
     return _numpy_transformers(directory, tokens[:, :-1])
 
   export_dir = str(tmp_path / 'export')
-  row = hf_check.check('llama2', 'legacy', path, 'auto', tokens, reference, reload, export_dir)
+  row = hf_compare.check('llama2', 'legacy', path, 'auto', tokens, reference, reload, export_dir)
   assert (row['format'], row['verdict'], reloaded) == ('legacy', 'PASS', [export_dir])
 
 
@@ -122,8 +122,8 @@ def test_a_checkpoint_the_engine_refuses_is_a_row(tmp_path):
   path.mkdir()
   (path / 'config.json').write_text(json.dumps(dict(
       HF_CONFIG, rope_scaling={'rope_type': 'yarn', 'factor': 4.0})))
-  tokens = hf_check.make_tokens()
-  row = hf_check.check('llama3', 'legacy', str(path), 'manual', tokens, None,
+  tokens = hf_compare.make_tokens()
+  row = hf_compare.check('llama3', 'legacy', str(path), 'manual', tokens, None,
                        lambda d: pytest.fail('nothing to reload'), str(tmp_path / 'export'))
   assert row['verdict'] == 'REFUSED'
   assert row['status'].startswith('refused: ') and "rope_type='yarn'" in row['status']
@@ -155,7 +155,7 @@ class _FakeChild:
 
 
 def test_run_checks_gives_every_row(checkpoint, measured, monkeypatch, tmp_path):
-  monkeypatch.setattr(hf_check, 'measure', _measure_as(measured))
+  monkeypatch.setattr(hf_compare, 'measure', _measure_as(measured))
   rows, made = hf_check.run_checks(_FakeChild(tmp_path, checkpoint), ['llama2', 'qwen3'],
                                    ['v5', 'legacy'], list(MODES), '2x2x2', str(tmp_path))
   assert [(r['family'], r['format'], r['mode'], r['verdict']) for r in rows] == [
@@ -200,4 +200,4 @@ def test_the_reference_loss_is_optax_cross_entropy(checkpoint):
   _, tokens, reference = checkpoint
   expected = np.asarray(optax.softmax_cross_entropy_with_integer_labels(
       reference, tokens[:, 1:])).mean()
-  assert hf_check.next_token_loss(reference, tokens) == pytest.approx(float(expected), abs=1e-6)
+  assert hf_compare.next_token_loss(reference, tokens) == pytest.approx(float(expected), abs=1e-6)

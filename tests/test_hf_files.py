@@ -25,7 +25,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from engine import hf
+from engine import hf, hf_save
 from engine.assemble import lay_out
 from engine.config import ConfigError
 from engine.data import tokenizers as tokenizer_lib
@@ -46,7 +46,7 @@ LAYERS = 4
 @pytest.fixture(scope='module')
 def exported(tmp_path_factory):
   """A 4-layer grouped-query Llama's abstract parameters (one device) and the tensors and
-  config.json engine.hf.save writes for random values of them."""
+  config.json engine.hf_save.save writes for random values of them."""
   config = tiny_config()
   config.model.name, config.model.num_layers, config.model.num_kv_heads = 'llama', LAYERS, 2
   abstract = lay_out(config, 256, jax.devices()[:1]).abstract_state()['params']
@@ -54,7 +54,7 @@ def exported(tmp_path_factory):
   host = {path: rng.standard_normal(leaf.shape).astype(np.float32)
           for path, leaf in hf.by_path(abstract).items()}
   out = tmp_path_factory.mktemp('export')
-  hf.save(host, config.model, 256, str(out))
+  hf_save.save(host, config.model, 256, str(out))
   with safe_open(str(out / 'model.safetensors'), framework='numpy') as f:
     tensors = {name: f.get_tensor(name) for name in f.keys()}
   return abstract, tensors, json.loads((out / 'config.json').read_text()), host
@@ -243,11 +243,11 @@ def test_export_writes_config_generation_config_weights_and_tokenizer(trained, t
     assert len(export(workdir, str(tmp_path / dtype), dtype)) == 21
     for name, (stored, value) in _tensors(tmp_path / dtype).items():
       assert stored == code, name
-      np.testing.assert_array_equal(value, full[name][1].astype(hf.DTYPES[dtype]), err_msg=name)
+      np.testing.assert_array_equal(value, full[name][1].astype(hf_save.DTYPES[dtype]), err_msg=name)
     assert json.loads((tmp_path / dtype / 'config.json').read_text())['dtype'] == dtype
   with pytest.raises(ConfigError, match=r"--dtype=float16: 'w' holds values up to 100000, beyond "
                      r"float16's range; export --dtype=bfloat16 or float32\."):
-    hf._cast('w', np.array([1e5], np.float32), 'float16')  # pylint: disable=protected-access
+    hf_save._cast('w', np.array([1e5], np.float32), 'float16')  # pylint: disable=protected-access
 
 
 def test_sentencepiece_tokenizer_files_and_none_for_bytes(tmp_path):
@@ -258,7 +258,7 @@ def test_sentencepiece_tokenizer_files_and_none_for_bytes(tmp_path):
   sp = tokenizer_lib.load('sentencepiece', str(tmp_path / 'sp.model'))
   out = tmp_path / 'sp_out'
   out.mkdir()
-  assert hf.save_tokenizer(sp, str(out), 16) == (
+  assert hf_save.save_tokenizer(sp, str(out), 16) == (
       f'tokenizer.model and tokenizer_config.json (LlamaTokenizer) from {tmp_path / "sp.model"}.')
   assert sorted(os.listdir(out)) == ['tokenizer.model', 'tokenizer_config.json']
   # LlamaTokenizer adds the beginning-of-text id, as the engine's data and prompts start.
@@ -267,7 +267,7 @@ def test_sentencepiece_tokenizer_files_and_none_for_bytes(tmp_path):
       'bos_token': '<s>', 'eos_token': '</s>', 'unk_token': '<unk>', 'model_max_length': 16}
   none = tmp_path / 'byte_out'
   none.mkdir()
-  assert hf.save_tokenizer(tokenizer_lib.ByteTokenizer(), str(none), 16) == (
+  assert hf_save.save_tokenizer(tokenizer_lib.ByteTokenizer(), str(none), 16) == (
       'no tokenizer files: data.tokenizer=byte (ids are UTF-8 bytes) has no Hugging Face '
       'tokenizer file.')
   assert not os.listdir(none)

@@ -15,5 +15,6 @@ imports them.
   bubble.py          measures a pipeline's bubble from step times at several micro-batch counts
   hf_check.py        the engine against transformers itself on each Hugging Face family
                      (command: python -m engine.analysis.hf_check --torch_python=PY)
+  hf_compare.py      hf_check's engine side: one checkpoint loaded, measured and compared
   hf_reference.py    the transformers side of hf_check, a child process (not imported)
 """
