@@ -25,8 +25,8 @@ mesh=1x8x1 for FSDP over 8 devices).
 
 Defaults: sequence 512, global batch 16, AdamW lr 2e-5 (warmup 20, cosine to 2e-6), weight decay
 0.0, bfloat16 compute with float32 parameters and optimizer state, full remat. Hardware: one or
-more accelerators; a 0.5B model fine-tunes on one 16 GB GPU at these sizes. Not yet measured on
-an accelerator: no loss or tokens/s are claimed here.
+more accelerators. Not yet measured on an accelerator: no memory, loss or tokens/s are claimed
+here.
 
 Arguments (comma separated): hf=DIR (required), mode=auto|manual, mesh=DxFxT[xC[xS]], steps=N.
 """
