@@ -1,5 +1,5 @@
-"""Writes a run's latest checkpoint as a Hugging Face checkpoint (engine/hf.py writes the files;
-the model family's HFFormat, e.g. engine/models/llama_hf.py, names the tensors).
+"""Writes a run's latest checkpoint as a Hugging Face checkpoint (engine/hf_save.py writes the
+files; the model family's HFFormat, e.g. engine/models/llama_hf.py, names the tensors).
 
   python -m engine.export --workdir=/tmp/run --format=hf --out=/tmp/run_hf [--dtype=bfloat16]
 

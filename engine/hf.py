@@ -1,9 +1,9 @@
-"""Hugging Face checkpoints in and out: `train.init_from=hf:PATH` and `engine.export`.
+"""Hugging Face checkpoints in: `train.init_from=hf:PATH` (engine/hf_save.py writes them out).
 
 A checkpoint is a directory with `config.json` and `*.safetensors` files (one, or several named
 by `model.safetensors.index.json`). Which tensor holds which parameter, in which layout, is the
 model family's knowledge (its `HFFormat`, engine/models/hf_format.py, registered in
-engine/models/__init__.py); this module only reads and writes safetensors. Loading builds every
+engine/models/__init__.py); this module only reads config.json and safetensors. Loading builds every
 parameter with `jax.make_array_from_callback`: each device's block is read from the files as that
 slice alone (safetensors reads slices without loading the tensor), so no host or device ever
 holds a whole parameter it does not own. Before anything is read, the files are checked against
