@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
 
 import jax
 import numpy as np
@@ -48,10 +50,46 @@ def export(workdir: str, out: str, dtype: str = 'float32') -> list[str]:
   return export_files(workdir, out, dtype).tensors
 
 
+# What a Hugging Face checkpoint directory holds: an --out holding only these is a previous export
+# (or a download), which an export replaces whole.
+_CHECKPOINT_FILES = re.compile(
+    r'^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|'
+    r'model\.safetensors\.index\.json|tokenizer(_config)?\.json|tokenizer\.model|'
+    r'special_tokens_map\.json)$')
+
+
+def _check_out(out: str) -> None:
+  """--out must be new, empty, or a Hugging Face checkpoint (replaced whole, so that no file of
+  the old one, such as a sharded index, outlives it)."""
+  if not os.path.exists(out):
+    return
+  if not os.path.isdir(out):
+    raise config_lib.ConfigError(f'--out={out} is a file; pass a directory to write.')
+  foreign = sorted(name for name in os.listdir(out) if not (
+      _CHECKPOINT_FILES.match(name) and os.path.isfile(os.path.join(out, name))))
+  if foreign:
+    raise config_lib.ConfigError(
+        f'--out={out} holds {len(foreign)} entries that are not a Hugging Face checkpoint\'s, e.g. '
+        f'{foreign[0]!r}; pass a new or empty directory (an earlier export there is replaced '
+        'whole).')
+
+
+def _replace(staged: str, out: str) -> None:
+  """The staged export becomes `out`; an earlier one there goes only once it has."""
+  old = f'{out}.replaced-by-export'
+  if os.path.exists(out):
+    os.replace(out, old)
+  os.replace(staged, out)
+  shutil.rmtree(old, ignore_errors=True)
+
+
 def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
-  """The latest checkpoint of `workdir` and its tokenizer written to `out` (module docstring)."""
+  """The latest checkpoint of `workdir` and its tokenizer written to `out` (module docstring):
+  written beside it first, then put in its place, replacing an earlier export whole."""
   if dtype not in hf_save.DTYPES:
     raise config_lib.ConfigError(f'--dtype={dtype}: choose one of {", ".join(hf_save.DTYPES)}.')
+  out = os.path.abspath(out)
+  _check_out(out)
   # Every parameter whole on this machine's devices (replicated), whatever mesh trained it; the
   # tokenizer that decodes (for shards, the file their meta.json names).
   run = assemble_finished_run(workdir, '-1x1x1', reads=TOKENIZER)
@@ -64,8 +102,16 @@ def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
   params = restore_params(workdir, run.setup.abstract_state()['params'])
   host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
   token_ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id}
-  names = hf_save.save(host, config.model, run.setup.model.vocab_size, out, dtype, token_ids)
-  line = hf_save.save_tokenizer(tokenizer, out, config.model.max_len)
+  staged = f'{out}.export-in-progress'
+  shutil.rmtree(staged, ignore_errors=True)  # A failed export's leftovers: ours to remove.
+  try:
+    names = hf_save.save(host, config.model, run.setup.model.vocab_size, staged, dtype,
+                         token_ids)
+    line = hf_save.save_tokenizer(tokenizer, staged, config.model.max_len)
+  except BaseException:
+    shutil.rmtree(staged, ignore_errors=True)
+    raise
+  _replace(staged, out)
   return Exported(names, sorted(os.listdir(out)), line)
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from safetensors import safe_open
 
-from engine import models
+from engine import models, paths
 from engine.config import ConfigError
 from engine.models.hf_format import LAYER_NDIM, HFFormat, UnsupportedCheckpoint
 
@@ -99,6 +99,8 @@ class _Files:
       except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f'{self.where_text}: model.safetensors.index.json has no readable '
                           f'weight_map ({e}); rewrite it or remove it.') from None
+      for f in files:
+        paths.inside(path, f, f'{self.where_text}: model.safetensors.index.json')
       absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
       if absent:
         raise ConfigError(f'{self.where_text}: model.safetensors.index.json names {len(absent)} '

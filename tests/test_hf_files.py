@@ -15,6 +15,7 @@ engine's own forward pass) as a command:
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -341,3 +342,39 @@ if __name__ == '__main__':
   if not PYTHON:
     sys.exit('usage: python -m tests.test_hf_files --python=ENV/bin/python (torch, transformers)')
   sys.exit(0 if transformers_check(PYTHON) else 1)
+
+
+@pytest.mark.parametrize('name', ['../outside.safetensors', '/etc/passwd', 'sub/../../x'])
+def test_an_index_naming_a_file_outside_its_directory_is_refused(exported, tmp_path, monkeypatch,
+                                                                  name):
+  abstract, tensors, config, _ = exported
+  directory = pathlib.Path(_write(tmp_path / 'hf', tensors, config))
+  save_file({'x': np.zeros(1, np.float32)}, str(tmp_path / 'outside.safetensors'))
+  (directory / 'model.safetensors.index.json').write_text(json.dumps(
+      {'weight_map': {'model.norm.weight': name}}))
+  with pytest.raises(ConfigError, match=rf"model.safetensors.index.json names {re.escape(repr(name))}"
+                     r", which (is not a file name inside|resolves outside)"):
+    _load(str(directory), abstract, monkeypatch)
+
+
+def test_export_replaces_an_earlier_export_whole_and_refuses_other_directories(trained,
+                                                                               tmp_path):
+  workdir, _ = trained
+  out = tmp_path / 'out'
+  out.mkdir()
+  # An earlier, sharded checkpoint there: its index would outlive a plain write and be loaded.
+  (out / 'model.safetensors.index.json').write_text('{"weight_map": {}}')
+  (out / 'model-00001-of-00002.safetensors').write_bytes(b'old')
+  written = export_files(workdir, str(out))
+  assert written.files == sorted(p.name for p in out.iterdir()) == [
+      'config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json',
+      'tokenizer_config.json']
+  assert not list(tmp_path.glob('out.*'))  # No staging or replaced copy left beside it.
+  # A directory holding anything else is refused, untouched.
+  other = tmp_path / 'notes'
+  other.mkdir()
+  (other / 'todo.txt').write_text('keep me')
+  with pytest.raises(ConfigError, match=r"--out=.*notes holds 1 entries that are not a Hugging "
+                     r"Face checkpoint's, e.g. 'todo.txt'; pass a new or empty directory"):
+    export_files(workdir, str(other))
+  assert [p.name for p in other.iterdir()] == ['todo.txt']

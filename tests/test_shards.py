@@ -2,6 +2,7 @@
 read back, per-process slices, exact resume, mixing, and a run that trains on them."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -159,3 +160,18 @@ def test_training_on_shards_and_bad_shard_settings(shard_set, tmp_path):
     data.load_corpus(_data_config(str(tmp_path)), 0)
   with pytest.raises(ConfigError, match='weight -1'):
     shards.parse_sets(f'{out}:-1')
+
+
+def test_a_meta_json_naming_a_file_outside_its_set_is_refused(shard_set, tmp_path):
+  import shutil  # pylint: disable=g-import-not-at-top
+  copy = tmp_path / 'set'
+  shutil.copytree(shard_set[0], copy)
+  meta = json.loads((copy / 'meta.json').read_text())
+  shutil.copy(copy / meta['shards'][0]['file'], tmp_path / 'elsewhere.arrayrecord')
+  for name, message in (('../elsewhere.arrayrecord', 'resolves outside'),
+                        (str(tmp_path / 'elsewhere.arrayrecord'), 'is not a file name inside')):
+    meta['shards'][0]['file'] = name
+    (copy / 'meta.json').write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=f"meta.json names {re.escape(repr(name))}, which "
+                       f'{message}'):
+      shards.TokenStream(str(copy))

@@ -21,6 +21,7 @@ import os
 
 import numpy as np
 
+from engine import paths
 from engine.config import ConfigError
 
 FORMAT = 'engine-token-shards/1'
@@ -98,7 +99,7 @@ def read_meta(directory: str) -> dict:
   if meta.get('format') != FORMAT:
     raise ConfigError(f'data.shards: {path} is format {meta.get("format")!r}, not {FORMAT!r}.')
   for shard in meta['shards']:
-    file = os.path.join(directory, shard['file'])
+    file = paths.inside(directory, shard.get('file'), f'data.shards: {path}')
     if not os.path.isfile(file):
       raise ConfigError(f'data.shards: {file} listed in {META} is missing; rerun engine.data.prepare.')
   return meta
@@ -115,7 +116,7 @@ class TokenStream:
     self.dtype = np.dtype(self.meta['dtype'])
     self.num_tokens = self.meta['num_tokens']
     self._records = grain.sources.ArrayRecordDataSource(
-        [os.path.join(directory, s['file']) for s in self.meta['shards']])
+        [paths.inside(directory, s['file'], META) for s in self.meta['shards']])
 
   def tokens(self, start: int, stop: int) -> np.ndarray:
     """Tokens [start, stop) of the stream, as int32."""
