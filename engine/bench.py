@@ -30,7 +30,7 @@ from engine import config as config_lib
 from engine import parallel
 from engine.analysis import benchmark
 from engine.assemble import assemble
-from engine.cli import run_command
+from engine.cli import check_out_prefix, run_command
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=False)
@@ -50,8 +50,7 @@ def variants(config) -> tuple:
   """(corpus, [(mode, setup)] for every mesh and mode): all validated and laid out before
   anything compiles."""
   parallel.check_modes(_MODES.value, '--modes')
-  if _STEPS.value < 1 or _WARMUP.value < 0:
-    raise config_lib.ConfigError('--steps must be >= 1 and --warmup >= 0.')
+  benchmark.check_timing_flags(_STEPS.value, _WARMUP.value)
   for mesh in _MESHES.value:
     config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before any data is read.
   corpus, setups = None, []
@@ -67,6 +66,10 @@ def variants(config) -> tuple:
 def main(argv):
   del argv
   config = _CONFIG.value
+  check_out_prefix(_OUT.value)
+  if _PEAK.value is not None and not _PEAK.value > 0:
+    raise config_lib.ConfigError(f'--peak_tflops={_PEAK.value:g} must be a positive number '
+                                 '(one device\'s peak, TFLOP/s).')
   corpus, runs_to_make = variants(config)
   first_setup = runs_to_make[0][1]
   tokens = config.data.global_batch_size * config.data.seq_len

@@ -240,6 +240,23 @@ def parse_flags(argv: Sequence[str], command: Command = MAIN) -> list[str]:
     fail(_flag_error(error, argv, command))
 
 
+def check_out_prefix(prefix: str | None, flag: str = '--out') -> None:
+  """--out=PREFIX writes PREFIX.md and PREFIX.json at the end: its directory must exist and be
+  writable before hours of measuring, not after."""
+  if prefix is None:
+    return
+  directory = os.path.dirname(os.path.abspath(prefix)) if prefix else ''
+  if not prefix or prefix.endswith(os.sep) or os.path.isdir(prefix):
+    raise ConfigError(f'{flag}={prefix} is not a file prefix; give one, e.g. {flag}=/tmp/report '
+                      'for /tmp/report.md and /tmp/report.json.')
+  if not os.path.isdir(directory):
+    raise ConfigError(f'{flag}={prefix}: {directory} is not a directory; create it, or pass a '
+                      'prefix in one.')
+  if not os.access(directory, os.W_OK):
+    raise ConfigError(f'{flag}={prefix}: {directory} cannot be written (permissions); pass a '
+                      'prefix in a writable directory.')
+
+
 # The engine's own errors, which say everything in one line (a traceback would bury it).
 EXPLAINED_ERRORS = (ConfigError, CheckpointError)
 

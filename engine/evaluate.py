@@ -23,16 +23,26 @@ from flax import nnx
 from engine import config as config_lib
 from engine import data
 from engine.cli import run_command
-from engine.generate import add_bos_flag, bos_ids, encode_prompts, load_run
+from engine.text_files import read_text
+from engine.assemble import assemble_finished_run
+from engine.checkpoint import restore_params
+from engine.generate import add_bos_flag, bos_ids, encode_prompts
 from engine.parallel.auto import AutoOps
 
 
-def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int) -> dict:
+def check_length(tokens: np.ndarray, seq_len: int, path: str) -> None:
+  """Refuses a text shorter than one window of seq_len + 1 tokens, before anything compiles."""
+  if len(tokens) < seq_len + 1:
+    raise config_lib.ConfigError(
+        f'--text_file={path} holds {len(tokens)} tokens, fewer than one window of the run\'s '
+        f'data.seq_len + 1 = {seq_len + 1}; pass a longer text.')
+
+
+def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int,
+             path: str = 'the text') -> dict:
   """Mean loss over the consecutive windows of `tokens`, `batch` windows per compiled call."""
+  check_length(tokens, seq_len, path)
   count = (len(tokens) - 1) // seq_len
-  if count < 1:
-    raise config_lib.ConfigError(f'the text holds {len(tokens)} tokens, fewer than one window of '
-                                 f'data.seq_len + 1 = {seq_len + 1}.')
   windows = np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
   ops = AutoOps(setup)
 
@@ -62,10 +72,14 @@ def main():
 
   def run(argv):
     del argv
-    loaded, params = load_run(workdir.value, mesh.value)
+    if batch.value < 1:
+      raise config_lib.ConfigError(f'--batch={batch.value} must be at least 1.')
+    text = read_text(text_file.value, f'--text_file={text_file.value}')
+    loaded = assemble_finished_run(workdir.value, mesh.value)
     config, tokenizer = loaded.config, loaded.tokenizer
-    tokens, = encode_prompts(tokenizer, [data.read_text_file(text_file.value)], add_bos.value,
-                             '--text_file')
+    tokens, = encode_prompts(tokenizer, [text], add_bos.value, '--text_file')
+    check_length(tokens, config.data.seq_len, text_file.value)
+    params = restore_params(workdir.value, loaded.setup.abstract_state()['params'])
     bos = ', the beginning-of-text token first' if bos_ids(tokenizer, add_bos.value) else ''
     result = evaluate(loaded.setup, params, tokens, config.data.seq_len, batch.value)
     print(f'{text_file.value}: loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.3f} '

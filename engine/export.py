@@ -61,6 +61,11 @@ _CHECKPOINT_FILES = re.compile(
 def _check_out(out: str) -> None:
   """--out must be new, empty, or a Hugging Face checkpoint (replaced whole, so that no file of
   the old one, such as a sharded index, outlives it)."""
+  parent = os.path.dirname(out)
+  if not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+    raise config_lib.ConfigError(
+        f'--out={out}: {parent} is not a directory this process can write (the export is staged '
+        'beside --out, then renamed); pass a path in one.')
   if not os.path.exists(out):
     return
   if not os.path.isdir(out):
@@ -88,6 +93,9 @@ def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
   written beside it first, then put in its place, replacing an earlier export whole."""
   if dtype not in hf_save.DTYPES:
     raise config_lib.ConfigError(f'--dtype={dtype}: choose one of {", ".join(hf_save.DTYPES)}.')
+  if not out.strip():
+    raise config_lib.ConfigError('--out is empty; pass the directory to write, e.g. '
+                                 '--out=/tmp/hf_export.')
   out = os.path.abspath(out)
   _check_out(out)
   # Every parameter whole on this machine's devices (replicated), whatever mesh trained it; the

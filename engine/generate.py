@@ -23,6 +23,7 @@ document does (engine.data.prepare); --noadd_bos leaves it out. It takes a cache
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from engine.assemble import Run, assemble_finished_run
 from engine.checkpoint import restore_params
 from engine.cli import run_command
 from engine.data import tokenizers as tokenizer_lib
+from engine.text_files import read_text
 from engine.models.attention import prescale
 from engine.models.layers import LAYERS, layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
@@ -249,6 +251,11 @@ def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,
   prompt_len = max_prompt_len or (config.data.seq_len - bos if config.model.name != 'gpt' else
                                   max(1, config.model.max_len - max_new_tokens - bos))
   plus = ' + 1 beginning-of-text token' if bos else ''
+  if config.model.name == 'gpt' and max_new_tokens + bos >= config.model.max_len:
+    raise config_lib.ConfigError(
+        f'--max_new_tokens={max_new_tokens}{plus} leaves no room for a prompt in the GPT '
+        f'model\'s {config.model.max_len} learned positions (model.max_len); give '
+        f'--max_new_tokens below {config.model.max_len - bos}.')
   if config.model.name == 'gpt' and prompt_len + bos + max_new_tokens > config.model.max_len:
     raise config_lib.ConfigError(
         f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '
@@ -259,12 +266,33 @@ def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,
         f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '
         f'model\'s sliding window of {window} tokens (model.sliding_window), past which the '
         'engine\'s full attention would differ from the model\'s; shorten them.')
+  if not bos and min(len(i) for i in ids) == 0:
+    raise config_lib.ConfigError('a prompt is empty, and the run\'s tokenizer has no '
+                                 'beginning-of-text token to start from; give it some text.')
   longest = max(len(i) for i in ids) - bos
   if longest > prompt_len:
     raise config_lib.ConfigError(
         f'a prompt has {longest} tokens, more than --max_prompt_len={prompt_len}{plus}; raise '
         '--max_prompt_len or shorten the prompt.')
   return ids, prompt_len + bos
+
+
+def check_sampling_flags(max_new_tokens: int, max_prompt_len: int, num_samples: int,
+                         sampling: 'Sampling') -> None:
+  """Generation flags outside their ranges, each refused in one line before anything loads."""
+  checks = [
+      (max_new_tokens >= 1, f'--max_new_tokens={max_new_tokens} must be at least 1.'),
+      (max_prompt_len >= 0, f'--max_prompt_len={max_prompt_len} must be >= 0 (0: the run\'s '
+       'data.seq_len).'),
+      (num_samples >= 1, f'--num_samples={num_samples} must be at least 1.'),
+      (math.isfinite(sampling.temperature) and sampling.temperature >= 0,
+       f'--temperature={sampling.temperature:g} must be a finite number >= 0 (0: greedy).'),
+      (sampling.top_k >= 0, f'--top_k={sampling.top_k} must be >= 0 (0: every token).'),
+      (0 < sampling.top_p <= 1, f'--top_p={sampling.top_p:g} must lie in (0, 1] (1: every '
+       'token).')]
+  for ok, message in checks:
+    if not ok:
+      raise config_lib.ConfigError(message)
 
 
 def add_bos_flag():
@@ -295,24 +323,26 @@ def main():
   def run(argv):
     del argv
     texts = [prompt.value] if prompt.value is not None else []
-    if prompts_file.value:
-      with open(prompts_file.value) as f:
-        texts += [line.rstrip('\n') for line in f if line.strip()]
+    if prompts_file.value is not None:
+      text = read_text(prompts_file.value, f'--prompts_file={prompts_file.value}')
+      texts += [line for line in text.splitlines() if line.strip()]
     if not texts:
-      raise config_lib.ConfigError('give --prompt="..." or --prompts_file=FILE.')
-    if max_new.value < 1 or not 0 < top_p.value <= 1 or temperature.value < 0:
-      raise config_lib.ConfigError('--max_new_tokens must be >= 1, --top_p in (0, 1] and '
-                                   '--temperature >= 0.')
-    run, params = load_run(workdir.value, mesh.value)
+      raise config_lib.ConfigError('give --prompt="..." or --prompts_file=FILE (one prompt a '
+                                   'line; it holds none).' if prompts_file.value else
+                                   'give --prompt="..." or --prompts_file=FILE.')
+    check_sampling_flags(max_new.value, max_prompt.value, num_samples.value,
+                         Sampling(temperature.value, top_k.value, top_p.value))
+    texts = [t for t in texts for _ in range(num_samples.value)]
+    run = assemble_finished_run(workdir.value, mesh.value)
     config, tokenizer = run.config, run.tokenizer
-    ids, slots = prompts_and_slots(config, tokenizer, [t for t in texts
-                                                       for _ in range(num_samples.value)],
-                                   max_prompt.value, max_new.value, add_bos.value)
+    ids, slots = prompts_and_slots(config, tokenizer, texts, max_prompt.value, max_new.value,
+                                   add_bos.value)
+    params = restore_params(workdir.value, run.setup.abstract_state()['params'])
     generator = Generator(run.setup, slots, max_new.value,
                           Sampling(temperature.value, top_k.value, top_p.value),
                           tokenizer.vocab_size)
     outputs = generator.generate(params, ids, max_new.value, seed.value, tokenizer.eos_id)
-    for text, out in zip([t for t in texts for _ in range(num_samples.value)], outputs):
+    for text, out in zip(texts, outputs):
       print(f'--- {text!r}\n{text}{tokenizer.decode(out)}\n')
 
   run_command(run, 'engine.generate', required=('workdir',))

@@ -51,7 +51,7 @@ from engine import hf, parallel, validation  # noqa: E402
 from engine.analysis import benchmark, chips, collectives, comm_theory  # noqa: E402
 from engine.analysis.compare import communication_table  # noqa: E402
 from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound  # noqa: E402
-from engine.cli import run_command  # noqa: E402
+from engine.cli import check_out_prefix, run_command  # noqa: E402
 from engine.metrics import log_memory  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
 
@@ -67,32 +67,6 @@ _WIRE_FACTOR = {
     'all-to-all': lambda n: (n - 1) / n,
     'collective-permute': lambda n: 1,
 }
-
-
-# Where XLA:TPU's collectives differ from the theory's (and from the CPU compile), and which
-# compiles showed it (BUILD.md, "Benchmarks": the ahead-of-time TPU compiles and the Llama-3-8B
-# plan; tests/test_plan.py for the two slices).
-TPU_NOTES = """Measured on ahead-of-time compiles (libtpu's compiler on a CPU machine, jax 0.10.2, \
-libtpu 0.0.42.1) of a GPT-2-small-sized train step (12 layers, width 768, vocabulary 50304, \
-sequence 1024, batch 64, bfloat16, full remat) for TPU v5p 2x2x2, the Llama-8B figure in (b) \
-of a Llama-3-8B-shaped step (sequence 8192, batch 128, bfloat16, full remat) for v5p 4x4x8, \
-and (f) of a GPT step on two v5p 2x2x1 slices; other compiler versions may differ. \
-Reading measured / theory on TPU: the theory counts what manual mode asks for, in \
-the dtypes it asks for. XLA:TPU (a) gathers FSDP weights in the compute dtype (bfloat16: \
-all-gather at 0.5) and once per step (no re-gather for the backward pass); (b) turns some FSDP \
-gradients' reduce-scatters (all, at GPT-2-small size; the head's float32 gradient at Llama-8B \
-size) into an all-reduce of the whole gradient followed by a slice: reduce-scatter below 1, and \
-an fsdp all-reduce the theory does not have, fsdp times the missing reduce-scatter bytes (in \
-auto mode with data parallelism too, over data and fsdp at once); (c) in auto mode reduces \
-data-parallel gradients where the weight-gradient matmuls produce them, in bfloat16 (all-reduce \
-near 0.5-0.65; a tied embedding's two gradient parts reduced separately); (d) in auto FSDP \
-runs most weight gathers and gradient reduce-scatters as windowed einsums (collective \
-matmuls): collective-permutes of shard-sized pieces, about 9/8 of the all-gather bytes they \
-replace, overlapped with the matmuls (permutes over fsdp are those). Under remat, on CPU as on \
-TPU, (e) some of the forward pass's tensor-parallel all-reduces run again in the backward pass: \
-tensor all-reduce about 1.2 with full remat. (f) Between slices XLA:TPU sends through the \
-data-centre network (Megascale): those collectives are the `dcn` rows, carrying what the \
-theory lists under the data (or fsdp) axis for the part of it that crosses slices."""
 
 
 class PlanError(config_lib.ConfigError):
@@ -272,6 +246,8 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
          meshes: list[str], dcn_gb_per_s: float = DCN_GB_PER_S) -> dict:
   """Every candidate (mesh x mode) compiled for the topology, ranked."""
   parallel.check_modes(modes, '--modes')
+  if not dcn_gb_per_s > 0:
+    raise config_lib.ConfigError(f'--dcn_gb_per_s={dcn_gb_per_s:g} must be a positive number.')
   for mesh in meshes:
     config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before anything compiles.
   devices = topology_devices(topology, num_slices)
@@ -286,6 +262,9 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
     for mode in modes:
       logging.info('Compiling %s on %s for %s.', mode, mesh or 'the config\'s mesh', topology)
       rows.append(plan_candidate(candidate, mode, devices, hardware))
+  if all(row['status'] == 'invalid' for row in rows):
+    raise config_lib.ConfigError(f'no candidate can run on {topology}; the first, mesh '
+                                 f'{rows[0]["mesh"]}: {rows[0]["error"]}')
   rank = lambda r: (r['status'] != 'fits', r.get('roofline', {}).get('serial_s', math.inf))
   for place, row in enumerate(sorted(rows, key=rank), 1):
     row['rank'] = place
@@ -335,7 +314,7 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
             'DCN = bytes on the wire / bandwidth (ring algorithms; every link of the chip for '
             'ICI: a lower bound); overlapped = the largest, serial = max(compute, HBM) + '
             'communication. MFU: the model\'s FLOPs per serial step time.', '']
-  lines += [TPU_NOTES, '']
+  lines += [chips.TPU_NOTES, '']
   for r in result['candidates']:
     if r['status'] == 'invalid' or 'communication' not in r:
       continue
@@ -376,6 +355,7 @@ def main():
 
   def run(argv):
     del argv
+    check_out_prefix(out.value)
     start = time.perf_counter()
     result = plan(config.value, topology.value, num_slices.value, modes.value, meshes.value,
                   dcn_gb_per_s.value)

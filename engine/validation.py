@@ -16,7 +16,7 @@ import ml_collections
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from engine import models, parallel, sharding
+from engine import models, parallel, sharding, text_files
 from engine.config import (DTYPES, SOURCES, TOKENIZERS, ConfigError, default_config,
                            resolve_mesh_shape)
 from engine.models import attention, llama
@@ -41,12 +41,7 @@ def _check_data_file(path: str) -> None:
          '--config.data.source=embedded.')
   if not path:
     raise ConfigError(f"data.path='' is not set, but data.source='file' reads it; {fix}")
-  if os.path.isdir(path):
-    raise ConfigError(f'data.path={path!r} is a directory, not a file; {fix}')
-  if not os.path.isfile(path):
-    raise ConfigError(f'data.path={path!r} does not exist; {fix}')
-  if not os.access(path, os.R_OK):
-    raise ConfigError(f'data.path={path!r} cannot be read (permissions); {fix}')
+  text_files.check_file(path, f'data.path={path!r}', fix)
 
 
 def _check_init_from(workdir: str) -> None:
@@ -303,6 +298,14 @@ def _check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rul
     raise ConfigError(
         f'parallelism.rules={parallelism.rules!r} does not use mesh axes {unused} of size '
         '> 1, so they would only duplicate work; set them to 1 or pick rules that use them.')
+  named = sharding.RULE_PRESETS.get(parallelism.rules, rules).params
+  splits = {a for axes in named.values() for a in axes if a != 'stage'}
+  if splits and math.prod(mesh.values()) > 1 and not any(mesh[a] > 1 for a in splits):
+    raise ConfigError(
+        f'parallelism.rules={parallelism.rules!r} splits parameters over mesh '
+        f'{" and ".join(sorted(splits))}, which {"is" if len(splits) == 1 else "are"} 1: every '
+        f'device would hold them whole; give mesh.{" or mesh.".join(sorted(splits))} a size '
+        "> 1, or set parallelism.rules='data_parallel'.")
   context = mesh['context']
   if context > 1 and config.data.seq_len % (2 * context):
     raise ConfigError(

@@ -73,7 +73,20 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
   if not path.exists():
     raise ConfigError(f'--workdir={workdir} holds no {CONFIG_FILE}; pass the --workdir of a '
                       'training run.')
-  config = ml_collections.ConfigDict(json.loads(path.read_text()))
+  try:
+    saved = json.loads(path.read_text())
+  except ValueError as error:
+    raise ConfigError(f'--workdir={workdir}: {CONFIG_FILE} is not valid JSON ({error}); it is '
+                      'not a file a training run wrote: restore it, or pass another --workdir.'
+                      ) from None
+  sections = ('model', 'data', 'train', 'mesh', 'parallelism', 'optim')
+  missing = [s for s in sections if not isinstance(saved, dict) or
+             not isinstance(saved.get(s), dict)]
+  if missing:
+    raise ConfigError(f'--workdir={workdir}: {CONFIG_FILE} has no {missing[0]} section; it is '
+                      'not a config a training run wrote: restore it, or pass the --workdir of '
+                      'a training run.')
+  config = ml_collections.ConfigDict(saved)
   config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)  # Older runs lack it.
   return config
 

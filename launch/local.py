@@ -15,7 +15,6 @@ a checkpoint of it and exits 0 (engine/preemption.py); what is still running aft
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -24,7 +23,8 @@ import sys
 import threading
 import time
 
-from launch.command import add_command_argument, command_after_dashes
+from launch.command import (Parser, add_command_argument, check_at_least, check_program,
+                            command_after_dashes, fail)
 
 
 def free_port() -> int:
@@ -127,8 +127,7 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = Parser('launch.local', __doc__.split('\n\n')[0])
   parser.add_argument('--num_processes', type=int, required=True)
   parser.add_argument('--devices_per_process', type=int, default=1)
   parser.add_argument('--grace_s', type=float, default=3.0,
@@ -139,9 +138,13 @@ def main(argv=None) -> int:
   parser.add_argument('--port', type=int, default=None, help='Coordinator port (default: free).')
   add_command_argument(parser)
   args = parser.parse_args(argv)
-  command = command_after_dashes(parser, args)
-  if args.num_processes < 1 or args.devices_per_process < 1:
-    parser.error('--num_processes and --devices_per_process must be >= 1')
+  check_at_least(args, 1, 'num_processes', 'devices_per_process')
+  check_at_least(args, 0, 'grace_s', 'stop_grace_s')
+  if args.port is not None and not 1024 <= args.port <= 65534:
+    fail(f'--port={args.port} must lie in 1024..65534 (the start-up roll call uses the next '
+         'port too); or leave it out for a free one.')
+  command = command_after_dashes(args)
+  check_program(command)
   return launch(command, args.num_processes, args.devices_per_process, args.grace_s, args.port,
                 args.stop_grace_s)
 

@@ -18,12 +18,17 @@ one process per node that drives all of its GPUs.
 
 from __future__ import annotations
 
-import argparse
+import os
+import re
 import shlex
 import subprocess
 import sys
 
-from launch.command import add_command_argument, command_after_dashes
+from launch.command import (Parser, add_command_argument, check_at_least, check_tool,
+                            command_after_dashes, fail)
+
+# SLURM's time limit formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_TIME = re.compile(r'^(\d+|\d+:\d\d|\d+:\d\d:\d\d|\d+-\d+|\d+-\d+:\d\d|\d+-\d+:\d\d:\d\d)$')
 
 
 def batch_script(command: list[str], nodes: int, gpus_per_node: int, tasks: str,
@@ -55,7 +60,7 @@ def batch_script(command: list[str], nodes: int, gpus_per_node: int, tasks: str,
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser = Parser('launch.slurm', __doc__.split('\n\n')[0])
   parser.add_argument('--nodes', type=int, required=True)
   parser.add_argument('--gpus_per_node', type=int, default=8)
   parser.add_argument('--tasks', choices=('per_gpu', 'per_host'), default='per_gpu')
@@ -73,9 +78,18 @@ def main(argv=None) -> int:
   parser.add_argument('--dry_run', action='store_true', help='Print; write and submit nothing.')
   add_command_argument(parser)
   args = parser.parse_args(argv)
-  command = command_after_dashes(parser, args)
-  if args.nodes < 1 or args.gpus_per_node < 1:
-    parser.error('--nodes and --gpus_per_node must be >= 1')
+  command = command_after_dashes(args)
+  check_at_least(args, 1, 'nodes', 'gpus_per_node')
+  check_at_least(args, 0, 'stop_grace_s')
+  if not _TIME.match(args.time):
+    fail(f'--time={args.time} is not a SLURM time limit; write MINUTES, HH:MM:SS or '
+         'DAYS-HH:MM:SS, e.g. --time=02:00:00.')
+  if not args.dry_run:
+    check_tool('sbatch', 'submit from a SLURM login node')
+    directory = os.path.dirname(os.path.abspath(args.script))
+    if not (os.path.isdir(directory) and os.access(directory, os.W_OK)):
+      fail(f'--script={args.script}: {directory} is not a directory this process can write; '
+           'pass a path in one.')
   script = batch_script(command, args.nodes, args.gpus_per_node, args.tasks, args.time,
                         args.partition, args.job_name, args.setup, args.stop_grace_s,
                         args.requeue)

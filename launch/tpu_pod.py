@@ -21,17 +21,19 @@ the workers themselves by JAX's preemption service.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 import signal
 import subprocess
 import sys
 
-from launch.command import add_command_argument, command_after_dashes
+from launch.command import (Parser, add_command_argument, check_at_least, check_tool,
+                            command_after_dashes, fail)
 
 DEFAULT_SETUP = 'python3 -m pip install -q -e . "jax[tpu]>=0.10,<0.11"'
 ARCHIVE = '/tmp/engine_code.tgz'
+_EXAMPLE = {'tpu': '--tpu=my-v5e-32', 'zone': '--zone=us-west4-a',
+            'remote_dir': '--remote_dir=~/engine'}
 
 
 def plan(tpu: str, zone: str, project: str | None, remote_dir: str, setup: str,
@@ -78,7 +80,7 @@ def _run_forwarding_stops(step: list[str], stop: list[str], grace_s: float) -> i
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser = Parser('launch.tpu_pod', __doc__.split('\n\n')[0])
   parser.add_argument('--tpu', required=True, help='TPU VM name.')
   parser.add_argument('--zone', required=True)
   parser.add_argument('--project', default=None)
@@ -91,7 +93,13 @@ def main(argv=None) -> int:
   parser.add_argument('--dry_run', action='store_true', help='Print the commands; run nothing.')
   add_command_argument(parser)
   args = parser.parse_args(argv)
-  command = command_after_dashes(parser, args)
+  command = command_after_dashes(args)
+  for name in ('tpu', 'zone', 'remote_dir'):
+    if not getattr(args, name).strip():
+      fail(f'--{name} is empty; give one, e.g. {_EXAMPLE[name]}.')
+  check_at_least(args, 0, 'stop_grace_s')
+  if not args.dry_run:
+    check_tool('gcloud', 'install the Google Cloud CLI (cloud.google.com/sdk) and log in')
   steps = plan(args.tpu, args.zone, args.project, args.remote_dir, args.setup, command)
   stop = stop_command(args.tpu, args.zone, args.project, command)
   for i, step in enumerate(steps):

@@ -1,6 +1,7 @@
-"""Bad input to `python -m engine.main`: each row of BAD_INPUTS is something a user could type,
-with the exit status and the one line, `error: ...`, that it gets: no traceback, nothing
-written, nothing compiled. docs/bad_inputs.md lists the same rows, in a table this file prints.
+"""Bad input to `python -m engine.main`: each row of BAD_INPUTS (tests/bad_inputs_main.py) is
+something a user could type, with the exit status and the one line, `error: ...`, that it gets:
+no traceback, nothing written, nothing compiled. docs/bad_inputs.md lists the same rows, and the
+other commands' (tests/test_command_bad_inputs.py), in tables tests/bad_input_checks.py prints.
 
 The rows run inside this process (engine.main.run parses the flags afresh each time), on the 8
 simulated CPU devices of conftest.py, and no XLA compile may happen before the error; two of them
@@ -8,328 +9,21 @@ also run as the real command. In argv and messages, `$T` stands for the test's s
 directory, which holds the files of SCRATCH.
 """
 
-import json
 import os
-import re
 import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
-from safetensors.numpy import save as safetensors_bytes
 
 from engine import main as engine_main
 from engine.config import ConfigError
+from tests.bad_input_checks import (ROOT, all_rows, bad_inputs_tables, check_nothing_written,
+                                    check_output, doc_rows, make_scratch, snapshot, substitute)
+from tests.bad_inputs_main import BAD_INPUTS, SCRATCH, TINY
 
 # ml_collections loads experiment files with a loader method Python deprecates (silent on the CLI).
 pytestmark = pytest.mark.filterwarnings('ignore:the load_module.. method is deprecated')
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BAD_INPUTS_DOC = os.path.join(ROOT, 'docs', 'bad_inputs.md')
-
-TINY = '--config=experiments/tiny.py'
-RUN = '--workdir=$T/run'
-FILE = '--config.data.source=file'
-
-# A tiny Llama's config.json (two layers).
-HF_LLAMA = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 16,
-            'intermediate_size': 32, 'num_hidden_layers': 2, 'num_attention_heads': 2,
-            'num_key_value_heads': 2, 'vocab_size': 256, 'rms_norm_eps': 1e-5,
-            'max_position_embeddings': 64, 'hidden_act': 'silu',
-            'rope_parameters': {'rope_type': 'default', 'rope_theta': 1e4}}
-
-
-def _one_layer_of_two() -> bytes:
-  """HF_LLAMA's weights with layer 1 missing."""
-  D, F, V = 16, 32, 256
-  tensors = {'model.embed_tokens.weight': (V, D), 'model.norm.weight': (D,),
-             'lm_head.weight': (V, D)}
-  p = 'model.layers.0.'
-  tensors.update({p + 'input_layernorm.weight': (D,), p + 'post_attention_layernorm.weight': (D,),
-                  p + 'mlp.gate_proj.weight': (F, D), p + 'mlp.up_proj.weight': (F, D),
-                  p + 'mlp.down_proj.weight': (D, F),
-                  **{p + f'self_attn.{x}_proj.weight': (D, D) for x in 'qkvo'}})
-  return safetensors_bytes({k: np.zeros(v, np.float32) for k, v in tensors.items()})
-
-
-# What each test's scratch directory $T holds before the run (text, or bytes).
-SCRATCH = {
-    'latin1.txt': b'caf\xe9 au lait\n',  # Latin-1, not UTF-8.
-    'empty.txt': '',
-    'short.txt': 'hello world\n',
-    'notes.txt': 'keep me',
-    'typo_experiment.py': ('from engine.config import default_config\n\n\n'
-                           'def get_config(arg=None):\n  config = default_config()\n'
-                           '  config.model.num_layer = 4\n  return config\n'),
-    'broken_experiment.py': 'def get_config(arg=None):\n  return defaults()\n',
-    'unfinished_run/checkpoints/100.orbax-checkpoint-tmp-1/': None,  # A save cut short.
-    # Hugging Face checkpoints the engine does not compute exactly, or that are incomplete.
-    'hf_yarn/config.json': json.dumps(dict(
-        HF_LLAMA, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e4})),
-    'hf_window/config.json': json.dumps(dict(
-        HF_LLAMA, architectures=['MistralForCausalLM'], model_type='mistral', sliding_window=8)),
-    'hf_missing/config.json': json.dumps(HF_LLAMA),
-    'hf_missing/model.safetensors': _one_layer_of_two(),
-}
-
-# (argv without the program, exit status, the line on stderr after `error: `).
-BAD_INPUTS = [
-    # The command line.
-    ([TINY], 2, '--workdir is required: the directory for checkpoints and metrics (rerun with the '
-     'same one to resume), e.g. --workdir=/tmp/tiny.'),
-    ([RUN], 2, '--config is required: the experiment file, e.g. --config=experiments/tiny.py.'),
-    (['--config=', RUN], 2,
-     '--config is empty; pass an experiment file, e.g. --config=experiments/tiny.py.'),
-    ([TINY, '--workdir='], 2, '--workdir is empty; pass the directory for checkpoints and '
-     'metrics, e.g. --workdir=/tmp/run.'),
-    ([TINY, '--workdir'], 2, '--workdir has no value; write --workdir=VALUE.'),
-    ([TINY, RUN, 'extra'], 2, "unexpected arguments ['extra']; everything is given as a flag, "
-     '--name=value (e.g. --config.train.num_steps=50), and a value holding spaces is quoted.'),
-    ([TINY, '--workdri=$T/run'], 2, '--workdri is not a flag (did you mean --workdir?); python -m '
-     'engine.main --helpfull lists them, and config keys are set with --config.KEY=VALUE.'),
-    ([TINY, RUN, '--debug=maybe'], 2,
-     '--debug=maybe is not true or false; give one, e.g. --debug=false.'),
-    ([TINY, RUN, '--num_processes=two'], 2, '--num_processes=two is not an integer; give one.'),
-    ([TINY, RUN, '--num_processes=2'], 2, '--num_processes=2 asks for several processes, but '
-     'there is no --coordinator_address (nor JAX_COORDINATOR_ADDRESS, nor a cluster that provides '
-     'one); pass --coordinator_address=HOST:PORT of process 0, or start the processes with python '
-     '-m launch.local.'),
-    ([TINY, RUN, '--num_processes=0'], 2, '--num_processes=0 must be at least 1.'),
-    ([TINY, RUN, '--coordinator_address=localhost:1234', '--num_processes=2', '--process_id=2'], 2,
-     '--process_id=2 must be below --num_processes=2: processes are numbered 0 to 1.'),
-    ([TINY, RUN, '--coordinator_address=localhost:1234'], 2, '--coordinator_address needs '
-     '--num_processes and --process_id too (or JAX_NUM_PROCESSES and JAX_PROCESS_ID).'),
-    ([TINY, RUN, '--heartbeat_timeout_s=0'], 2,
-     '--heartbeat_timeout_s=0 must be at least 1 (seconds).'),
-    # The experiment file and its arguments.
-    (['--config=experiments/no_such_experiment.py', RUN], 2,
-     '--config=experiments/no_such_experiment.py: experiments/no_such_experiment.py does not '
-     'exist; pass an experiment file, e.g. --config=experiments/tiny.py (the experiments are in '
-     'experiments/).'),
-    (['--config=experiments', RUN], 2, '--config=experiments: experiments is a directory; pass an '
-     'experiment file, e.g. --config=experiments/tiny.py.'),
-    (['--config=$T/notes.txt', RUN], 2, '--config=$T/notes.txt failed to load (SyntaxError: '
-     'invalid syntax (notes.txt, line 1)); fix the file, or see the traceback with --debug.'),
-    (['--config=engine/mesh.py', RUN], 2, '--config=engine/mesh.py: the file defines no '
-     'get_config(); an experiment file defines get_config(arg=None) returning the config, as '
-     'experiments/tiny.py does.'),
-    (['--config=$T/broken_experiment.py', RUN], 2, "--config=$T/broken_experiment.py failed to "
-     "load (NameError: name 'defaults' is not defined); fix the file, or see the traceback with "
-     '--debug.'),
-    (['--config=$T/typo_experiment.py', RUN], 2, "Unknown config keys ['model.num_layer']; see "
-     'engine/config.py default_config() for the schema (a typo in an override?).'),
-    (['--config=experiments/tiny.py:foo=1', RUN], 2, "--config=experiments/tiny.py:foo=1: Unknown "
-     "experiment argument 'foo'; the experiment takes mesh, mode, steps (e.g. "
-     ':steps=100,mesh=2x2x2).'),
-    (['--config=experiments/tiny.py:steps=abc', RUN], 2,
-     '--config=experiments/tiny.py:steps=abc: experiment argument steps=abc is not an integer; '
-     'give one, e.g. steps=600.'),
-    (['--config=experiments/tiny.py:mesh=2x2', RUN], 2, '--config=experiments/tiny.py:mesh=2x2: '
-     'mesh=2x2: a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], 3 to 5 integers joined by x (axes '
-     'not given are 1); e.g. 2x2x2, or 2x1x1x2x2 for context 2 and stage 2 (-1: the devices the '
-     'other axes leave, e.g. -1x1x2).'),
-    # Overrides: keys and types.
-    ([TINY, RUN, '--config.model.num_layerz=3'], 2, '--config.model.num_layerz=3: the config has '
-     'no key model.num_layerz (did you mean model.num_layers?); the keys and their defaults are in '
-     'engine/config.py, default_config().'),
-    ([TINY, RUN, '--config.optimizer.b2=0.95'], 2, '--config.optimizer.b2=0.95: the config has no '
-     'key optimizer.b2 (did you mean optim.b2?); the keys and their defaults are in '
-     'engine/config.py, default_config().'),
-    ([TINY, RUN, '--config.model=gpt'], 2, '--config.model=gpt: model is a section of the config, '
-     'not a value; set its keys one by one, e.g. --config.model.attention=einsum.'),
-    (['--config.optim.b2=0.95', TINY, RUN], 2, '--config.optim.b2=0.95 comes before --config, '
-     'which it overrides; give --config=EXPERIMENT first, then the overrides.'),
-    ([TINY, RUN, '--config.train.num_steps'], 2,
-     '--config.train.num_steps has no value; write --config.train.num_steps=VALUE.'),
-    ([TINY, RUN, '--config.train.num_steps=abc'], 2, '--config.train.num_steps=abc is not an '
-     'integer; give one, e.g. --config.train.num_steps=300.'),
-    ([TINY, RUN, '--config.model.num_layers=2.5'], 2, '--config.model.num_layers=2.5 is not an '
-     'integer; give one, e.g. --config.model.num_layers=2.'),
-    ([TINY, RUN, '--config.optim.learning_rate=fast'], 2, '--config.optim.learning_rate=fast is '
-     'not a number; give one, e.g. --config.optim.learning_rate=0.001.'),
-    ([TINY, RUN, '--config.model.tie_embeddings=maybe'], 2, '--config.model.tie_embeddings=maybe '
-     'is not true or false; give one, e.g. --config.model.tie_embeddings=true.'),
-    (['--config=experiments/tiny.py:mesh=2x2x2', RUN, '--config.mesh.tensor=x'], 2,
-     '--config.mesh.tensor=x is not an integer; give one, e.g. --config.mesh.tensor=1.'),
-    # Values: names that are not among the choices.
-    ([TINY, RUN, '--config.model.name=gpt3'], 2,
-     "model.name='gpt3' is unknown; choose one of ['gpt', 'llama']."),
-    ([TINY, RUN, '--config.parallelism.mode=pipeline'], 2,
-     "parallelism.mode='pipeline' is unknown; choose one of ['auto', 'manual']."),
-    ([TINY, RUN, '--config.parallelism.rules=zero3'], 2, "parallelism.rules='zero3' is unknown; "
-     "choose 'auto' or one of ['data_parallel', 'fsdp', 'fsdp_tensor', 'tensor']."),
-    ([TINY, RUN, '--config.data.source=hf'], 2,
-     "data.source='hf' is unknown; choose one of ('embedded', 'file', 'synthetic', "
-     "'shards')."),
-    ([TINY, RUN, '--config.data.tokenizer=bpe'], 2,
-     "data.tokenizer='bpe' is unknown; choose one of ('byte', 'char', 'hf', 'sentencepiece')."),
-    ([TINY, RUN, '--config.data.tokenizer=hf'], 2, "data.tokenizer='hf' reads "
-     "data.tokenizer_path, but '' is not a file; pass --config.data.tokenizer_path=PATH "
-     '(python -m engine.data.train_tokenizer makes a tokenizer.json from any text).'),
-    ([TINY, RUN, '--config.data.source=shards'], 2, "data.source='shards' reads data.shards, "
-     'which is empty; pass --config.data.shards=DIR (an engine.data.prepare output; DIR:WEIGHT,... '
-     'to mix).'),
-    ([TINY, RUN, '--config.model.dtype=float16'], 2,
-     "model.dtype='float16' is unknown; choose one of ('float32', 'bfloat16')."),
-    ([TINY, RUN, '--config.model.attention=flash'], 2,
-     "model.attention='flash' is unknown; choose one of ('einsum', 'dot_product_attention')."),
-    # Values that would train wrong, or not at all.
-    ([TINY, RUN, '--config.optim.b2=1.5'], 2, 'optim.b2=1.5 must lie in [0, 1): it is how much of '
-     'its running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).'),
-    ([TINY, RUN, '--config.optim.learning_rate=nan'], 2,
-     'optim.learning_rate=nan is not a finite number; give one.'),
-    ([TINY, RUN, '--config.optim.b1=1e400'], 2, 'optim.b1=inf is not a finite number; give one.'),
-    ([TINY, RUN, '--config.optim.grad_clip_norm=0'], 2, 'optim.grad_clip_norm=0.0 must be '
-     'positive: gradients are scaled down to this global norm (inf turns clipping off).'),
-    ([TINY, RUN, '--config.optim.weight_decay=-0.1'], 2, 'optim.weight_decay=-0.1 must be >= 0.'),
-    ([TINY, RUN, '--config.optim.warmup_steps=-5'], 2, 'optim.warmup_steps=-5 must be >= 0.'),
-    ([TINY, RUN, '--config.optim.decay_steps=10'], 2, 'optim.decay_steps=10 must exceed '
-     'optim.warmup_steps=20 (it counts the warmup), or be -1 to end at train.num_steps.'),
-    ([TINY, RUN, '--config.train.num_steps=0'], 2, 'train.num_steps=0 must be positive.'),
-    ([TINY, RUN, '--config.data.global_batch_size=-16'], 2,
-     'data.global_batch_size=-16 must be positive.'),
-    ([TINY, RUN, '--config.data.val_fraction=1.5'], 2, 'data.val_fraction=1.5 must lie in (0, 1).'),
-    ([TINY, RUN, '--config.seed=-1'], 2, 'seed=-1 must lie in [0, 4294967294]: the data order is '
-     'shuffled with 32-bit seeds (evaluation uses seed + 1); give e.g. --config.seed=0.'),
-    # Model sizes that do not fit together.
-    ([TINY, RUN, '--config.model.embed_dim=66'], 2, 'model.embed_dim=66 is not divisible by '
-     'model.num_heads=4; change one of them so that model.num_heads divides model.embed_dim.'),
-    ([TINY, RUN, '--config.model.num_kv_heads=3'], 2, 'model.num_kv_heads=3 must divide '
-     'model.num_heads=4 (each key/value head serves a group of query heads), or be -1 for one per '
-     'query head.'),
-    ([TINY, RUN, '--config.model.name=llama', '--config.model.num_heads=8',
-      '--config.model.embed_dim=40'], 2, 'model.embed_dim / model.num_heads = 5 is odd; rotary '
-     'embeddings rotate pairs of dimensions, so choose an even head size.'),
-    ([TINY, RUN, '--config.data.seq_len=128'], 2, 'data.seq_len=128 exceeds model.max_len=64; '
-     'raise model.max_len or shorten data.seq_len.'),
-    ([TINY, RUN, '--config.model.vocab_size=100'], 2, "model.vocab_size=100 is smaller than the "
-     "tokenizer's 256 tokens; raise it or set it to -1."),
-    # The mesh and the batch (8 devices).
-    ([TINY, RUN, '--config.mesh.data=3'], 2, 'mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 8 '
-     'devices; make the product 8 or set one axis to -1.'),
-    ([TINY, RUN, '--config.mesh.tensor=3'], 2, 'mesh: the fixed axes multiply to 3, which does not '
-     'divide the 8 devices, so mesh.data=-1 has no size; choose sizes whose product divides 8.'),
-    ([TINY, RUN, '--config.mesh.data=-1', '--config.mesh.fsdp=-1'], 2,
-     "mesh: only one axis may be -1, got ['data', 'fsdp']; give the others sizes."),
-    ([TINY, RUN, '--config.mesh.fsdp=0'], 2,
-     'mesh.fsdp=0: axis sizes must be positive, or -1 for "the rest".'),
-    ([TINY, RUN, '--config.mesh.tensor=8'], 2, 'model.num_heads=4 is not divisible by '
-     'mesh.tensor=8; change one of them so that mesh.tensor divides model.num_heads.'),
-    (['--config=experiments/tiny.py:mesh=1x8x1', RUN, '--config.model.embed_dim=36'], 2,
-     'model.embed_dim=36 is not divisible by mesh.fsdp=8; change one of them so that mesh.fsdp '
-     'divides model.embed_dim.'),
-    ([TINY, RUN, '--config.data.global_batch_size=12'], 2, "data.global_batch_size=12 does not "
-     "split over the mesh's batch axes data=8; make it a multiple of 8, or change the mesh."),
-    ([TINY, RUN, '--config.train.microbatches=3'], 2, 'train.microbatches=3 does not divide the 2 '
-     'rows each device holds (data.global_batch_size=16 over 8 batch shards); choose a divisor of '
-     '2, or a larger batch.'),
-    ([TINY, RUN, '--config.train.pipeline_repeats=2'], 2, 'train.pipeline_repeats=2: the circular '
-     'pipeline schedule needs mesh.stage > 1; set it to 1, or split the mesh into stages.'),
-    (['--config=experiments/tiny.py:mesh=4x2x1', RUN, '--config.parallelism.rules=data_parallel'],
-     2, "parallelism.rules='data_parallel' does not use mesh axes ['fsdp'] of size > 1, so they "
-     'would only duplicate work; set them to 1 or pick rules that use them.'),
-    ([TINY, RUN, '--config.mesh.dcn_data=2'], 2, 'mesh.dcn_data*mesh.dcn_fsdp=2 must equal the '
-     'number of processes (1), one group of devices per host; set them to 1 to let the mesh '
-     'follow the device order.'),
-    # The data.
-    ([TINY, RUN, FILE], 2, "data.path='' is not set, but data.source='file' reads it; pass "
-     '--config.data.path=PATH to a UTF-8 text file, or use --config.data.source=embedded.'),
-    ([TINY, RUN, FILE, '--config.data.path=$T/no_such_file.txt'], 2,
-     "data.path='$T/no_such_file.txt' does not exist; pass --config.data.path=PATH to a UTF-8 "
-     'text file, or use --config.data.source=embedded.'),
-    ([TINY, RUN, FILE, '--config.data.path=$T'], 2, "data.path='$T' is a directory, not a file; "
-     'pass --config.data.path=PATH to a UTF-8 text file, or use --config.data.source=embedded.'),
-    ([TINY, RUN, FILE, '--config.data.path=$T/latin1.txt'], 2, "data.path='$T/latin1.txt' is not "
-     'UTF-8 text: byte 3 (0xe9, line 1, column 4) is not valid UTF-8; convert the file to UTF-8 '
-     '(e.g. iconv -f latin1 -t utf-8) or pass another file.'),
-    ([TINY, RUN, FILE, '--config.data.path=$T/empty.txt'], 2, "data.path='$T/empty.txt' is empty; "
-     'pass a text file with the training text, or use --config.data.source=embedded.'),
-    ([TINY, RUN, FILE, '--config.data.path=$T/short.txt'], 2, "data.path='$T/short.txt' holds 12 "
-     'tokens, too few to split into train and validation parts of at least data.seq_len+2=66 '
-     'tokens each (data.val_fraction=0.1: 651 tokens or more); use a larger source or a shorter '
-     'data.seq_len.'),
-    ([TINY, RUN, '--config.data.path=$T/short.txt'], 2, "data.path='$T/short.txt' is set but "
-     "data.source='embedded' does not read files; add --config.data.source=file, or drop "
-     'data.path.'),
-    ([TINY, RUN, '--config.data.embedded_max_bytes=0'], 2,
-     'data.embedded_max_bytes=0 must be positive.'),
-    # The workdir, and the run to start from.
-    ([TINY, '--workdir=$T/notes.txt'], 2, '--workdir=$T/notes.txt is a file, not a directory; pass '
-     'a new path or the directory of the run to resume.'),
-    ([TINY, '--workdir=$T/notes.txt/run'], 2, '--workdir=$T/notes.txt/run cannot be written (Not a '
-     'directory); pass a path under a writable directory, or fix its permissions.'),
-    ([TINY, RUN, '--config.train.init_from=$T/no_such_run'], 2, "train.init_from='$T/no_such_run' "
-     'has no checkpoints/ directory; pass the --workdir of a run that saved a checkpoint.'),
-    ([TINY, RUN, '--config.train.init_from=$T/unfinished_run'], 2,
-     "train.init_from='$T/unfinished_run' holds no complete checkpoint; pass the --workdir of a "
-     'run that saved one.'),
-    # Hugging Face checkpoints.
-    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_yarn'], 2, 'train.init_from=hf:$T/hf_yarn: '
-     "rope_parameters.rope_type='yarn' is not implemented; the engine computes default, linear, "
-     'llama3 rotary frequencies.'),
-    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_window'], 2, 'model.sliding_window=8 is '
-     'shorter than data.seq_len=64: the engine computes full causal attention, which differs from '
-     'a sliding window once a sequence is longer than it; use data.seq_len <= 8.'),
-    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_missing'], 2, 'train.init_from=hf:'
-     "$T/hf_missing: 9 tensors are missing, e.g. 'model.layers.1.input_layernorm.weight' "
-     '(config.json says num_hidden_layers=2; the files hold layers 0..0); the checkpoint is '
-     'incomplete or its config.json names more layers than it holds.'),
-    # Keys of the Llama family.
-    ([TINY, RUN, '--config.model.name=llama', '--config.model.rope_type=yarn'], 2,
-     "model.rope_type='yarn' is unknown; choose one of ('default', 'linear', 'llama3')."),
-    ([TINY, RUN, '--config.model.qk_norm=true'], 2, "model.qk_norm=True is read by the llama model "
-     "only; model.name='gpt' would ignore it: drop it."),
-    ([TINY, RUN, '--config.model.attention_scale=0'], 2, 'model.attention_scale=0.0 must be a '
-     'positive number, or -1 for 1/sqrt(head_dim).'),
-]
-
-
-def _make_scratch(directory) -> None:
-  for name, content in SCRATCH.items():
-    path = directory / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if content is None:
-      path.mkdir(exist_ok=True)
-    elif isinstance(content, bytes):
-      path.write_bytes(content)
-    else:
-      path.write_text(content)
-
-
-def _snapshot(directory) -> dict[str, bytes | None]:
-  """Every path under `directory`: a file's bytes, None for a directory."""
-  found = {}
-  for parent, dirs, files in os.walk(directory):
-    for name in dirs:
-      found[os.path.relpath(os.path.join(parent, name), directory)] = None
-    for name in files:
-      with open(os.path.join(parent, name), 'rb') as f:
-        found[os.path.relpath(os.path.join(parent, name), directory)] = f.read()
-  return found
-
-
-def _in(scratch, text: str) -> str:
-  return text.replace('$T', str(scratch))
-
-
-def _check_output(stderr: str, code: int, row, scratch) -> None:
-  _, expected_code, message = row
-  assert 'Traceback' not in stderr, stderr
-  errors = [line for line in stderr.splitlines() if line.startswith('error: ')]
-  assert len(errors) == 1, stderr  # One line says it all.
-  assert errors[0] == 'error: ' + _in(scratch, message)
-  assert code == expected_code, (code, stderr)
-
-
-def _check_nothing_written(before: dict, scratch) -> None:
-  """Files are untouched, and nothing is new but the (empty) workdir the run would have used."""
-  after = _snapshot(scratch)
-  assert {k: v for k, v in after.items() if k in before} == before
-  new = {k: v for k, v in after.items() if k not in before}
-  assert all(content is None for content in new.values()), new  # Directories, no files.
-  assert not any(os.path.basename(k) == 'checkpoints' for k in new), new
-
 
 COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # One per XLA compile.
 
@@ -351,12 +45,13 @@ def compiles():
 @pytest.mark.parametrize('row', BAD_INPUTS, ids=[' '.join(row[0]) for row in BAD_INPUTS])
 def test_bad_input_gets_one_line(row, tmp_path, capfd, monkeypatch, compiles):
   monkeypatch.chdir(ROOT)  # Experiment paths are relative to the repository, as in the README.
-  _make_scratch(tmp_path)
-  before = _snapshot(tmp_path)
-  code = engine_main.run([_in(tmp_path, arg) for arg in row[0]])
+  argv, expected_code, expected_line = row
+  make_scratch(tmp_path, SCRATCH)
+  before = snapshot(tmp_path)
+  code = engine_main.run([substitute(arg, T=tmp_path) for arg in argv])
   out, err = capfd.readouterr()
-  _check_output(out + err, code, row, tmp_path)
-  _check_nothing_written(before, tmp_path)
+  check_output(out + err, code, expected_code, substitute(expected_line, T=tmp_path))
+  check_nothing_written(before, snapshot(tmp_path))
   assert not compiles, f'{len(compiles)} XLA compiles before the error'
 
 
@@ -372,13 +67,16 @@ CLI_ROWS = [row for row in BAD_INPUTS if row[0][-1] in ('--config.train.num_step
 
 @pytest.mark.parametrize('row', CLI_ROWS, ids=[row[0][-1] for row in CLI_ROWS])
 def test_the_command_line_gets_the_same_line(row, tmp_path):
-  _make_scratch(tmp_path)
-  before = _snapshot(tmp_path)
+  argv, expected_code, expected_line = row
+  make_scratch(tmp_path, SCRATCH)
+  before = snapshot(tmp_path)
   env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices, as above.
-  proc = subprocess.run([sys.executable, '-m', 'engine.main', *[_in(tmp_path, a) for a in row[0]]],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  _check_output(proc.stdout + proc.stderr, proc.returncode, row, tmp_path)
-  _check_nothing_written(before, tmp_path)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'engine.main', *[substitute(a, T=tmp_path) for a in argv]],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  check_output(proc.stdout + proc.stderr, proc.returncode, expected_code,
+               substitute(expected_line, T=tmp_path))
+  check_nothing_written(before, snapshot(tmp_path))
 
 
 def test_debug_shows_the_traceback_instead(tmp_path, monkeypatch):
@@ -390,47 +88,17 @@ def test_debug_shows_the_traceback_instead(tmp_path, monkeypatch):
 
 
 def test_rows_are_distinct():
-  argvs = [tuple(row[0]) for row in BAD_INPUTS]
-  assert len(set(argvs)) == len(argvs) >= 42
-  assert not any(' ' in arg for argv in argvs for arg in argv)  # The table joins them by spaces.
+  for program, rows in all_rows().items():
+    argvs = [tuple(row[0]) for row in rows]
+    assert len(set(argvs)) == len(argvs), program
+    assert not any(' ' in arg for argv in argvs for arg in argv)  # The table joins them by spaces.
+  assert len(BAD_INPUTS) >= 88
+  assert sum(len(rows) for rows in all_rows().values()) >= 120
 
 
-# docs/bad_inputs.md's table: `argv` | exit status | `message`, one row per BAD_INPUTS row, in
-# order.
-
-def _cell(text: str) -> str:
-  escaped = text.replace('|', r'\|')  # A | inside a table cell, even in code, is escaped.
-  return f'`{escaped}`'
-
-
-def bad_inputs_table() -> str:
-  """The table docs/bad_inputs.md holds (print it with `python -m tests.test_bad_inputs` after
-  changing BAD_INPUTS)."""
-  lines = ['| given (after `python -m engine.main`) | exit | the `error:` line |', '|---|---|---|']
-  lines += [f'| {_cell(" ".join(argv))} | {code} | {_cell(message)} |'
-            for argv, code, message in BAD_INPUTS]
-  return '\n'.join(lines)
-
-
-def _doc_rows() -> list:
-  with open(BAD_INPUTS_DOC) as f:
-    text = f.read()
-  rows = []
-  for line in text.splitlines():
-    if not line.startswith('|') or line.startswith('|---') or line.startswith('| given'):
-      continue
-    cells = [c.strip() for c in re.split(r'(?<!\\)\|', line)[1:-1]]
-    assert len(cells) == 3, line
-    given, code, message = (c.strip('`').replace('\\|', '|') for c in cells)
-    rows.append((given.split(' '), int(code), message))
-  return rows
-
-
-def test_the_docs_table_lists_every_row():
-  assert _doc_rows() == [(list(argv), code, message) for argv, code, message in BAD_INPUTS], (
-      'docs/bad_inputs.md\'s table differs from BAD_INPUTS; the table that matches:\n' +
-      bad_inputs_table())
-
-
-if __name__ == '__main__':
-  print(bad_inputs_table())
+def test_the_docs_tables_list_every_row():
+  expected = {program: [(list(argv), code, message) for argv, code, message in rows]
+              for program, rows in all_rows().items()}
+  assert doc_rows() == expected, (
+      'docs/bad_inputs.md\'s tables differ from the rows; the tables that match (python -m '
+      'tests.bad_input_checks prints them):\n' + bad_inputs_tables())

@@ -22,7 +22,7 @@ from absl import logging
 from engine import data, parallel
 from engine.assemble import compile_train_step
 from engine.analysis import chips, collectives
-from engine.config import MESH_AXES
+from engine.config import MESH_AXES, ConfigError
 from engine.metrics import log_memory
 from engine.state import TrainSetup
 
@@ -46,6 +46,12 @@ class ModeRun:
 
   def median_ms(self) -> float:
     return 1e3 * float(np.median(self.step_seconds))
+
+
+def check_timing_flags(steps: int, warmup: int) -> None:
+  """--steps (timed) and --warmup (untimed) of the commands that time steps."""
+  if steps < 1 or warmup < 0:
+    raise ConfigError(f'--steps={steps} must be >= 1 and --warmup={warmup} >= 0.')
 
 
 def mesh_name(shape: dict[str, int]) -> str:

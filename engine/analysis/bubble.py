@@ -56,6 +56,7 @@ def main(argv):
 def measure(config) -> None:
   """Times every micro-batch count in both modes and prints the table."""
   parallel.check_modes(_MODES.value, '--modes')
+  benchmark.check_timing_flags(_STEPS.value, _WARMUP.value)
   if config.mesh.stage < 2:
     raise config_lib.ConfigError(f'mesh.stage={config.mesh.stage}: the bubble is a pipeline\'s; '
                                  'use a mesh with stage > 1 (e.g. :mesh=2x1x1x1x4).')

@@ -60,3 +60,29 @@ def peak_flops(device_kind: str, dtype: str, override_tflops: float | None = Non
     return override_tflops * 1e12
   chip = chip_of(device_kind)
   return chip.peak_tflops[dtype] * 1e12 if chip and dtype in chip.peak_tflops else None
+
+
+# Where XLA:TPU's collectives differ from the theory's (and from the CPU compile), and which
+# compiles showed it (BUILD.md, "Benchmarks": the ahead-of-time TPU compiles and the Llama-3-8B
+# plan; tests/test_plan.py for the two slices).
+TPU_NOTES = """Measured on ahead-of-time compiles (libtpu's compiler on a CPU machine, jax 0.10.2, \
+libtpu 0.0.42.1) of a GPT-2-small-sized train step (12 layers, width 768, vocabulary 50304, \
+sequence 1024, batch 64, bfloat16, full remat) for TPU v5p 2x2x2, the Llama-8B figure in (b) \
+of a Llama-3-8B-shaped step (sequence 8192, batch 128, bfloat16, full remat) for v5p 4x4x8, \
+and (f) of a GPT step on two v5p 2x2x1 slices; other compiler versions may differ. \
+Reading measured / theory on TPU: the theory counts what manual mode asks for, in \
+the dtypes it asks for. XLA:TPU (a) gathers FSDP weights in the compute dtype (bfloat16: \
+all-gather at 0.5) and once per step (no re-gather for the backward pass); (b) turns some FSDP \
+gradients' reduce-scatters (all, at GPT-2-small size; the head's float32 gradient at Llama-8B \
+size) into an all-reduce of the whole gradient followed by a slice: reduce-scatter below 1, and \
+an fsdp all-reduce the theory does not have, fsdp times the missing reduce-scatter bytes (in \
+auto mode with data parallelism too, over data and fsdp at once); (c) in auto mode reduces \
+data-parallel gradients where the weight-gradient matmuls produce them, in bfloat16 (all-reduce \
+near 0.5-0.65; a tied embedding's two gradient parts reduced separately); (d) in auto FSDP \
+runs most weight gathers and gradient reduce-scatters as windowed einsums (collective \
+matmuls): collective-permutes of shard-sized pieces, about 9/8 of the all-gather bytes they \
+replace, overlapped with the matmuls (permutes over fsdp are those). Under remat, on CPU as on \
+TPU, (e) some of the forward pass's tensor-parallel all-reduces run again in the backward pass: \
+tensor all-reduce about 1.2 with full remat. (f) Between slices XLA:TPU sends through the \
+data-centre network (Megascale): those collectives are the `dcn` rows, carrying what the \
+theory lists under the data (or fsdp) axis for the part of it that crosses slices."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 import numpy as np
@@ -24,6 +23,7 @@ from ml_collections import config_flags
 
 from engine import config as config_lib
 from engine import parallel
+from engine import workdir as workdir_lib
 from engine.analysis import benchmark, collectives, comm_theory, compare_report
 from engine.analysis.reference import ReferenceRun
 from engine.assemble import assemble
@@ -136,7 +136,7 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
   parallel.check_modes(modes, '--modes')
   run = assemble(config)
   corpus, train_setup = run.corpus, run.setup
-  os.makedirs(workdir, exist_ok=True)
+  workdir_lib.prepare(workdir)  # A directory this process can write, before anything runs.
   observer = None
   if jax.process_count() == 1:
     reference = ReferenceRun(train_setup.model, config.optim, config.train.num_steps,
@@ -189,8 +189,10 @@ def main():
 
   def run(argv):
     del argv
-    if steps.value < 1 or warmup.value < 0 or not math.isfinite(atol.value):
-      raise config_lib.ConfigError('--steps must be >= 1, --warmup >= 0 and --atol finite.')
+    benchmark.check_timing_flags(steps.value, warmup.value)
+    if not (math.isfinite(atol.value) and atol.value > 0):
+      raise config_lib.ConfigError(f'--atol={atol.value:g} must be a positive number (the '
+                                   'largest difference from the reference that agrees).')
     report = compare(config.value, workdir.value, modes.value, steps.value, warmup.value,
                      atol.value)
     print(compare_report.markdown(report))

@@ -11,6 +11,7 @@ import sysconfig
 
 import numpy as np
 
+from engine import text_files
 from engine.config import ConfigError
 
 
@@ -63,18 +64,8 @@ def synthetic_corpus(num_tokens: int, seed: int) -> str:
 
 
 def read_text_file(path: str) -> str:
-  """The file's text; raises ConfigError naming data.path and the first byte that is not UTF-8."""
-  with open(path, 'rb') as f:
-    raw = f.read()
-  try:
-    return raw.decode('utf-8')
-  except UnicodeDecodeError as error:
-    line = raw.count(b'\n', 0, error.start) + 1
-    column = error.start - (raw.rfind(b'\n', 0, error.start) + 1) + 1
-    raise ConfigError(
-        f'data.path={path!r} is not UTF-8 text: byte {error.start} (0x{raw[error.start]:02x}, '
-        f'line {line}, column {column}) is not valid UTF-8; convert the file to UTF-8 (e.g. '
-        'iconv -f latin1 -t utf-8) or pass another file.') from None
+  """The file's text; raises ConfigError naming data.path (engine/text_files.py)."""
+  return text_files.read_text(path, f'data.path={path!r}')
 
 
 def load_text(data_config, seed: int) -> str:

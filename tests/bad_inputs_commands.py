@@ -1,0 +1,244 @@
+"""Bad input to every command but engine.main (whose rows are tests/bad_inputs_main.py): for each
+program, the command lines a user could type, with the exit status and the one line, `error:
+...`, each gets. tests/test_command_bad_inputs.py runs them; docs/bad_inputs.md lists them.
+
+`$T` stands for the row's own scratch directory, holding COMMAND_SCRATCH's files; `$RUN` for a
+finished two-step training run of a tiny Llama (byte tokenizer, data.seq_len=64, 4 heads), which
+no row may change.
+"""
+
+# What each row's scratch directory $T holds (text, or bytes).
+COMMAND_SCRATCH = {
+    'notes.txt': 'keep me',
+    'empty.txt': '',
+    'latin1.txt': b'caf\xe9 au lait\n',  # Latin-1, not UTF-8.
+    'short.txt': 'To be, or not to be.\n',  # 21 bytes: fewer tokens than one window.
+    'long_prompt.txt': 'a prompt of a good forty-odd characters or so\n',
+    'not_a_run/config.json': '{"model": {}}',  # A config.json no training run wrote.
+    'garbled_run/config.json': '{"model": ',
+    'hf_export/config.json': '{}',  # What an earlier export left: replaced whole, not refused.
+    'not_executable.sh': 'echo hi\n',
+}
+
+RUN = '--workdir=$RUN'
+TINY = '--config=experiments/tiny.py'
+PIPELINE = '--config=experiments/tiny.py:mesh=2x1x1x1x4'
+V5P = '--topology=v5p:2x2x2'
+HF_CHECK = '--torch_python=/bin/true'  # Never run: the rows fail first.
+MESH_FORMAT = ('a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], 3 to 5 integers joined by x (axes '
+               'not given are 1); e.g. 2x2x2, or 2x1x1x2x2 for context 2 and stage 2 (-1: the '
+               'devices the other axes leave, e.g. -1x1x2).')
+NOT_A_RUN = ('$T/not_a_run: config.json has no data section; it is not a config a training run '
+             'wrote: restore it, or pass the --workdir of a training run.')
+UTF8 = ('is not UTF-8 text: byte 3 (0xe9, line 1, column 4) is not valid UTF-8; convert the file '
+        'to UTF-8 (e.g. iconv -f latin1 -t utf-8) or pass another file.')
+
+# {program: [(argv without the program, exit status, the line on stderr after `error: `)]}.
+COMMAND_ROWS = {
+    'engine.generate': [
+        ([], 2, '--workdir is required: The training run to sample from.'),
+        ([RUN], 2, 'give --prompt="..." or --prompts_file=FILE.'),
+        ([RUN, '--prompt=hi', '--max_new_tokens=0'], 2, '--max_new_tokens=0 must be at least 1.'),
+        ([RUN, '--prompt=hi', '--max_prompt_len=-1'], 2,
+         "--max_prompt_len=-1 must be >= 0 (0: the run's data.seq_len)."),
+        ([RUN, '--prompt=hi', '--num_samples=0'], 2, '--num_samples=0 must be at least 1.'),
+        ([RUN, '--prompt=hi', '--temperature=-1'], 2,
+         '--temperature=-1 must be a finite number >= 0 (0: greedy).'),
+        ([RUN, '--prompt=hi', '--temperature=inf'], 2,
+         '--temperature=inf must be a finite number >= 0 (0: greedy).'),
+        ([RUN, '--prompt=hi', '--top_k=-3'], 2, '--top_k=-3 must be >= 0 (0: every token).'),
+        ([RUN, '--prompt=hi', '--top_p=0'], 2, '--top_p=0 must lie in (0, 1] (1: every token).'),
+        ([RUN, '--prompt=hi', '--top_p=nan'], 2,
+         '--top_p=nan must lie in (0, 1] (1: every token).'),
+        ([RUN, '--prompt=hi', '--max_new_tokens=ten'], 2,
+         '--max_new_tokens=ten is not an integer; give one, e.g. --max_new_tokens=100.'),
+        ([RUN, '--prompt=hi', '--mesh=2x'], 2, f'--mesh=2x: {MESH_FORMAT}'),
+        ([RUN, '--prompt=hi', '--mesh=1x1x3'], 2, 'model.num_heads=4 is not divisible by '
+         'mesh.tensor=3; change one of them so that mesh.tensor divides model.num_heads.'),
+        ([RUN, '--prompt=hi', '--mesh=16x1x1'], 2, 'mesh: data*fsdp*tensor = 16*1*1 = 16, but '
+         'there are 8 devices; make the product 8 or set one axis to -1.'),
+        ([RUN, '--prompts_file=$T/no_such_file.txt'], 2,
+         '--prompts_file=$T/no_such_file.txt does not exist; pass another file.'),
+        ([RUN, '--prompts_file=$T'], 2,
+         '--prompts_file=$T is a directory, not a file; pass another file.'),
+        ([RUN, '--prompts_file=$T/latin1.txt'], 2, f'--prompts_file=$T/latin1.txt {UTF8}'),
+        ([RUN, '--prompts_file=$T/empty.txt'], 2,
+         'give --prompt="..." or --prompts_file=FILE (one prompt a line; it holds none).'),
+        ([RUN, '--prompts_file=$T/long_prompt.txt', '--max_prompt_len=8'], 2,
+         'a prompt has 45 tokens, more than --max_prompt_len=8; raise --max_prompt_len or '
+         'shorten the prompt.'),
+        (['--workdir=$T/no_such_run', '--prompt=hi'], 2, '--workdir=$T/no_such_run holds no '
+         'config.json; pass the --workdir of a training run.'),
+        (['--workdir=$T/not_a_run', '--prompt=hi'], 2, f'--workdir={NOT_A_RUN}'),
+        (['--workdir=$T/garbled_run', '--prompt=hi'], 2, '--workdir=$T/garbled_run: config.json '
+         'is not valid JSON (Expecting value: line 1 column 11 (char 10)); it is not a file a '
+         'training run wrote: restore it, or pass another --workdir.'),
+        ([RUN, '--prompt=hi', 'extra'], 2, "unexpected arguments ['extra']; everything is given "
+         'as a flag, --name=value.'),
+        ([RUN, '--promt=hi'], 2, '--promt is not a flag (did you mean --prompt?); python -m '
+         'engine.generate --helpfull lists them.'),
+    ],
+    'engine.evaluate': [
+        ([RUN], 2, '--text_file is required: A UTF-8 text file.'),
+        ([RUN, '--text_file=$T/no_such_file.txt'], 2,
+         '--text_file=$T/no_such_file.txt does not exist; pass another file.'),
+        ([RUN, '--text_file=$T'], 2, '--text_file=$T is a directory, not a file; pass another '
+         'file.'),
+        ([RUN, '--text_file=$T/latin1.txt'], 2, f'--text_file=$T/latin1.txt {UTF8}'),
+        ([RUN, '--text_file=$T/empty.txt'], 2, "--text_file=$T/empty.txt holds 0 tokens, fewer "
+         "than one window of the run's data.seq_len + 1 = 65; pass a longer text."),
+        ([RUN, '--text_file=$T/short.txt'], 2, "--text_file=$T/short.txt holds 21 tokens, fewer "
+         "than one window of the run's data.seq_len + 1 = 65; pass a longer text."),
+        ([RUN, '--text_file=$T/short.txt', '--batch=0'], 2, '--batch=0 must be at least 1.'),
+        ([RUN, '--text_file=$T/short.txt', '--mesh=3x'], 2, f'--mesh=3x: {MESH_FORMAT}'),
+        (['--workdir=$T/not_a_run', '--text_file=$T/short.txt'], 2, f'--workdir={NOT_A_RUN}'),
+    ],
+    'engine.export': [
+        ([RUN], 2, '--out is required: Directory to write.'),
+        (['--out=$T/export'], 2, '--workdir is required: The training run to export.'),
+        ([RUN, '--out='], 2, '--out is empty; pass the directory to write, e.g. '
+         '--out=/tmp/hf_export.'),
+        ([RUN, '--out=$T/notes.txt'], 2, '--out=$T/notes.txt is a file; pass a directory to '
+         'write.'),
+        ([RUN, '--out=$T'], 2, "--out=$T holds 9 entries that are not a Hugging Face "
+         "checkpoint's, e.g. 'empty.txt'; pass a new or empty directory (an earlier export there "
+         'is replaced whole).'),
+        ([RUN, '--out=$T/notes.txt/export'], 2, '--out=$T/notes.txt/export: $T/notes.txt is not '
+         'a directory this process can write (the export is staged beside --out, then renamed); '
+         'pass a path in one.'),
+        ([RUN, '--out=$T/export', '--dtype=int8'], 2,
+         '--dtype=int8: value should be one of <float32|bfloat16|float16>.'),
+        ([RUN, '--out=$T/export', '--format=gguf'], 2,
+         '--format=gguf: value should be one of <hf>.'),
+        (['--workdir=$T/no_such_run', '--out=$T/export'], 2, '--workdir=$T/no_such_run holds no '
+         'config.json; pass the --workdir of a training run.'),
+        (['--workdir=$T/garbled_run', '--out=$T/export'], 2, '--workdir=$T/garbled_run: '
+         'config.json is not valid JSON (Expecting value: line 1 column 11 (char 10)); it is not '
+         'a file a training run wrote: restore it, or pass another --workdir.'),
+    ],
+    'engine.bench': [
+        ([], 2, '--config is required: Experiment config file.'),
+        ([TINY, '--modes=bogus'], 2, "--modes='bogus' is unknown; choose one of ['auto', "
+         "'manual']."),
+        ([TINY, '--modes='], 2, "--modes is empty; choose one or more of ['auto', 'manual']."),
+        ([TINY, '--steps=0'], 2, '--steps=0 must be >= 1 and --warmup=2 >= 0.'),
+        ([TINY, '--warmup=-1'], 2, '--steps=20 must be >= 1 and --warmup=-1 >= 0.'),
+        ([TINY, '--meshes=2x'], 2, f'--meshes=2x: {MESH_FORMAT}'),
+        ([TINY, '--meshes=3x1x1'], 2, 'mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 8 '
+         'devices; make the product 8 or set one axis to -1.'),
+        ([TINY, '--peak_tflops=-1'], 2,
+         "--peak_tflops=-1 must be a positive number (one device's peak, TFLOP/s)."),
+        ([TINY, '--out=$T/no_such_dir/report'], 2, '--out=$T/no_such_dir/report: '
+         '$T/no_such_dir is not a directory; create it, or pass a prefix in one.'),
+        ([TINY, '--out=$T/'], 2, '--out=$T/ is not a file prefix; give one, e.g. '
+         '--out=/tmp/report for /tmp/report.md and /tmp/report.json.'),
+        ([TINY, '--config.model.name=llama', '--torch_python=python3'], 2,
+         '--torch_python: the PyTorch reference is the GPT model on one device.'),
+        ([TINY, '--config.optim.b2=1.5'], 2, 'optim.b2=1.5 must lie in [0, 1): it is how much of '
+         'its running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).'),
+    ],
+    'engine.plan': [
+        ([TINY], 2, '--topology is required: TPU topology VERSION:SHAPE, e.g. v5p:4x4x8.'),
+        ([TINY, '--topology=v9:2x2'], 2, "--topology='v9:2x2' is not a TPU topology; write "
+         'VERSION:SHAPE with VERSION one of v4, v5e, v5p, v6e and SHAPE its chips per dimension, '
+         'e.g. v5p:4x4x8 (v5p-256), v5e:4x4 (v5e-16), v6e:8x8.'),
+        ([TINY, V5P, '--num_slices=0'], 2, '--num_slices=0 must be >= 1.'),
+        ([TINY, V5P, '--meshes=2x'], 2, f'--meshes=2x: {MESH_FORMAT}'),
+        ([TINY, V5P, '--modes=bogus'], 2,
+         "--modes='bogus' is unknown; choose one of ['auto', 'manual']."),
+        ([TINY, V5P, '--dcn_gb_per_s=0'], 2, '--dcn_gb_per_s=0 must be a positive number.'),
+        ([TINY, V5P, '--meshes=3x1x1'], 2, 'no candidate can run on v5p:2x2x2; the first, mesh '
+         '3x1x1x1x1: mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 8 devices; make the '
+         'product 8 or set one axis to -1.'),
+        ([TINY, V5P, '--out=$T/no_such_dir/plan'], 2, '--out=$T/no_such_dir/plan: '
+         '$T/no_such_dir is not a directory; create it, or pass a prefix in one.'),
+    ],
+    'engine.analysis.bubble': [
+        ([], 2, '--config is required: Experiment config file (a mesh with mesh.stage > 1).'),
+        ([TINY], 2, "mesh.stage=1: the bubble is a pipeline's; use a mesh with stage > 1 (e.g. "
+         ':mesh=2x1x1x1x4).'),
+        ([PIPELINE, '--microbatches=0,4'], 2, '--microbatches=0,4: give positive integers joined '
+         'by commas, e.g. --microbatches=4,8,12,16.'),
+        ([PIPELINE, '--microbatches=4'], 2,
+         '--microbatches=[4]: give at least two different counts to fit a line through.'),
+        ([PIPELINE, '--modes=bogus'], 2,
+         "--modes='bogus' is unknown; choose one of ['auto', 'manual']."),
+    ],
+    'engine.analysis.compare': [
+        ([TINY], 2, '--workdir is required: Where report.md, report.json and plots go.'),
+        ([TINY, '--workdir=$T/report', '--steps=0'], 2,
+         '--steps=0 must be >= 1 and --warmup=2 >= 0.'),
+        ([TINY, '--workdir=$T/report', '--atol=-1'], 2, '--atol=-1 must be a positive number '
+         '(the largest difference from the reference that agrees).'),
+        ([TINY, '--workdir=$T/notes.txt'], 2, '--workdir=$T/notes.txt is a file, not a '
+         'directory; pass a new path or the directory of the run to resume.'),
+        ([TINY, '--workdir=$T/report', '--modes=bogus'], 2,
+         "--modes='bogus' is unknown; choose one of ['auto', 'manual']."),
+    ],
+    'engine.analysis.show_layout': [
+        ([], 2, '--config is required: Experiment config file.'),
+        (['--config=experiments/tiny.py:mesh=3x1x1'], 2, 'mesh: data*fsdp*tensor = 3*1*1 = 3, '
+         'but there are 8 devices; make the product 8 or set one axis to -1.'),
+        ([TINY, '--config.model.embed_dim=66'], 2, 'model.embed_dim=66 is not divisible by '
+         'model.num_heads=4; change one of them so that model.num_heads divides '
+         'model.embed_dim.'),
+    ],
+    'engine.analysis.hf_check': [
+        ([], 2, '--torch_python is required: A Python with torch and transformers >= 5, e.g. '
+         '/work/hfref/bin/python.'),
+        (['--torch_python=$T/no_such_python'], 2, '--torch_python=$T/no_such_python: cannot run '
+         'it (No such file or directory); pass a Python that has torch and transformers >= 5.'),
+        ([HF_CHECK, '--families=gpt9'], 2,
+         "--families: 'gpt9' is unknown; choose from llama2,llama3,mistral,qwen2,qwen3."),
+        ([HF_CHECK, '--formats=x'], 2, "--formats: 'x' is unknown; choose from v5,legacy."),
+        ([HF_CHECK, '--mesh=2x'], 2, f'--mesh=2x: {MESH_FORMAT}'),
+    ],
+    'launch.local': [
+        ([], 2, 'the following arguments are required: --num_processes; python -m launch.local '
+         '--help lists the flags.'),
+        (['--num_processes=two', '--', 'true'], 2, "argument --num_processes: invalid int value: "
+         "'two'; python -m launch.local --help lists the flags."),
+        (['--num_processes=0', '--', 'true'], 2, '--num_processes=0 must be >= 1.'),
+        (['--num_processes=1', '--devices_per_process=0', '--', 'true'], 2,
+         '--devices_per_process=0 must be >= 1.'),
+        (['--num_processes=1', '--grace_s=-1', '--', 'true'], 2, '--grace_s=-1 must be >= 0.'),
+        (['--num_processes=1', '--port=99999', '--', 'true'], 2, '--port=99999 must lie in '
+         '1024..65534 (the start-up roll call uses the next port too); or leave it out for a free '
+         'one.'),
+        (['--num_processes=1'], 2, 'give the command to run after --, e.g. -- python -m '
+         'engine.main --config=experiments/tiny.py --workdir=/tmp/tiny.'),
+        (['--num_processes=1', '--', 'no_such_program'], 2, 'no_such_program (the command after '
+         '--) is not a program on PATH; check its name, e.g. -- python -m engine.main ...'),
+        (['--num_processes=1', '--', '$T/not_executable.sh'], 2, '$T/not_executable.sh (the '
+         'command after --) is not an executable file; check the path, e.g. -- python -m '
+         'engine.main ...'),
+    ],
+    'launch.slurm': [
+        ([], 2, 'the following arguments are required: --nodes; python -m launch.slurm --help '
+         'lists the flags.'),
+        (['--nodes=0', '--dry_run', '--', 'python'], 2, '--nodes=0 must be >= 1.'),
+        (['--nodes=1', '--gpus_per_node=0', '--dry_run', '--', 'python'], 2,
+         '--gpus_per_node=0 must be >= 1.'),
+        (['--nodes=1', '--dry_run'], 2, 'give the command to run after --, e.g. -- python -m '
+         'engine.main --config=experiments/tiny.py --workdir=/tmp/tiny.'),
+        (['--nodes=1', '--tasks=x', '--dry_run', '--', 'python'], 2, "argument --tasks: invalid "
+         "choice: 'x' (choose from 'per_gpu', 'per_host'); python -m launch.slurm --help lists "
+         'the flags.'),
+        (['--nodes=1', '--time=abc', '--dry_run', '--', 'python'], 2, '--time=abc is not a SLURM '
+         'time limit; write MINUTES, HH:MM:SS or DAYS-HH:MM:SS, e.g. --time=02:00:00.'),
+        (['--nodes=1', '--stop_grace_s=-5', '--dry_run', '--', 'python'], 2,
+         '--stop_grace_s=-5 must be >= 0.'),
+    ],
+    'launch.tpu_pod': [
+        ([], 2, 'the following arguments are required: --tpu, --zone; python -m launch.tpu_pod '
+         '--help lists the flags.'),
+        (['--tpu=my-tpu', '--dry_run', '--', 'python'], 2, 'the following arguments are '
+         'required: --zone; python -m launch.tpu_pod --help lists the flags.'),
+        (['--tpu=', '--zone=us-west4-a', '--dry_run', '--', 'python'], 2,
+         '--tpu is empty; give one, e.g. --tpu=my-v5e-32.'),
+        (['--tpu=my-tpu', '--zone=us-west4-a', '--dry_run'], 2, 'give the command to run after '
+         '--, e.g. -- python -m engine.main --config=experiments/tiny.py --workdir=/tmp/tiny.'),
+        (['--tpu=my-tpu', '--zone=us-west4-a', '--stop_grace_s=-1', '--dry_run', '--', 'python'],
+         2, '--stop_grace_s=-1 must be >= 0.'),
+    ],
+}
