@@ -175,6 +175,8 @@ def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
   assert table[('all-reduce', 'dcn')]['manual']['bytes'] == pytest.approx(
       table[('all-reduce', 'data')]['theory_bytes'], rel=1e-3)
   assert row['roofline']['dcn_s'] > 0 and row['roofline']['ici_s'] > 0
-  config.mesh.dcn_data = 1  # The slices must be joined along some axis: refused, as a row.
-  (row,) = plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])['candidates']
-  assert row['status'] == 'invalid' and 'number of TPU slices (2)' in row['error']
+  config.mesh.dcn_data = 1  # The slices must be joined along some axis: with no other
+  # candidate, the plan is refused in one line.
+  with pytest.raises(ConfigError, match=r'no candidate can run on v5p:2x2x1; the first, mesh '
+                     r'2x4x1x1x1: .*number of TPU slices \(2\)'):
+    plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
