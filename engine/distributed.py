@@ -8,18 +8,20 @@ from, in order:
   3. a cluster JAX detects by itself: a Cloud TPU VM (single or multi-host), a SLURM job, ...
 Otherwise the run is single-process and nothing is initialised. On CPU the cross-process
 collectives use gloo. A process that stops sending heartbeats for `heartbeat_timeout_s` is
-declared dead and the others stop with an error instead of waiting forever.
+declared dead and the others stop with an error instead of waiting forever. With an explicit
+coordinator, a roll call (engine/roll_call.py) first names the processes that never started.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 
 import jax
 from absl import logging
+
+from engine.roll_call import PeerMissingError, await_peers  # noqa: F401  (callers catch it here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,73 +86,6 @@ def detected_cluster() -> str | None:
 
 
 _ACTIVE: DistributedOptions | None = None  # Set once jax.distributed is up.
-
-
-class PeerMissingError(RuntimeError):
-  """A process of the run did not start (or cannot reach process 0) in time."""
-
-
-def await_peers(coordinator_address: str, num_processes: int, process_id: int,
-                timeout_s: float) -> None:
-  """Waits until every process has started, naming the ones that have not after `timeout_s`.
-
-  jax.distributed's own start-up waits `initialization_timeout_s` for all processes and then
-  aborts without saying which one is missing. This roll call comes first, over TCP on the
-  coordinator's port + 1: every process reports its index to process 0, which answers all of
-  them once everyone is there, or names the missing indices (to them and in its own error)."""
-  host, port = coordinator_address.rsplit(':', 1)
-  address = (host, int(port) + 1)
-  deadline = time.monotonic() + timeout_s
-  if process_id == 0:
-    _call_the_roll(address, num_processes, deadline, timeout_s)
-    return
-  while True:
-    try:
-      with socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.1)) as s:
-        s.sendall(f'{process_id}\n'.encode())
-        s.settimeout(max(deadline - time.monotonic(), 0.1) + 5)
-        reply = s.makefile().readline().strip()
-      break
-    except OSError:  # Process 0 not listening yet, or it went away.
-      if time.monotonic() > deadline:
-        raise PeerMissingError(
-            f'process 0 (the coordinator, {host}:{port}) did not answer process {process_id} '
-            f'within {timeout_s:g} s; start it, or check --coordinator_address.') from None
-      time.sleep(0.2)
-  if reply != 'all here':
-    raise PeerMissingError(f'{reply}; process {process_id} stops too.')
-
-
-def _call_the_roll(address, num_processes: int, deadline: float, timeout_s: float) -> None:
-  """Process 0's side of `await_peers`."""
-  connections = {}
-  try:
-    server = socket.create_server(('', address[1]))
-  except OSError as error:
-    raise PeerMissingError(
-        f'process 0 cannot listen on port {address[1]} (the coordinator\'s port + 1) to see that '
-        f'every process started: {error.strerror}; choose a --coordinator_address port whose '
-        'next port is free too.') from error
-  with server:
-    while len(connections) < num_processes - 1 and time.monotonic() < deadline:
-      server.settimeout(max(deadline - time.monotonic(), 0.01))
-      try:
-        connection, _ = server.accept()
-        connection.settimeout(5)
-        index = int(connection.makefile().readline())
-      except (OSError, ValueError):
-        continue
-      connections[index] = connection
-    missing = sorted(set(range(1, num_processes)) - set(connections))
-    reply = 'all here' if not missing else (
-        f'process{"es" if len(missing) > 1 else ""} {", ".join(map(str, missing))} of '
-        f'{num_processes} did not start within {timeout_s:g} s (--heartbeat_timeout_s)')
-    for connection in connections.values():
-      with connection:
-        connection.sendall(f'{reply}\n'.encode())
-  if missing:
-    raise PeerMissingError(f'{reply}; start {"them" if len(missing) > 1 else "it"} with the same '
-                           '--coordinator_address, or check the hosts they run on.')
 
 
 def initialize(options: DistributedOptions = DistributedOptions()) -> None:

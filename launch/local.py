@@ -4,7 +4,9 @@
       python -m engine.main --config=experiments/tiny.py:mesh=2x2x2 --workdir=/tmp/tiny_2x4
 
 Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (read by
-engine.distributed) and XLA_FLAGS for K simulated devices. Their output is streamed with a
+engine.distributed), ENGINE_RUN_TOKEN (a fresh random secret per launch, the same for all: the
+start-up roll call admits only its holders, engine/roll_call.py) and XLA_FLAGS for K simulated
+devices. Their output is streamed with a
 `[pI]` prefix. If any process fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace_s: JAX traps SIGTERM as a preemption notice, so a process blocked in a collective only
 goes at the SIGKILL) and the launcher exits with that process's status, naming it. SIGTERM or
@@ -16,6 +18,7 @@ a checkpoint of it and exits 0 (engine/preemption.py); what is still running aft
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -40,10 +43,13 @@ def free_port() -> int:
       return port
 
 
-def process_env(base: dict, index: int, num_processes: int, devices: int, port: int) -> dict:
+def process_env(base: dict, index: int, num_processes: int, devices: int, port: int,
+                token: str | None = None) -> dict:
   env = dict(base)
   env.update(JAX_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', JAX_NUM_PROCESSES=str(num_processes),
              JAX_PROCESS_ID=str(index), JAX_PLATFORMS='cpu')
+  if token:
+    env['ENGINE_RUN_TOKEN'] = token
   flags = [f for f in env.get('XLA_FLAGS', '').split()
            if not f.startswith('--xla_force_host_platform_device_count')]
   env['XLA_FLAGS'] = ' '.join(flags + [f'--xla_force_host_platform_device_count={devices}'])
@@ -78,10 +84,11 @@ def launch(command: list[str], num_processes: int, devices_per_process: int,
            grace_s: float = 3.0, port: int | None = None, stop_grace_s: float = 120.0) -> int:
   """Runs the processes to completion; returns 0, or the failing process's status."""
   port = port or free_port()
+  token = secrets.token_hex(32)  # Only this launch's processes pass the roll call.
   procs, threads = [], []
   for i in range(num_processes):
     proc = subprocess.Popen(
-        command, env=process_env(os.environ, i, num_processes, devices_per_process, port),
+        command, env=process_env(os.environ, i, num_processes, devices_per_process, port, token),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)  # Its own process group, so stopping it stops its children.
     procs.append(proc)
