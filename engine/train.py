@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from engine import data, distributed, hf, sharding
+from engine import data, distributed, hf, run_lock, sharding
 from engine import workdir as workdir_lib
 from engine.assemble import Run, assemble
 from engine.checkpoint import Checkpointer, restore_params
@@ -187,6 +187,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains (or resumes) the experiment `config` in `workdir` (a local path or gs://...)."""
   run = assemble(config)
   workdir = workdir_lib.prepare(workdir)  # After validation: a bad config leaves no workdir.
+  # One run per workdir: a second is refused here, before it writes or compiles anything.
+  with run_lock.hold(workdir):
+    return _train(run, workdir)
+
+
+def _train(run: Run, workdir) -> TrainResult:
+  """The loop's phases, in a workdir this run holds."""
+  config = run.config
   _log_start(run)
   train_iterator = data.train_iterator(run.corpus, config.data, config.seed)
   checkpointer = Checkpointer(workdir / 'checkpoints', config.train.checkpoint_every,
