@@ -80,13 +80,13 @@ def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
 
 def _tokenizer(data_config, seed: int, reads: str):
   """The run's tokenizer without the corpus: shards name theirs in meta.json (the file itself
-  for TOKENIZER, which must decode); a character vocabulary comes from the text."""
+  for TOKENIZER, which must decode: data.tokenizer_path, else the recorded one, checked against
+  the record); a character vocabulary comes from the text."""
   if data_config.source == 'shards':
     shards = data.load_shards(data_config)
     if reads == VOCABULARY:
       return shards.tokenizer
-    recorded = shards.shard_sets[0][0].meta['tokenizer']
-    return tokenizers.load(recorded['kind'], recorded['path'])
+    return tokenizers.load(shards.tokenizer.kind, shards.tokenizer.path)
   text = data.load_text(data_config, seed) if data_config.tokenizer == 'char' else ''
   return tokenizers.load(data_config.tokenizer, data_config.tokenizer_path, text)
 

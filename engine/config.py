@@ -77,8 +77,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = 'embedded'  # embedded | file | synthetic | shards
   c.data.path = ''  # Text file, for source='file'.
-  # byte | char | hf (a tokenizer.json) | sentencepiece (a .model); shards use the tokenizer
-  # they were written with (engine.data.prepare), whatever this says.
+  # byte | char | hf (a tokenizer.json) | sentencepiece (a .model); for shards, the kind they
+  # were written with (engine.data.prepare; data.tokenizer_path may stay '': the recorded file).
   c.data.tokenizer = 'byte'
   c.data.tokenizer_path = ''  # For tokenizer='hf' or 'sentencepiece'.
   # For source='shards': an engine.data.prepare output directory, or DIR:WEIGHT,DIR:WEIGHT to mix

@@ -12,8 +12,8 @@ output head; 0.80 GFLOP per token for training (ModelSpec.flops_per_token).
 
 Tokens: bytes as given (data.tokenizer='byte': only ids 0-255 of the vocabulary occur, so the loss
 is per byte). For subword tokens, train a byte-level BPE tokenizer on the text, tokenize the text
-once into shards with it, and train on the shards (they carry their tokenizer, whatever
-data.tokenizer says):
+once into shards with it, and train on the shards (their meta.json records the tokenizer, which
+the run names with data.tokenizer):
 
   python -m engine.data.train_tokenizer --input=../shared/data/tinyshakespeare.txt \
       --vocab_size=2048 --out=/tmp/shakespeare_bpe.json
@@ -21,7 +21,7 @@ data.tokenizer says):
       --tokenizer_path=/tmp/shakespeare_bpe.json --out=/tmp/shakespeare_shards
   python -m engine.main --config=experiments/llama_124m.py:mesh=-1x1x1 \
       --config.data.source=shards --config.data.shards=/tmp/shakespeare_shards \
-      --workdir=/tmp/llama_124m_bpe
+      --config.data.tokenizer=hf --workdir=/tmp/llama_124m_bpe
 
 The vocabulary stays 50,304 rows, which holds any tokenizer of up to that many ids;
 --config.model.vocab_size=-1 sizes it to the tokenizer's instead (rounded up to a multiple of

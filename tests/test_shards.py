@@ -90,6 +90,7 @@ def _data_config(shard_spec, batch=8):
   config = tiny_config().data
   config.source, config.shards, config.seq_len, config.global_batch_size = (
       'shards', shard_spec, SEQ, batch)
+  config.tokenizer = 'hf'
   return config
 
 
@@ -152,6 +153,7 @@ def test_training_on_shards_and_bad_shard_settings(shard_set, tmp_path):
   workdir = tmp_path / 'run'
   argv = ['--config=experiments/tiny.py', f'--workdir={workdir}', '--config.mesh.data=8',
           '--config.data.source=shards', f'--config.data.shards={out}', '--config.data.seq_len=16',
+          '--config.data.tokenizer=hf',
           '--config.train.num_steps=2', '--config.train.eval_batches=1']
   assert run_main(argv) == 0
   saved = json.loads((workdir / 'config.json').read_text())

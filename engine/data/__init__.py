@@ -2,7 +2,8 @@
 
   sources.py          text sources: a file or directory, the embedded corpus, synthetic text
   tokenizers.py       byte, char, Hugging Face and SentencePiece tokenizers
-  shards.py           the pre-tokenized shard format (ArrayRecord + meta.json)
+  shards.py           the pre-tokenized shard format (ArrayRecord + meta.json), its reader
+  shard_meta.py       a shard set's meta.json checked against itself, its files and the run
   pipeline.py         the corpus, grain pipelines, per-process rows -> global jax.Arrays
   prepare.py          `python -m engine.data.prepare`: text -> shards, in parallel
   train_tokenizer.py  `python -m engine.data.train_tokenizer`: a byte-level BPE tokenizer

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from engine.config import ConfigError
+from engine.data import shard_meta
 from engine.data import shards as shards_lib
 from engine.data import tokenizers as tokenizer_lib
 from engine.data.sources import load_text
@@ -53,20 +54,26 @@ class Corpus:
 
 @dataclasses.dataclass(frozen=True)
 class RecordedTokenizer:
-  """The tokenizer a shard set was written with, as its meta.json records it."""
+  """The tokenizer a shard set was written with, as its meta.json records it, and the file
+  (checked against that record) that decodes its ids ('' for bytes)."""
   kind: str
   vocab_size: int
   eos_id: int | None
+  path: str = ''
 
 
 def load_shards(data_config) -> Corpus:
-  """The shard sets of `data.shards` (engine.data.prepare's output), opened, not read."""
+  """The shard sets of `data.shards` (engine.data.prepare's output), opened and checked against
+  their meta.json and the run's data.tokenizer (engine/data/shard_meta.py), not read."""
   sets = [(shards_lib.TokenStream(d), w) for d, w in shards_lib.parse_sets(data_config.shards)]
+  files = [shard_meta.check_tokenizer(s.meta, s.directory, data_config, shards_lib.sha256)
+           for s, _ in sets]
   recorded = {(s.meta['tokenizer']['kind'], s.meta['tokenizer']['vocab_size'],
                s.meta['tokenizer']['eos_id']) for s, _ in sets}
-  if len(recorded) > 1:
+  if len(recorded) > 1 or len({shards_lib.sha256(f) for f in files if f}) > 1:
     raise ConfigError(f'data.shards={data_config.shards!r}: the shard sets were written with '
-                      f'different tokenizers {sorted(recorded, key=str)}; mix sets of one tokenizer.')
+                      f'different tokenizers {sorted(recorded, key=str)} (files '
+                      f'{sorted(set(files))}); mix sets of one tokenizer.')
   for stream, _ in sets:
     windows = len(shards_lib.PackedWindows(stream, data_config.seq_len))
     if _train_split(windows, data_config.val_fraction) < 1 or windows - _train_split(
@@ -74,7 +81,7 @@ def load_shards(data_config) -> Corpus:
       raise ConfigError(f'data.shards: {stream.directory!r} holds {stream.num_tokens} tokens, '
                         f'too few for a train and a validation window of data.seq_len='
                         f'{data_config.seq_len}; prepare more text or shorten the sequences.')
-  return Corpus(RecordedTokenizer(*recorded.pop()), shard_sets=tuple(sets))
+  return Corpus(RecordedTokenizer(*recorded.pop(), files[0]), shard_sets=tuple(sets))
 
 
 def load_corpus(data_config, seed: int) -> Corpus:

@@ -2,14 +2,18 @@
 streamed by `data.source=shards`.
 
 A shard set is a directory:
-  meta.json              format, tokenizer (kind, path, vocabulary, end-of-text id), dtype,
-                         tokens per record, counts, and every shard file's records, tokens and
-                         SHA-256;
+  meta.json              format, tokenizer (kind, path, vocabulary, end- and beginning-of-text
+                         ids, the file's SHA-256), dtype, tokens per record, counts, and every
+                         shard file's records, tokens, bytes, largest id and SHA-256; written
+                         last, so a directory without it is no set;
   tokens-00000.arrayrecord, ...   records of `record_tokens` tokens each (the last may be
                          shorter), uint16 when the vocabulary fits, else uint32.
 The stream is the documents' tokens in order, each document between the tokenizer's
-beginning- and end-of-text tokens (where it has them). Training reads it packed: window i is tokens [i L, i L + L + 1)
-for sequence length L, documents running into each other across the separator.
+beginning- and end-of-text tokens (where it has them). Training reads it packed: window i is
+tokens [i L, i L + L + 1) for sequence length L, documents running into each other across the
+separator. A set is checked against its meta.json on open (engine/data/shard_meta.py), each
+file's SHA-256 and record count when it is first read, and each record's length and ids as it
+is read.
 """
 
 from __future__ import annotations
@@ -17,15 +21,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import threading
 
 import numpy as np
 
-from engine import paths
 from engine.config import ConfigError
-
-FORMAT = 'engine-token-shards/1'
-META = 'meta.json'
+from engine.data.shard_meta import FORMAT, META, PREPARE, read_meta
 
 
 class Writer:
@@ -55,20 +58,24 @@ class Writer:
       name = f'tokens-{len(self.shards):05d}.arrayrecord'
       self._writer = self._module.ArrayRecordWriter(os.path.join(self.directory, name),
                                                     'group_size:1')
-      self.shards.append({'file': name, 'records': 0, 'tokens': 0})
+      self.shards.append({'file': name, 'records': 0, 'tokens': 0, 'max_id': 0})
     self._writer.write(record.tobytes())
-    self.shards[-1]['records'] += 1
-    self.shards[-1]['tokens'] += len(record)
+    shard = self.shards[-1]
+    shard['records'] += 1
+    shard['tokens'] += len(record)
+    shard['max_id'] = max(shard['max_id'], int(record.max()))
 
   def _close_shard(self) -> None:
     if self._writer is not None:
       self._writer.close()
       self._writer = None
       shard = self.shards[-1]
-      shard['sha256'] = sha256(os.path.join(self.directory, shard['file']))
+      path = os.path.join(self.directory, shard['file'])
+      shard['sha256'], shard['bytes'] = sha256(path), os.path.getsize(path)
 
   def close(self, meta: dict) -> dict:
-    """Flushes the last record and shard and writes meta.json (with `meta`'s entries)."""
+    """Flushes the last record and shard and writes meta.json (with `meta`'s entries), last:
+    a directory without it is no shard set."""
     if len(self._pending):
       self._write(self._pending)
     self._close_shard()
@@ -89,39 +96,82 @@ def sha256(path: str) -> str:
   return digest.hexdigest()
 
 
-def read_meta(directory: str) -> dict:
-  path = os.path.join(directory, META)
-  if not os.path.isfile(path):
-    raise ConfigError(f'data.shards: {directory!r} holds no {META}; write shards there with '
-                      'python -m engine.data.prepare --out=DIR.')
-  with open(path) as f:
-    meta = json.load(f)
-  if meta.get('format') != FORMAT:
-    raise ConfigError(f'data.shards: {path} is format {meta.get("format")!r}, not {FORMAT!r}.')
-  for shard in meta['shards']:
-    file = paths.inside(directory, shard.get('file'), f'data.shards: {path}')
-    if not os.path.isfile(file):
-      raise ConfigError(f'data.shards: {file} listed in {META} is missing; rerun engine.data.prepare.')
-  return meta
+class Records:
+  """The records of a set's shard files in order. A file is opened on its first read, after
+  its SHA-256 and record count are checked against meta.json (once per file and process: the
+  cost of hashing is spread over the run, not paid for every file at open)."""
+
+  def __init__(self, meta: dict, files: list[str]):
+    self.files, self._shards = files, meta['shards']
+    self._ends = np.cumsum([s['records'] for s in self._shards])
+    self._readers = [None] * len(files)
+    self._lock = threading.Lock()
+
+  def __len__(self) -> int:
+    return int(self._ends[-1])
+
+  def locate(self, index: int) -> tuple[int, int]:
+    """(file, record within the file) of record `index`."""
+    shard = int(np.searchsorted(self._ends, index, side='right'))
+    return shard, index - (int(self._ends[shard - 1]) if shard else 0)
+
+  def __getitem__(self, index: int) -> bytes:
+    shard, position = self.locate(index)
+    if self._readers[shard] is None:
+      with self._lock:
+        if self._readers[shard] is None:
+          self._readers[shard] = self._open(shard)
+    return self._readers[shard].read([position])[0]
+
+  def _open(self, shard: int):
+    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+    file, recorded = self.files[shard], self._shards[shard]
+    if sha256(file) != recorded['sha256']:
+      raise ConfigError(f'data.shards: {file} does not match the SHA-256 that {META} records '
+                        f'for it (a damaged or replaced file); {PREPARE}.')
+    try:
+      reader = array_record_module.ArrayRecordReader(file, 'readahead_buffer_size:0',
+                                                      file_reader_buffer_size=32768)
+    except Exception as e:  # The library raises its own types for unreadable files.
+      raise ConfigError(f'data.shards: {file} is not a readable ArrayRecord file '
+                        f'({str(e).splitlines()[0] if str(e) else type(e).__name__}); '
+                        f'{PREPARE}.') from e
+    if reader.num_records() != recorded['records']:
+      raise ConfigError(f'data.shards: {file} holds {reader.num_records()} records, but {META} '
+                        f'records {recorded["records"]}; {PREPARE}.')
+    return reader
 
 
 class TokenStream:
-  """Random access to a shard set's token stream."""
+  """Random access to a shard set's token stream, checked as it is read (shard_meta.py)."""
 
   def __init__(self, directory: str):
-    import grain  # pylint: disable=g-import-not-at-top
     self.directory = directory
-    self.meta = read_meta(directory)
+    self.meta, files = read_meta(directory)
     self.record_tokens = self.meta['record_tokens']
     self.dtype = np.dtype(self.meta['dtype'])
     self.num_tokens = self.meta['num_tokens']
-    self._records = grain.sources.ArrayRecordDataSource(
-        [paths.inside(directory, s['file'], META) for s in self.meta['shards']])
+    self.vocab_size = self.meta['tokenizer']['vocab_size']
+    self._records = Records(self.meta, files)
+
+  def record(self, index: int) -> np.ndarray:
+    """Record `index` of the stream, its length and ids checked."""
+    raw = self._records[index]
+    want = min(self.record_tokens, self.num_tokens - index * self.record_tokens)
+    ids = np.frombuffer(raw, self.dtype) if len(raw) % self.dtype.itemsize == 0 else None
+    if ids is None or len(ids) != want or (len(ids) and ids.max() >= self.vocab_size):
+      shard, position = self._records.locate(index)
+      found = (f'{len(raw)} bytes, not {want} {self.dtype.name} tokens'
+               if ids is None or len(ids) != want else
+               f'token id {int(ids.max())}, outside the vocabulary of {self.vocab_size}')
+      raise ConfigError(f'data.shards: record {position} of {self._records.files[shard]} holds '
+                        f'{found} ({META}); {PREPARE}.')
+    return ids
 
   def tokens(self, start: int, stop: int) -> np.ndarray:
     """Tokens [start, stop) of the stream, as int32."""
     first, last = start // self.record_tokens, (stop - 1) // self.record_tokens
-    parts = [np.frombuffer(self._records[i], self.dtype) for i in range(first, last + 1)]
+    parts = [self.record(i) for i in range(first, last + 1)]
     offset = start - first * self.record_tokens
     return np.concatenate(parts)[offset:offset + stop - start].astype(np.int32)
 
@@ -149,8 +199,9 @@ def parse_sets(spec: str) -> list[tuple[str, float]]:
       value = float(weight)
     except ValueError:
       directory, value = part, 1.0
-    if value <= 0:
-      raise ConfigError(f'data.shards={spec!r}: weight {weight} of {directory!r} must be > 0.')
+    if not math.isfinite(value) or value <= 0:
+      raise ConfigError(f'data.shards={spec!r}: weight {weight} of {directory!r} must be a '
+                        'finite number > 0; write DIR:WEIGHT, e.g. DIR:3.')
     sets.append((directory, value))
   if not sets:
     raise ConfigError("data.source='shards' reads data.shards, which is empty; pass "

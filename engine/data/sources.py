@@ -45,9 +45,24 @@ def documents(source: str):
   elif os.path.isfile(source):
     paths = [source]
   else:
-    raise ConfigError(f'--input={source!r} is neither a file, a directory, nor "embedded".')
+    raise ConfigError(f'--input={source!r} is neither a file, a directory, nor "embedded"; pass '
+                      'a text file or a directory of them.')
   for path in paths:
     yield read_text_file(path)
+
+
+def read_inputs(inputs: list[str]) -> list[str]:
+  """The documents of every --input of the data commands; one without text is refused."""
+  found = []
+  for source in inputs:
+    texts = list(documents(source))
+    if not any(texts):
+      what = ('holds no files' if not texts else
+              'is empty' if os.path.isfile(source) else 'holds only empty files')
+      raise ConfigError(f'--input={source!r} {what}: there is no text to tokenize; pass a file or '
+                        'directory with text.')
+    found.extend(texts)
+  return found
 
 
 def synthetic_corpus(num_tokens: int, seed: int) -> str:
