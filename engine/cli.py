@@ -132,7 +132,9 @@ def _check_required(argv: Sequence[str], command: Command) -> None:
   said = dict(command.missing)
   if missing in said:
     raise ConfigError(said[missing])
-  help_text = flags.FLAGS[missing[0]].help.rstrip('.') if missing[0] in flags.FLAGS else ''
+  # A repeatable flag's help gains a second line from absl: the first says what it is.
+  help_text = (flags.FLAGS[missing[0]].help.splitlines()[0].rstrip('.;')
+               if missing[0] in flags.FLAGS else '')
   raise ConfigError(f'--{missing[0]} is required' + (f': {help_text}.' if help_text else '.'))
 
 

@@ -18,6 +18,10 @@ COMMAND_SCRATCH = {
     'garbled_run/config.json': '{"model": ',
     'hf_export/config.json': '{}',  # What an earlier export left: replaced whole, not refused.
     'not_executable.sh': 'echo hi\n',
+    'hello.txt': 'hello world\n',
+    'empty_dir/': None,
+    'other/notes.txt': 'keep me',
+    'old_set/meta.json': '{}',  # An earlier shard set (prepare refuses to replace it silently).
 }
 
 RUN = '--workdir=$RUN'
@@ -100,7 +104,7 @@ COMMAND_ROWS = {
          '--out=/tmp/hf_export.'),
         ([RUN, '--out=$T/notes.txt'], 2, '--out=$T/notes.txt is a file; pass a directory to '
          'write.'),
-        ([RUN, '--out=$T'], 2, "--out=$T holds 9 entries that are not a Hugging Face "
+        ([RUN, '--out=$T'], 2, "--out=$T holds 13 entries that are not a Hugging Face "
          "checkpoint's, e.g. 'empty.txt'; pass a new or empty directory (an earlier export there "
          'is replaced whole).'),
         ([RUN, '--out=$T/notes.txt/export'], 2, '--out=$T/notes.txt/export: $T/notes.txt is not '
@@ -192,6 +196,60 @@ COMMAND_ROWS = {
          "--families: 'gpt9' is unknown; choose from llama2,llama3,mistral,qwen2,qwen3."),
         ([HF_CHECK, '--formats=x'], 2, "--formats: 'x' is unknown; choose from v5,legacy."),
         ([HF_CHECK, '--mesh=2x'], 2, f'--mesh=2x: {MESH_FORMAT}'),
+    ],
+    'engine.data.prepare': [
+        ([], 2, '--input is required: Text file, directory, or "embedded"; repeatable.'),
+        (['--input=$T/hello.txt'], 2, '--out is required: Directory to write the shards and '
+         'meta.json to.'),
+        (['--input=$T/empty.txt', '--tokenizer=byte', '--out=$T/set'], 2, "--input='$T/empty.txt' "
+         'is empty: there is no text to tokenize; pass a file or directory with text.'),
+        (['--input=$T/empty_dir', '--tokenizer=byte', '--out=$T/set'], 2,
+         "--input='$T/empty_dir' holds no files: there is no text to tokenize; pass a file or "
+         'directory with text.'),
+        (['--input=$T/no_such_file.txt', '--tokenizer=byte', '--out=$T/set'], 2,
+         "--input='$T/no_such_file.txt' is neither a file, a directory, nor \"embedded\"; pass a "
+         'text file or a directory of them.'),
+        (['--input=$T/hello.txt', '--tokenizer=hf', '--out=$T/set'], 2, '--tokenizer=hf reads '
+         '--tokenizer_path, but none is given; pass --tokenizer_path=tokenizer.json (python -m '
+         'engine.data.train_tokenizer makes one from any text).'),
+        (['--input=$T/hello.txt', '--tokenizer=sentencepiece', '--tokenizer_path=$T/no.model',
+          '--out=$T/set'], 2, "--tokenizer=sentencepiece reads --tokenizer_path, but "
+         "'$T/no.model' is not a file; pass --tokenizer_path=a SentencePiece .model file."),
+        (['--input=$T/hello.txt', '--tokenizer=char', '--out=$T/set'], 2,
+         '--tokenizer=char: value should be one of <byte|hf|sentencepiece>.'),
+        (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/notes.txt'], 2,
+         "--out='$T/notes.txt' is a file; pass a new directory for the shard set."),
+        (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/notes.txt/set'], 2,
+         "--out='$T/notes.txt/set' lies under '$T/notes.txt', which is a file; pass a new "
+         'directory for the shard set.'),
+        (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/other'], 2, "--out='$T/other' "
+         "holds other files ('notes.txt', ...); pass a new or empty directory for the shard set."),
+        (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/old_set'], 2,
+         "--out='$T/old_set' already holds a shard set (or part of one); pass --overwrite to "
+         'replace it, or another --out.'),
+        (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/set', '--record_tokens=0'], 2,
+         '--record_tokens=0 must be >= 1.'),
+        (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/set', '--records_per_shard=0'],
+         2, '--records_per_shard=0 must be >= 1.'),
+        (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/set', '--processes=-1'], 2,
+         '--processes=-1 must be >= 0 (0: one per core).'),
+    ],
+    'engine.data.train_tokenizer': [
+        ([], 2, '--out is required: Where to write the tokenizer.json.'),
+        (['--input=$T/hello.txt', '--vocab_size=300', '--out=$T/bpe.json'], 2,
+         '--vocab_size=300: the input yields only 266 tokens; pass more text or a --vocab_size '
+         'of at most 266.'),
+        (['--input=$T/empty.txt', '--out=$T/bpe.json'], 2, "--input='$T/empty.txt' is empty: "
+         'there is no text to tokenize; pass a file or directory with text.'),
+        (['--input=$T/empty_dir', '--out=$T/bpe.json'], 2, "--input='$T/empty_dir' holds no "
+         'files: there is no text to tokenize; pass a file or directory with text.'),
+        (['--input=$T/hello.txt', '--vocab_size=260', '--out=$T/other'], 2, "--out='$T/other' "
+         'is a directory; pass a file path, e.g. --out=$T/other/tokenizer.json.'),
+        (['--input=$T/hello.txt', '--vocab_size=260', '--out=$T/no_such_dir/bpe.json'], 2,
+         "--out='$T/no_such_dir/bpe.json': $T/no_such_dir is not a directory; create it or pass "
+         'another path.'),
+        (['--input=$T/hello.txt', '--vocab_size=many', '--out=$T/bpe.json'], 2,
+         '--vocab_size=many is not an integer; give one, e.g. --vocab_size=4096.'),
     ],
     'launch.local': [
         ([], 2, 'the following arguments are required: --num_processes; python -m launch.local '

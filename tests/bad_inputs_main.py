@@ -14,6 +14,7 @@ from safetensors.numpy import save as safetensors_bytes
 TINY = '--config=experiments/tiny.py'
 RUN = '--workdir=$T/run'
 FILE = '--config.data.source=file'
+SHARDS = '--config.data.source=shards'
 
 # A tiny Llama's config.json (two layers).
 HF_LLAMA = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 16,
@@ -52,6 +53,9 @@ SCRATCH = {
         HF_LLAMA, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e4})),
     'hf_window/config.json': json.dumps(dict(
         HF_LLAMA, architectures=['MistralForCausalLM'], model_type='mistral', sliding_window=8)),
+    # Shard sets whose meta.json is damaged.
+    'garbled_set/meta.json': '{"format": \n',
+    'keyless_set/meta.json': '{"format": "engine-token-shards/1"}',
     'hf_missing/config.json': json.dumps(HF_LLAMA),
     'hf_missing/model.safetensors': _one_layer_of_two(),
 }
@@ -238,6 +242,15 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.data.path=$T/short.txt'], 2, "data.path='$T/short.txt' is set but "
      "data.source='embedded' does not read files; add --config.data.source=file, or drop "
      'data.path.'),
+    ([TINY, RUN, SHARDS, '--config.data.shards=$T/garbled_set'], 2, 'data.shards: '
+     '$T/garbled_set/meta.json is not JSON (Expecting value: line 2 column 1 (char 12)); rerun '
+     'python -m engine.data.prepare to write the set again.'),
+    ([TINY, RUN, SHARDS, '--config.data.shards=$T/keyless_set'], 2, 'data.shards: '
+     "$T/keyless_set/meta.json lacks 'dtype'; rerun python -m engine.data.prepare to write the "
+     'set again.'),
+    ([TINY, RUN, SHARDS, '--config.data.shards=$T/garbled_set:1,$T/keyless_set:nan'], 2,
+     "data.shards='$T/garbled_set:1,$T/keyless_set:nan': weight nan of '$T/keyless_set' must be "
+     'a finite number > 0; write DIR:WEIGHT, e.g. DIR:3.'),
     ([TINY, RUN, '--config.data.embedded_max_bytes=0'], 2,
      'data.embedded_max_bytes=0 must be positive.'),
     # The workdir, and the run to start from.

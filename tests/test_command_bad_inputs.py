@@ -68,5 +68,6 @@ def test_every_command_has_rows():
   commands = {'engine.generate', 'engine.evaluate', 'engine.export', 'engine.bench',
               'engine.plan', 'engine.analysis.bubble', 'engine.analysis.compare',
               'engine.analysis.show_layout', 'engine.analysis.hf_check', 'launch.local',
-              'launch.slurm', 'launch.tpu_pod'}
+              'launch.slurm', 'launch.tpu_pod', 'engine.data.prepare',
+              'engine.data.train_tokenizer'}
   assert commands <= set(COMMAND_ROWS)
