@@ -227,6 +227,8 @@ COMMAND_ROWS = {
         (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/old_set'], 2,
          "--out='$T/old_set' already holds a shard set (or part of one); pass --overwrite to "
          'replace it, or another --out.'),
+        (['--input=$T/latin1.txt', '--tokenizer=byte', '--out=$T/set'], 2,
+         f"--input='$T/latin1.txt' {UTF8}"),
         (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/set', '--record_tokens=0'], 2,
          '--record_tokens=0 must be >= 1.'),
         (['--input=$T/hello.txt', '--tokenizer=byte', '--out=$T/set', '--records_per_shard=0'],
@@ -248,6 +250,9 @@ COMMAND_ROWS = {
         (['--input=$T/hello.txt', '--vocab_size=260', '--out=$T/no_such_dir/bpe.json'], 2,
          "--out='$T/no_such_dir/bpe.json': $T/no_such_dir is not a directory; create it or pass "
          'another path.'),
+        (['--input=$T/hello.txt', '--vocab_size=260', '--out=$T/notes.txt'], 2,
+         "--out='$T/notes.txt' already exists (shard sets prepared with it would no longer match "
+         'it); pass --overwrite to replace it, or another --out.'),
         (['--input=$T/hello.txt', '--vocab_size=many', '--out=$T/bpe.json'], 2,
          '--vocab_size=many is not an integer; give one, e.g. --vocab_size=4096.'),
     ],

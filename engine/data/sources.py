@@ -48,7 +48,8 @@ def documents(source: str):
     raise ConfigError(f'--input={source!r} is neither a file, a directory, nor "embedded"; pass '
                       'a text file or a directory of them.')
   for path in paths:
-    yield read_text_file(path)
+    yield text_files.read_text(path, f'--input={source!r}' if path == source else
+                               f'{path!r} (under --input={source!r})')
 
 
 def read_inputs(inputs: list[str]) -> list[str]:

@@ -55,7 +55,8 @@ def train(texts, vocab_size: int, out: str, exact: bool = False):
     raise ConfigError(f'--vocab_size={vocab_size}: the input yields only '
                       f'{tokenizer.get_vocab_size()} tokens; pass more text or a --vocab_size of '
                       f'at most {tokenizer.get_vocab_size()}.')
-  tokenizer.save(out)
+  tokenizer.save(f'{out}.tmp')  # Whole or not at all: a failed write leaves the old file.
+  os.replace(f'{out}.tmp', out)
   return tokenizer
 
 
@@ -64,9 +65,13 @@ def main():
                                '"embedded" (the engine\'s built-in corpus).')
   vocab_size = flags.DEFINE_integer('vocab_size', 4096, 'Vocabulary size, special token included.')
   out = flags.DEFINE_string('out', None, 'Where to write the tokenizer.json.')
+  overwrite = flags.DEFINE_bool('overwrite', False, 'Replace an existing --out file.')
 
   def run(argv):
     del argv
+    if os.path.exists(out.value) and not os.path.isdir(out.value) and not overwrite.value:
+      raise ConfigError(f'--out={out.value!r} already exists (shard sets prepared with it would '
+                        'no longer match it); pass --overwrite to replace it, or another --out.')
     start = time.perf_counter()
     documents = sources.read_inputs([source.value])
     tokenizer = train(documents, vocab_size.value, out.value, exact=True)
