@@ -16,7 +16,10 @@ worse, silently wrong numbers.
 
 from __future__ import annotations
 
+import errno
 import json
+import sys
+import threading
 import time
 import zlib
 
@@ -26,7 +29,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
+from orbax.checkpoint import multihost
 
+from engine import distributed
 from engine import workdir as workdir_lib
 from engine.config import ConfigError
 
@@ -41,6 +46,19 @@ _TMP_SUFFIX = '.orbax-checkpoint-tmp'  # Orbax's temporary step directories end 
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written, or the one to resume from is damaged. The message names
   the step, the cause and what to do."""
+
+
+DISK_FULL = 'the file system is full (No space left on device)'
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether `error` says the disk (or the quota) is full: an OSError, or the message of
+  tensorstore's RESOURCE_EXHAUSTED that wraps one."""
+  if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+    return True
+  text = str(error)
+  return any(sign in text for sign in ('No space left on device', 'Disk quota exceeded',
+                                       "os_error_code='28'"))
 
 
 def _first_line(error: BaseException) -> str:
@@ -94,7 +112,12 @@ class Checkpointer:
     self.blocked_s: list[float] = []  # Per save: how long the loop waited for it.
     self.asynchronous = asynchronous
     if asynchronous:
-      when = dict(async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums))
+      barrier = {}
+      if jax.process_count() > 1:
+        self._orbax_barrier = multihost.get_barrier_sync_fn()
+        barrier = dict(barrier_sync_fn=self._barrier)
+      when = dict(async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums,
+                                                 **barrier))
     else:  # For measuring what asynchronous saving saves; checksums follow the rename.
       when = dict(enable_async_checkpointing=False)
     self.manager = ocp.CheckpointManager(
@@ -146,6 +169,22 @@ class Checkpointer:
     sums = file_checksums(target)
     (target / CHECKSUMS_FILE).write_text(json.dumps(sums))
 
+  def _barrier(self, *, key: str, timeout_ms: int) -> None:
+    """Orbax's barriers in its background save threads (several processes only).
+
+    When a process's background save fails, Orbax skips the barriers that follow the writes and
+    goes straight to its last one (from a `finally`, the exception still propagating), where it
+    would wait for the other processes forever while they wait for it at an earlier one. Here
+    that failure ends the run on every process at once (engine.distributed.fail_run)."""
+    error = sys.exc_info()[1]
+    if error is not None and threading.current_thread() is not threading.main_thread():
+      try:
+        message = str(self._failed(self._saving_step, error))
+      except Exception:  # pylint: disable=broad-except  (the report must go out regardless)
+        message = f'Saving a checkpoint to {self.directory} failed: {_first_line(error)}.'
+      distributed.fail_run(message, 1)
+    self._orbax_barrier(key=key, timeout_ms=timeout_ms)
+
   def _finish(self) -> None:
     """Waits for the save in flight; a failure becomes one CheckpointError."""
     if self._saving_step is None:
@@ -162,14 +201,21 @@ class Checkpointer:
     """Removes what the failed save of `step` left and says what happened, in one message."""
     self._saving_step = None
     removed = 'Its partial files were removed'
-    if jax.process_index() == 0 and not _remove_partial(self.directory, step):
+    if jax.process_index() != 0:
+      removed = 'Its partial files are removed when the run resumes'
+    elif not _remove_partial(self.directory, step):
       removed = 'Its partial files could not all be removed yet (the next run removes them)'
     cause = error
     while cause.__cause__ is not None or cause.__context__ is not None:
       cause = cause.__cause__ or cause.__context__
-    latest = self.latest_step()
+    latest = max((s for s in self.manager.all_steps() if s < step), default=None)
     kept = (f'the newest complete checkpoint is step {latest}' if latest is not None else
             'no complete checkpoint exists yet')
+    if is_disk_full(cause):
+      return CheckpointError(
+          f'Saving the checkpoint of step {step} to {self.directory} failed: {DISK_FULL}. '
+          f'{removed} and {kept}. Free space there, then rerun the same command to resume; or '
+          'rerun with another --workdir.')
     return CheckpointError(
         f'Saving the checkpoint of step {step} to {self.directory} failed: '
         f'{_first_line(cause)}. {removed} and {kept}. Check the free space and permissions of '

@@ -14,8 +14,12 @@ coordinator, a roll call (engine/roll_call.py) first names the processes that ne
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import os
+import sys
+import threading
 import time
 
 import jax
@@ -121,6 +125,7 @@ def initialize(options: DistributedOptions = DistributedOptions()) -> None:
       initialization_timeout=options.initialization_timeout_s)
   global _ACTIVE
   _ACTIVE = options
+  _watch_for_failures()
   logging.info('jax.distributed: process %d of %d (%s), %d local / %d global devices',
                jax.process_index(), jax.process_count(), cluster or 'explicit',
                jax.local_device_count(), jax.device_count())
@@ -129,13 +134,105 @@ def initialize(options: DistributedOptions = DistributedOptions()) -> None:
     logging.set_verbosity(logging.WARNING)
 
 
+def is_active() -> bool:
+  """Whether this is one process of several (jax.distributed is up)."""
+  return _ACTIVE is not None
+
+
+def heartbeat_timeout_s() -> int:
+  return (_ACTIVE or DistributedOptions()).heartbeat_timeout_s
+
+
 def await_failure_report() -> None:
   """After a collective failed (a peer's connection closed), give the distributed runtime the
   time to notice which process stopped sending heartbeats: it then ends this process with an
   error naming that process. Returns at once in single-process runs."""
   if _ACTIVE is None:
     return
+  if _REPORTED.locked():  # A failure is being reported: this process is about to exit.
+    time.sleep(_WAIT_FOR_OTHERS_S + 5)
   logging.error('A cross-process collective failed: another process has probably stopped. '
                 'Waiting up to %d s for the distributed runtime to name it.',
                 _ACTIVE.heartbeat_timeout_s)
   time.sleep(_ACTIVE.heartbeat_timeout_s + 5)
+
+
+# A process that fails posts its error line under this key of jax.distributed's key-value store
+# (kept by process 0, the coordinator); every other process watches for it and stops at once,
+# wherever it waits (a collective, an Orbax barrier), instead of waiting for the failed one
+# forever. Process 0 leaves last: without it the others' runtime aborts with a fatal log.
+_FAILURE_KEY = 'engine/failure'
+_SEEN_KEY = 'engine/failure_seen/'
+_REPORTED = threading.Lock()  # Held by whichever of the main thread and the watch reports first.
+_WAIT_FOR_OTHERS_S = 5.0  # How long process 0 waits for the others to read a report and go.
+
+
+def _client():
+  from jax._src import distributed as jax_distributed  # The runtime's key-value store.
+  return jax_distributed.global_state.client
+
+
+def _leave(code: int) -> None:
+  """Exits at once; a process other than 0 first says it has read the report, process 0 waits
+  (bounded) for the others to say so and go. Orbax's and JAX's threads may be blocked in
+  barriers that a failed process never reaches: an ordinary exit would wait for them."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  me, client = jax.process_index(), _client()
+  if me != 0:
+    with contextlib.suppress(Exception):
+      client.key_value_set(f'{_SEEN_KEY}{me}', '1')
+    os._exit(code)  # pylint: disable=protected-access
+  deadline = time.monotonic() + _WAIT_FOR_OTHERS_S
+  for other in range(1, jax.process_count()):
+    remaining_ms = int(1000 * (deadline - time.monotonic()))
+    if remaining_ms > 0:
+      with contextlib.suppress(Exception):
+        client.blocking_key_value_get(f'{_SEEN_KEY}{other}', remaining_ms)
+  time.sleep(0.5)  # Each says so just before it exits.
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def _watch_for_failures() -> None:
+  """Starts the thread that ends this process when another one reports a failure. It waits in
+  short slices, so that it is out of the runtime's calls when the interpreter exits."""
+  me, stop = jax.process_index(), threading.Event()
+
+  def watch():
+    while not stop.is_set():
+      try:
+        report = _client().blocking_key_value_get(_FAILURE_KEY, 500)
+      except Exception as error:  # noqa: BLE001
+        if 'DEADLINE_EXCEEDED' in str(error):
+          continue
+        return  # The coordinator has gone: the run is over.
+      index, message = report.split('\n', 1)
+      if int(index) != me and _REPORTED.acquire(blocking=False):
+        print(f'error: process {index} of {jax.process_count()} failed, so process {me} stops '
+              f'too: {message}', file=sys.stderr, flush=True)
+        _leave(1)
+      return
+
+  watcher = threading.Thread(target=watch, name='engine_failure_watch', daemon=True)
+  watcher.start()
+
+  def end_watch():  # Before jax.distributed's own exit handler (atexit runs them in reverse).
+    stop.set()
+    watcher.join(timeout=5)
+
+  atexit.register(end_watch)
+
+
+def fail_run(message: str, code: int) -> None:
+  """Ends this process with `error: message` and exit status `code`; in a multi-process run
+  every other process stops too, naming this one and `message`. Never returns."""
+  if _ACTIVE is None:
+    print(f'error: {message}', file=sys.stderr, flush=True)
+    sys.exit(code)
+  if not _REPORTED.acquire(blocking=False):
+    time.sleep(_WAIT_FOR_OTHERS_S + 5)  # The watch is ending this process for another's failure.
+    os._exit(code)  # pylint: disable=protected-access
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  with contextlib.suppress(Exception):  # Another process reported first, or process 0 is gone.
+    _client().key_value_set(_FAILURE_KEY, f'{jax.process_index()}\n{message}')
+  _leave(code)

@@ -7,13 +7,14 @@ inside a process, for tests.
 """
 
 import sys
+import traceback
 from collections.abc import Sequence
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from engine import distributed, train
-from engine.checkpoint import CheckpointError
+from engine.checkpoint import DISK_FULL, CheckpointError, is_disk_full
 from engine.config import ConfigError
 from engine.finiteness import NonFiniteError
 from engine.cli import fail, innermost, parse_flags
@@ -68,7 +69,21 @@ def main(argv):
   except (ConfigError, NonFiniteError, CheckpointError) as error:
     if _DEBUG.value:
       raise
-    fail(str(error), 2 if isinstance(error, ConfigError) else 1)
+    # With several processes, every one stops, naming this one, whatever it was waiting for.
+    distributed.fail_run(str(error), 2 if isinstance(error, ConfigError) else 1)
+  except OSError as error:  # Writing metrics to a full disk, say.
+    if _DEBUG.value:
+      raise
+    what = DISK_FULL if is_disk_full(error) else innermost(error)
+    distributed.fail_run(f'--workdir={_WORKDIR.value}: {what}; free space there or fix the file '
+                         'named, then rerun the same command to resume from the last checkpoint, '
+                         'or rerun with another --workdir.', 1)
+  except Exception as error:  # A bug: its traceback, then the other processes are stopped too.
+    if _DEBUG.value or not distributed.is_active():
+      raise
+    traceback.print_exc()
+    distributed.fail_run(f'{type(error).__name__}: {innermost(error)} (the traceback is above); '
+                         'rerun the same command to resume from the last checkpoint.', 1)
 
 
 def run(argv: Sequence[str]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 
 import jax
 import ml_collections
@@ -183,6 +184,23 @@ def _final_report(config, checkpointer: Checkpointer, preemption: PreemptionWatc
     result.preempted = True
 
 
+def _close_quietly(checkpointer: Checkpointer) -> None:
+  """After a failure: saves in flight are of earlier, finite steps, so let them finish, quietly,
+  so that the error that stopped the run is the one reported. With several processes, wait no
+  longer than the heartbeat timeout: the others may have stopped, and the error comes first."""
+
+  def close():
+    with contextlib.suppress(Exception):
+      checkpointer.close()
+
+  if not distributed.is_active():
+    close()
+    return
+  closer = threading.Thread(target=close, name='checkpoint_close', daemon=True)
+  closer.start()
+  closer.join(timeout=distributed.heartbeat_timeout_s())
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains (or resumes) the experiment `config` in `workdir` (a local path or gs://...)."""
   run = assemble(config)
@@ -224,10 +242,7 @@ def _train(run: Run, workdir) -> TrainResult:
     distributed.await_failure_report()
     raise
   except BaseException:
-    # Saves in flight are of earlier, finite steps: let them finish, quietly, so that the
-    # error that stopped the run is the one reported.
-    with contextlib.suppress(Exception):
-      checkpointer.close()
+    _close_quietly(checkpointer)
     raise
   finally:
     preemption.close()

@@ -132,6 +132,15 @@ def test_a_failed_save_leaves_no_partial_checkpoint_and_one_clear_error(tmp_path
   assert os.listdir(tmp_path / 'checkpoints') == []
 
 
+def test_a_workdir_file_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
+  from engine import main as engine_main
+  (tmp_path / 'metrics.jsonl').mkdir()  # Where the metrics go: a directory cannot be opened.
+  code = engine_main.run([_TINY[0], f'--workdir={tmp_path}', '--config.train.num_steps=1'])
+  errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith('error:')]
+  assert code == 1 and len(errors) == 1, errors
+  assert errors[0].startswith(f'error: --workdir={tmp_path}: [Errno 21] Is a directory:'), errors
+
+
 def test_kill_9_loses_only_the_steps_after_the_last_checkpoint(tmp_path):
   run = subprocess.Popen(_main(*_TINY, f'--workdir={tmp_path}'), cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
