@@ -165,6 +165,7 @@ _FAILURE_KEY = 'engine/failure'
 _SEEN_KEY = 'engine/failure_seen/'
 _REPORTED = threading.Lock()  # Held by whichever of the main thread and the watch reports first.
 _WAIT_FOR_OTHERS_S = 5.0  # How long process 0 waits for the others to read a report and go.
+_OWN_REPORT_S = 2.0  # How long a process given another's bad-input report waits to find its own.
 
 
 def _client():
@@ -193,6 +194,13 @@ def _leave(code: int) -> None:
   os._exit(code)  # pylint: disable=protected-access
 
 
+def _wait_for_own_report(seconds: float) -> None:
+  """Returns once this process's main thread reports a failure of its own, or after `seconds`."""
+  deadline = time.monotonic() + seconds
+  while time.monotonic() < deadline and not _REPORTED.locked():
+    time.sleep(0.05)
+
+
 def _watch_for_failures() -> None:
   """Starts the thread that ends this process when another one reports a failure. It waits in
   short slices, so that it is out of the runtime's calls when the interpreter exits."""
@@ -206,11 +214,15 @@ def _watch_for_failures() -> None:
         if 'DEADLINE_EXCEEDED' in str(error):
           continue
         return  # The coordinator has gone: the run is over.
-      index, message = report.split('\n', 1)
-      if int(index) != me and _REPORTED.acquire(blocking=False):
+      index, code, message = report.split('\n', 2)
+      if int(index) == me:
+        return
+      if int(code) == 2:  # Bad input, which every process usually finds at once: let this
+        _wait_for_own_report(_OWN_REPORT_S)  # one report it in its own words first.
+      if _REPORTED.acquire(blocking=False):
         print(f'error: process {index} of {jax.process_count()} failed, so process {me} stops '
               f'too: {message}', file=sys.stderr, flush=True)
-        _leave(1)
+        _leave(int(code))
       return
 
   watcher = threading.Thread(target=watch, name='engine_failure_watch', daemon=True)
@@ -234,5 +246,5 @@ def fail_run(message: str, code: int) -> None:
     os._exit(code)  # pylint: disable=protected-access
   print(f'error: {message}', file=sys.stderr, flush=True)
   with contextlib.suppress(Exception):  # Another process reported first, or process 0 is gone.
-    _client().key_value_set(_FAILURE_KEY, f'{jax.process_index()}\n{message}')
+    _client().key_value_set(_FAILURE_KEY, f'{jax.process_index()}\n{code}\n{message}')
   _leave(code)
