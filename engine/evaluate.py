@@ -21,27 +21,25 @@ from absl import flags
 from flax import nnx
 
 from engine import config as config_lib
-from engine import data
-from engine.cli import run_command
-from engine.text_files import read_text
 from engine.assemble import assemble_finished_run
 from engine.checkpoint import restore_params
+from engine.cli import run_command
 from engine.generate import add_bos_flag, bos_ids, encode_prompts
 from engine.parallel.auto import AutoOps
+from engine.text_files import read_text
 
 
-def check_length(tokens: np.ndarray, seq_len: int, path: str) -> None:
+def check_length(tokens: np.ndarray, seq_len: int, what: str = 'the text') -> None:
   """Refuses a text shorter than one window of seq_len + 1 tokens, before anything compiles."""
   if len(tokens) < seq_len + 1:
     raise config_lib.ConfigError(
-        f'--text_file={path} holds {len(tokens)} tokens, fewer than one window of the run\'s '
-        f'data.seq_len + 1 = {seq_len + 1}; pass a longer text.')
+        f'{what} holds {len(tokens)} tokens, fewer than one window of the run\'s data.seq_len + '
+        f'1 = {seq_len + 1}; pass a longer text.')
 
 
-def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int,
-             path: str = 'the text') -> dict:
+def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int) -> dict:
   """Mean loss over the consecutive windows of `tokens`, `batch` windows per compiled call."""
-  check_length(tokens, seq_len, path)
+  check_length(tokens, seq_len)
   count = (len(tokens) - 1) // seq_len
   windows = np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
   ops = AutoOps(setup)
@@ -78,7 +76,7 @@ def main():
     loaded = assemble_finished_run(workdir.value, mesh.value)
     config, tokenizer = loaded.config, loaded.tokenizer
     tokens, = encode_prompts(tokenizer, [text], add_bos.value, '--text_file')
-    check_length(tokens, config.data.seq_len, text_file.value)
+    check_length(tokens, config.data.seq_len, f'--text_file={text_file.value}')
     params = restore_params(workdir.value, loaded.setup.abstract_state()['params'])
     bos = ', the beginning-of-text token first' if bos_ids(tokenizer, add_bos.value) else ''
     result = evaluate(loaded.setup, params, tokens, config.data.seq_len, batch.value)

@@ -37,11 +37,11 @@ from engine.assemble import Run, assemble_finished_run
 from engine.checkpoint import restore_params
 from engine.cli import run_command
 from engine.data import tokenizers as tokenizer_lib
-from engine.text_files import read_text
 from engine.models.attention import prescale
 from engine.models.layers import LAYERS, layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup
+from engine.text_files import read_text
 
 # The cache: [layers, batch, slots, heads, head_dim] for keys and for values.
 CACHE_AXES = (None, 'batch', None, 'heads', 'head_dim')
@@ -330,17 +330,15 @@ def main():
       raise config_lib.ConfigError('give --prompt="..." or --prompts_file=FILE (one prompt a '
                                    'line; it holds none).' if prompts_file.value else
                                    'give --prompt="..." or --prompts_file=FILE.')
-    check_sampling_flags(max_new.value, max_prompt.value, num_samples.value,
-                         Sampling(temperature.value, top_k.value, top_p.value))
+    sampling = Sampling(temperature.value, top_k.value, top_p.value)
+    check_sampling_flags(max_new.value, max_prompt.value, num_samples.value, sampling)
     texts = [t for t in texts for _ in range(num_samples.value)]
     run = assemble_finished_run(workdir.value, mesh.value)
     config, tokenizer = run.config, run.tokenizer
     ids, slots = prompts_and_slots(config, tokenizer, texts, max_prompt.value, max_new.value,
                                    add_bos.value)
     params = restore_params(workdir.value, run.setup.abstract_state()['params'])
-    generator = Generator(run.setup, slots, max_new.value,
-                          Sampling(temperature.value, top_k.value, top_p.value),
-                          tokenizer.vocab_size)
+    generator = Generator(run.setup, slots, max_new.value, sampling, tokenizer.vocab_size)
     outputs = generator.generate(params, ids, max_new.value, seed.value, tokenizer.eos_id)
     for text, out in zip(texts, outputs):
       print(f'--- {text!r}\n{text}{tokenizer.decode(out)}\n')
