@@ -1,6 +1,6 @@
 """Text generation from a run's checkpoint, with a fixed-size key/value cache.
 
-  python -m engine.generate --workdir=/tmp/shakespeare --prompt="ROMEO:" --max_new_tokens=200
+  python -m engine.generate --workdir=/tmp/shakespeare --prompt="ROMEO:" --max_new_tokens=50
 
 Prompts are right-padded to --max_prompt_len and the cache holds max_prompt_len +
 max_new_tokens positions, so the prefill (all prompt positions at once) and the decode step (one
@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
+from absl import flags, logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -243,12 +243,13 @@ def encode_prompts(tokenizer, texts: list[str], add_bos: bool = True,
 def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,
                       max_new_tokens: int, add_bos: bool) -> tuple[list[np.ndarray], int]:
   """The prompts' ids (encode_prompts) and the Generator's prompt slots: --max_prompt_len
-  (default: the run's data.seq_len; GPT: what its learned positions leave after max_new_tokens)
-  counts a prompt's tokens, the beginning-of-text token takes one slot more (and, in the default,
-  one token less of the prompt)."""
+  (default: the longest prompt, as rotary positions have no cap; GPT: what its learned positions
+  leave after max_new_tokens) counts a prompt's tokens, the beginning-of-text token takes one
+  slot more (and, in GPT's default, one token less of the prompt)."""
   ids = encode_prompts(tokenizer, texts, add_bos)
   bos = len(bos_ids(tokenizer, add_bos))
-  prompt_len = max_prompt_len or (config.data.seq_len - bos if config.model.name != 'gpt' else
+  prompt_len = max_prompt_len or (max(1, max(len(i) for i in ids) - bos)
+                                  if config.model.name != 'gpt' else
                                   max(1, config.model.max_len - max_new_tokens - bos))
   plus = ' + 1 beginning-of-text token' if bos else ''
   if config.model.name == 'gpt' and max_new_tokens + bos >= config.model.max_len:
@@ -277,13 +278,35 @@ def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,
   return ids, prompt_len + bos
 
 
+DEFAULT_NEW_TOKENS = 100  # --max_new_tokens=0 for a model without learned positions.
+
+
+def resolve_new_tokens(config, tokenizer, texts: list[str], max_new_tokens: int,
+                       max_prompt_len: int, add_bos: bool) -> int:
+  """--max_new_tokens, or by default (0) DEFAULT_NEW_TOKENS; for GPT, whose learned positions
+  cap prompt and sample together, what they leave after the prompt slots."""
+  if max_new_tokens or config.model.name != 'gpt':
+    return max_new_tokens or DEFAULT_NEW_TOKENS
+  bos = len(bos_ids(tokenizer, add_bos))
+  slots = bos + (max_prompt_len or max(len(encode_prompt(tokenizer, t)) for t in texts))
+  if slots >= config.model.max_len:
+    raise config_lib.ConfigError(
+        f'the prompt slots ({slots}) fill the GPT model\'s {config.model.max_len} learned '
+        'positions (model.max_len), leaving none to generate; shorten the prompts or '
+        '--max_prompt_len.')
+  logging.info('--max_new_tokens: %d, what the GPT model\'s %d learned positions leave after '
+               '%d prompt slots.', config.model.max_len - slots, config.model.max_len, slots)
+  return config.model.max_len - slots
+
+
 def check_sampling_flags(max_new_tokens: int, max_prompt_len: int, num_samples: int,
                          sampling: 'Sampling') -> None:
   """Generation flags outside their ranges, each refused in one line before anything loads."""
   checks = [
-      (max_new_tokens >= 1, f'--max_new_tokens={max_new_tokens} must be at least 1.'),
-      (max_prompt_len >= 0, f'--max_prompt_len={max_prompt_len} must be >= 0 (0: the run\'s '
-       'data.seq_len).'),
+      (max_new_tokens >= 0, f'--max_new_tokens={max_new_tokens} must be >= 0 (0: '
+       f'{DEFAULT_NEW_TOKENS}, or what a GPT model\'s learned positions leave).'),
+      (max_prompt_len >= 0, f'--max_prompt_len={max_prompt_len} must be >= 0 (0: the longest '
+       'prompt\'s length).'),
       (num_samples >= 1, f'--num_samples={num_samples} must be at least 1.'),
       (math.isfinite(sampling.temperature) and sampling.temperature >= 0,
        f'--temperature={sampling.temperature:g} must be a finite number >= 0 (0: greedy).'),
@@ -306,10 +329,12 @@ def main():
   workdir = flags.DEFINE_string('workdir', None, 'The training run to sample from.')
   prompt = flags.DEFINE_string('prompt', None, 'A prompt.')
   prompts_file = flags.DEFINE_string('prompts_file', None, 'A file of prompts, one per line.')
-  max_new = flags.DEFINE_integer('max_new_tokens', 100, 'New tokens per sample.')
+  max_new = flags.DEFINE_integer(
+      'max_new_tokens', 0, f'New tokens per sample (0: {DEFAULT_NEW_TOKENS}; for GPT, what its '
+      'learned positions leave after the prompt).')
   max_prompt = flags.DEFINE_integer(
       'max_prompt_len', 0, 'Prompt tokens, the beginning-of-text token not counted (0: the '
-      'run\'s data.seq_len, for GPT its max_len - max_new_tokens, less one for a '
+      'longest prompt\'s; for GPT its max_len - max_new_tokens, less one for a '
       'beginning-of-text token).')
   temperature = flags.DEFINE_float('temperature', 0.0, '0: greedy.')
   top_k = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens (0: all).')
@@ -335,11 +360,13 @@ def main():
     texts = [t for t in texts for _ in range(num_samples.value)]
     run = assemble_finished_run(workdir.value, mesh.value)
     config, tokenizer = run.config, run.tokenizer
-    ids, slots = prompts_and_slots(config, tokenizer, texts, max_prompt.value, max_new.value,
+    new_tokens = resolve_new_tokens(config, tokenizer, texts, max_new.value, max_prompt.value,
+                                    add_bos.value)
+    ids, slots = prompts_and_slots(config, tokenizer, texts, max_prompt.value, new_tokens,
                                    add_bos.value)
     params = restore_params(workdir.value, run.setup.abstract_state()['params'])
-    generator = Generator(run.setup, slots, max_new.value, sampling, tokenizer.vocab_size)
-    outputs = generator.generate(params, ids, max_new.value, seed.value, tokenizer.eos_id)
+    generator = Generator(run.setup, slots, new_tokens, sampling, tokenizer.vocab_size)
+    outputs = generator.generate(params, ids, new_tokens, seed.value, tokenizer.eos_id)
     for text, out in zip(texts, outputs):
       print(f'--- {text!r}\n{text}{tokenizer.decode(out)}\n')
 

@@ -42,9 +42,10 @@ COMMAND_ROWS = {
     'engine.generate': [
         ([], 2, '--workdir is required: The training run to sample from.'),
         ([RUN], 2, 'give --prompt="..." or --prompts_file=FILE.'),
-        ([RUN, '--prompt=hi', '--max_new_tokens=0'], 2, '--max_new_tokens=0 must be at least 1.'),
+        ([RUN, '--prompt=hi', '--max_new_tokens=-1'], 2, "--max_new_tokens=-1 must be >= 0 (0: "
+         "100, or what a GPT model's learned positions leave)."),
         ([RUN, '--prompt=hi', '--max_prompt_len=-1'], 2,
-         "--max_prompt_len=-1 must be >= 0 (0: the run's data.seq_len)."),
+         "--max_prompt_len=-1 must be >= 0 (0: the longest prompt's length)."),
         ([RUN, '--prompt=hi', '--num_samples=0'], 2, '--num_samples=0 must be at least 1.'),
         ([RUN, '--prompt=hi', '--temperature=-1'], 2,
          '--temperature=-1 must be a finite number >= 0 (0: greedy).'),
@@ -55,7 +56,7 @@ COMMAND_ROWS = {
         ([RUN, '--prompt=hi', '--top_p=nan'], 2,
          '--top_p=nan must lie in (0, 1] (1: every token).'),
         ([RUN, '--prompt=hi', '--max_new_tokens=ten'], 2,
-         '--max_new_tokens=ten is not an integer; give one, e.g. --max_new_tokens=100.'),
+         '--max_new_tokens=ten is not an integer; give one, e.g. --max_new_tokens=0.'),
         ([RUN, '--prompt=hi', '--mesh=2x'], 2, f'--mesh=2x: {MESH_FORMAT}'),
         ([RUN, '--prompt=hi', '--mesh=1x1x3'], 2, 'model.num_heads=4 is not divisible by '
          'mesh.tensor=3; change one of them so that mesh.tensor divides model.num_heads.'),

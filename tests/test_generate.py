@@ -15,7 +15,8 @@ from flax import nnx
 from engine.config import ConfigError, default_config
 from engine.data import tokenizers as tokenizer_lib
 from engine.evaluate import evaluate
-from engine.generate import Generator, Sampling, encode_prompts, load_run, prompts_and_slots
+from engine.generate import (Generator, Sampling, encode_prompts, load_run, prompts_and_slots,
+                             resolve_new_tokens)
 from engine.main import run as run_main
 from engine.assemble import lay_out
 from tests.helpers import tiny_config
@@ -140,29 +141,46 @@ def _bos_tokenizer(directory):
   return tokenizer_lib.load('hf', str(directory / 'tokenizer.json'))
 
 
+def test_new_tokens_default_to_what_the_model_allows(tmp_path):
+  tokenizer = _bos_tokenizer(tmp_path)
+  config = tiny_config()  # model.max_len = 16.
+  texts = ['the cat sat', 'on a mat']  # 3 tokens each, after the beginning-of-text token.
+  assert resolve_new_tokens(config, tokenizer, texts, 0, 0, add_bos=True) == 16 - 4  # GPT.
+  assert resolve_new_tokens(config, tokenizer, texts, 0, 0, add_bos=False) == 16 - 3
+  assert resolve_new_tokens(config, tokenizer, texts, 0, 10, add_bos=True) == 16 - 11
+  assert resolve_new_tokens(config, tokenizer, texts, 7, 0, add_bos=True) == 7  # As given.
+  with pytest.raises(ConfigError, match=r"^the prompt slots \(16\) fill the GPT model's 16 learned "
+                     r'positions \(model.max_len\), leaving none to generate'):
+    resolve_new_tokens(config, tokenizer, texts, 0, 15, add_bos=True)
+  config.model.name = 'llama'  # Rotary positions: no cap, the default count.
+  assert resolve_new_tokens(config, tokenizer, texts, 0, 0, add_bos=True) == 100
+
+
 def test_prompts_start_with_the_beginning_of_text_token_unless_noadd_bos(tmp_path):
   tokenizer = _bos_tokenizer(tmp_path)
   assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
   config = tiny_config()  # data.seq_len = model.max_len = 16.
   config.model.name = 'llama'
   texts = ['the cat sat', 'on a mat']
+  # Rotary positions have no cap: by default the prompt slots are the longest prompt's.
   ids, slots = prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=True)
-  assert [list(i) for i in ids] == [[0, 3, 4, 5], [0, 6, 7, 8]] and slots == 16
+  assert [list(i) for i in ids] == [[0, 3, 4, 5], [0, 6, 7, 8]] and slots == 4
   ids, slots = prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=False)  # --noadd_bos
-  assert [list(i) for i in ids] == [[3, 4, 5], [6, 7, 8]] and slots == 16
-  # The token takes a cache slot of its own: by default the prompt has one slot less.
-  sixteen = [' '.join(['the'] * 16)]
+  assert [list(i) for i in ids] == [[3, 4, 5], [6, 7, 8]] and slots == 3
+  # The token takes a cache slot of its own, beyond --max_prompt_len.
+  sixteen = [' '.join(['the'] * 16)]  # Longer than data.seq_len: not a cap.
+  assert prompts_and_slots(config, tokenizer, sixteen, 0, 4, add_bos=True)[1] == 17
+  assert prompts_and_slots(config, tokenizer, sixteen, 0, 4, add_bos=False)[1] == 16
   with pytest.raises(ConfigError, match=r'^a prompt has 16 tokens, more than --max_prompt_len=15 '
                      r'\+ 1 beginning-of-text token; raise --max_prompt_len'):
-    prompts_and_slots(config, tokenizer, sixteen, 0, 4, add_bos=True)
-  assert prompts_and_slots(config, tokenizer, sixteen, 0, 4, add_bos=False)[1] == 16
+    prompts_and_slots(config, tokenizer, sixteen, 15, 4, add_bos=True)
   assert prompts_and_slots(config, tokenizer, sixteen, 16, 4, add_bos=True)[1] == 17
   # A sliding window (Mistral) caps what generation may hold.
   config.model.sliding_window = 19
-  with pytest.raises(ConfigError, match=r"--max_prompt_len=15 \+ 1 beginning-of-text token \+ "
-                     r"--max_new_tokens=4 exceeds the model's sliding window of 19 tokens"):
-    prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=True)
-  assert prompts_and_slots(config, tokenizer, texts, 0, 3, add_bos=True)[1] == 16
+  with pytest.raises(ConfigError, match=r"--max_prompt_len=3 \+ 1 beginning-of-text token \+ "
+                     r"--max_new_tokens=16 exceeds the model's sliding window of 19 tokens"):
+    prompts_and_slots(config, tokenizer, texts, 0, 16, add_bos=True)
+  assert prompts_and_slots(config, tokenizer, texts, 0, 15, add_bos=True)[1] == 4
   config.model.sliding_window = 0
   # GPT: its learned positions hold the token too.
   config.model.name = 'gpt'
