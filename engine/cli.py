@@ -23,19 +23,22 @@ from ml_collections import ConfigDict
 from engine import config as config_lib
 from engine.checkpoint import CheckpointError
 from engine.config import ConfigError
+from engine.config_help import did_you_mean
 from engine.library_output import quiet_library_output
 
 
 @dataclasses.dataclass(frozen=True)
 class Command:
   """What the parser needs to know of a command: its name (for help hints) and its required
-  flags, with the line that says what each is when it is missing (else the flag's help)."""
+  flags, with the line that says what each is when it is missing (else the flag's help), and
+  the boolean flags that make some of them unnecessary."""
   program: str = 'engine.main'
   required: tuple[str, ...] = ('config', 'workdir')
   missing: tuple[tuple[tuple[str, ...], str], ...] = ()
+  waived: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
-MAIN = Command(missing=(
+MAIN = Command(waived=(('print_config', ('workdir',)),), missing=(
     (('config',), '--config is required: the experiment file, e.g. '
                   '--config=experiments/tiny.py.'),
     (('workdir',), '--workdir is required: the directory for checkpoints and metrics (rerun '
@@ -74,16 +77,21 @@ def _given(argv: Sequence[str], name: str) -> str | None:
   return value
 
 
-def _debug_requested(argv: Sequence[str]) -> bool:
-  debug = False
+def _bool_given(argv: Sequence[str], name: str) -> bool:
+  """Whether the boolean flag --name is true on argv (the last of --name, --noname, --name=X)."""
+  value = False
   for arg in _flag_args(argv):
-    if arg in ('--debug', '-debug'):
-      debug = True
-    elif arg in ('--nodebug', '-nodebug'):
-      debug = False
-    elif re.match(r'^--?debug=', arg):
-      debug = arg.split('=', 1)[1].lower() in ('true', 't', '1')
-  return debug
+    if arg in (f'--{name}', f'-{name}'):
+      value = True
+    elif arg in (f'--no{name}', f'-no{name}'):
+      value = False
+    elif re.match(rf'^--?{re.escape(name)}=', arg):
+      value = arg.split('=', 1)[1].lower() in ('true', 't', '1')
+  return value
+
+
+def _debug_requested(argv: Sequence[str]) -> bool:
+  return _bool_given(argv, 'debug')
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -126,7 +134,9 @@ def _is_flag(name: str) -> bool:
 def _check_required(argv: Sequence[str], command: Command) -> None:
   if any(arg.split('=')[0] in _HELP for arg in _flag_args(argv)):
     return  # Help needs none.
-  missing = tuple(name for name in command.required if _given(argv, name) is None)
+  waived = {name for flag, names in command.waived if _bool_given(argv, flag) for name in names}
+  missing = tuple(name for name in command.required
+                  if _given(argv, name) is None and name not in waived)
   if not missing:
     return
   said = dict(command.missing)
@@ -170,17 +180,8 @@ def _check_argv(argv: Sequence[str], command: Command) -> None:
       raise ConfigError(f'{arg} comes before --config, which it overrides; give '
                         '--config=EXPERIMENT first, then the overrides.')
     if key not in defaults:
-      section, _, name = key.rpartition('.')
-      if section in defaults:  # A misspelt key of a real section: suggest only its own keys.
-        close = difflib.get_close_matches(name, [k.rpartition('.')[2] for k in defaults
-                                                 if k.rpartition('.')[0] == section], n=1)
-        close = [f'{section}.{c}' for c in close]
-      else:
-        close = difflib.get_close_matches(key, [k for k, v in defaults.items()
-                                                if not isinstance(v, ConfigDict)], n=1)
-      hint = f' (did you mean {close[0]}?)' if close else ''
-      raise ConfigError(f'{arg}: the config has no key {key}{hint}; the keys and their defaults '
-                        'are in engine/config.py, default_config().')
+      raise ConfigError(f'{arg}: the config has no key {key}{did_you_mean(key, defaults)}; the '
+                        'keys and their defaults are in engine/config.py, default_config().')
     if isinstance(defaults[key], ConfigDict):
       first = next(k for k in defaults if k.startswith(key + '.'))
       raise ConfigError(f'{arg}: {key} is a section of the config, not a value; set its keys '

@@ -26,23 +26,23 @@ class ConfigError(ValueError):
 def default_config() -> ml_collections.ConfigDict:
   """The full schema with its defaults: a tiny GPT on the embedded corpus, one device."""
   c = ml_collections.ConfigDict()
-  c.seed = 0
+  c.seed = 0  # Parameter initialisation and the data order (evaluation uses seed + 1).
 
   c.model = ml_collections.ConfigDict()
-  c.model.name = 'gpt'
-  c.model.num_layers = 2
-  c.model.num_heads = 4
-  c.model.embed_dim = 64
-  c.model.mlp_dim = 256
+  c.model.name = 'gpt'  # gpt | llama (engine/models/).
+  c.model.num_layers = 2  # Transformer blocks.
+  c.model.num_heads = 4  # Attention (query) heads.
+  c.model.embed_dim = 64  # Width of the residual stream.
+  c.model.mlp_dim = 256  # Hidden width of each block's MLP.
   c.model.max_len = 64  # Learned position embeddings cover this many positions.
   # -1: the tokenizer's vocabulary, rounded up to a multiple of `vocab_multiple` so that it
   # splits over any tensor axis that divides the multiple.
   c.model.vocab_size = -1
-  c.model.vocab_multiple = 64
-  c.model.tie_embeddings = True
+  c.model.vocab_multiple = 64  # See vocab_size.
+  c.model.tie_embeddings = True  # The output layer reuses the token embeddings.
   c.model.scan_layers = True  # False unrolls the layer loop in the HLO (debugging).
-  c.model.init_std = 0.02
-  c.model.norm_eps = 1e-5
+  c.model.init_std = 0.02  # Standard deviation of the initial weights.
+  c.model.norm_eps = 1e-5  # Epsilon of the layer norms (RMSNorm in Llama).
   c.model.attention = 'einsum'  # einsum | dot_product_attention (jax.nn; cuDNN flash on GPUs)
   c.model.attention_scale_on = 'queries'  # Where 1/sqrt(head_dim) goes: queries | logits.
   # Logits are multiplied by this before the softmax; -1: 1/sqrt(head_dim) (every attention path
@@ -57,10 +57,10 @@ def default_config() -> ml_collections.ConfigDict:
   # Llama: rotary frequencies: default | linear (positions / rope_factor) | llama3 (Llama 3.1's
   # wavelength-dependent scaling: rope_factor, the two freq factors, rope_original_max_len).
   c.model.rope_type = 'default'
-  c.model.rope_factor = 1.0
-  c.model.rope_low_freq_factor = 1.0
-  c.model.rope_high_freq_factor = 4.0
-  c.model.rope_original_max_len = 8192
+  c.model.rope_factor = 1.0  # Llama: linear and llama3 rotary scaling factor.
+  c.model.rope_low_freq_factor = 1.0  # Llama: llama3 rotary low_freq_factor.
+  c.model.rope_high_freq_factor = 4.0  # Llama: llama3 rotary high_freq_factor.
+  c.model.rope_original_max_len = 8192  # Llama: llama3 rotary, the pre-scaling context.
   # Llama: attend only to this many most recent positions (Mistral); 0: all. The engine computes
   # full causal attention, so a window shorter than the sequence is refused.
   c.model.sliding_window = 0
@@ -84,27 +84,27 @@ def default_config() -> ml_collections.ConfigDict:
   # For source='shards': an engine.data.prepare output directory, or DIR:WEIGHT,DIR:WEIGHT to mix
   # several by weight.
   c.data.shards = ''
-  c.data.seq_len = 64
-  c.data.global_batch_size = 16
-  c.data.val_fraction = 0.1
+  c.data.seq_len = 64  # Tokens per training sequence (at most model.max_len).
+  c.data.global_batch_size = 16  # Sequences per step, over all devices.
+  c.data.val_fraction = 0.1  # The last fraction of the tokens, held out for the eval loss.
   c.data.embedded_max_bytes = 2_000_000  # How much of the embedded corpus to read.
-  c.data.synthetic_tokens = 100_000
+  c.data.synthetic_tokens = 100_000  # Corpus length for source='synthetic'.
 
   c.optim = ml_collections.ConfigDict()
-  c.optim.learning_rate = 1e-3
-  c.optim.end_learning_rate = 1e-4
-  c.optim.warmup_steps = 20
+  c.optim.learning_rate = 1e-3  # Peak learning rate, reached after warmup_steps.
+  c.optim.end_learning_rate = 1e-4  # Where the cosine decay ends.
+  c.optim.warmup_steps = 20  # Linear warmup from 0 to learning_rate.
   c.optim.decay_steps = -1  # -1: warmup + cosine decay end at train.num_steps.
-  c.optim.b1 = 0.9
-  c.optim.b2 = 0.99
-  c.optim.weight_decay = 0.1
+  c.optim.b1 = 0.9  # Adam's first-moment decay.
+  c.optim.b2 = 0.99  # Adam's second-moment decay.
+  c.optim.weight_decay = 0.1  # AdamW's decoupled weight decay.
   c.optim.weight_decay_on = 'matrices'  # matrices (not norms, biases) | all
   c.optim.grad_clip_norm = 1.0  # Global norm the gradients are scaled down to; inf: off.
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: all devices the other axes leave.
-  c.mesh.fsdp = 1
-  c.mesh.tensor = 1
+  c.mesh.fsdp = 1  # Parameters and optimizer state sharded over this many devices.
+  c.mesh.tensor = 1  # Tensor parallelism: heads and MLP width split this many ways.
   # Context (sequence) parallelism: each sequence split over this many devices; manual mode runs
   # ring attention over them (engine/parallel/context.py).
   c.mesh.context = 1
@@ -114,21 +114,21 @@ def default_config() -> ml_collections.ConfigDict:
   # How many hosts (or TPU slices) the data / fsdp axes span: those axes are laid out across the
   # slow inter-host network and everything else within a host. 1 = no preference.
   c.mesh.dcn_data = 1
-  c.mesh.dcn_fsdp = 1
+  c.mesh.dcn_fsdp = 1  # See dcn_data.
 
   c.parallelism = ml_collections.ConfigDict()
-  c.parallelism.mode = 'auto'
+  c.parallelism.mode = 'auto'  # auto (GSPMD from shardings) | manual (shard_map).
   c.parallelism.rules = 'auto'  # A preset in engine.sharding.RULE_PRESETS; 'auto' follows the mesh.
   # Manual mode: dtype of the gradient reductions and of the FSDP gathers they transpose.
   c.parallelism.grad_reduce_dtype = 'float32'  # float32 | bfloat16
 
   c.train = ml_collections.ConfigDict()
-  c.train.num_steps = 300
-  c.train.log_every = 25
-  c.train.eval_every = 100
-  c.train.eval_batches = 8
-  c.train.checkpoint_every = 100
-  c.train.keep_checkpoints = 3
+  c.train.num_steps = 300  # Optimizer steps in all (a resumed run continues to it).
+  c.train.log_every = 25  # Steps between log lines.
+  c.train.eval_every = 100  # Steps between eval losses (and one at the end).
+  c.train.eval_batches = 8  # Held-out batches per eval loss.
+  c.train.checkpoint_every = 100  # Steps between checkpoints (and one at the end).
+  c.train.keep_checkpoints = 3  # How many of the newest checkpoints are kept.
   # False: the loop waits for every save to reach the disk (to measure what async saves save).
   c.train.async_checkpoints = True
   # If the newest checkpoint is damaged (its files differ from their checksums), resume from the

@@ -1,7 +1,8 @@
 """Entry point: `python -m engine.main --config=experiments/x.py[:arg] --workdir=DIR`.
 
 Parses flags, starts jax.distributed where there are several processes, and calls
-engine.train.train; nothing else lives here. Bad input (a flag, the experiment file, a config
+engine.train.train; nothing else lives here (`--print_config` prints the config and stops
+before all of it: engine/config_help.py). Bad input (a flag, the experiment file, a config
 value) ends the run with one line, `error: ...`, and exit status 2; `run(argv)` does all of it
 inside a process, for tests.
 """
@@ -13,11 +14,11 @@ from collections.abc import Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
-from engine import distributed, train
+from engine import config_help, distributed, train
 from engine.checkpoint import DISK_FULL, CheckpointError, is_disk_full
 from engine.config import ConfigError
 from engine.finiteness import NonFiniteError
-from engine.cli import fail, innermost, parse_flags
+from engine.cli import MAIN, fail, innermost, parse_flags
 from engine.library_output import quiet_library_output
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -34,13 +35,47 @@ _HEARTBEAT = flags.DEFINE_integer(
     'with an error.')
 _DEBUG = flags.DEFINE_bool('debug', False, 'Show the traceback of the errors the engine explains '
                            'in one line (bad config, a step that is not finite).')
-flags.mark_flags_as_required(['config', 'workdir'])
+_PRINT_CONFIG = flags.DEFINE_bool(
+    'print_config', False, 'Print every config key with its value (the experiment and the '
+    'overrides applied) and its help, then exit; nothing is written or compiled, and --workdir '
+    'is not needed.')
+# --workdir is required unless --print_config: engine.cli checks both on argv.
+flags.mark_flags_as_required(['config'])
+
+
+def _load_config():
+  """The experiment's config with the overrides; a file that cannot be read ends the run."""
+  try:
+    config = _CONFIG.value
+    config.to_dict()  # A config file that failed to load raises on first use.
+    return config
+  except OSError as error:  # The experiment file cannot be read (the usual cases fail earlier).
+    if _DEBUG.value:
+      raise
+    fail(f'--config={flags.FLAGS["config"].config_filename} could not be read '
+          f'({innermost(error)}); pass an experiment file, e.g. --config=experiments/tiny.py.')
+
+
+def _print_config() -> None:
+  """--print_config: the config as the run would use it, before anything starts."""
+  config = _load_config()
+  try:
+    config_help.check_known_keys(config)
+  except ConfigError as error:
+    if _DEBUG.value:
+      raise
+    fail(str(error))
+  print(config_help.format_config(config))
 
 
 def main(argv):
   if len(argv) > 1:
     fail(f'unexpected arguments {argv[1:]}; everything is given as a flag, --name=value (e.g. '
           '--config.train.num_steps=50), and a value holding spaces is quoted.')
+  if _PRINT_CONFIG.value:
+    return _print_config()
+  if _WORKDIR.value is None:  # Given --flagfile, engine.cli left the required flags to this.
+    fail(dict(MAIN.missing)[('workdir',)])
   if not _WORKDIR.value.strip():
     fail('--workdir is empty; pass the directory for checkpoints and metrics, e.g. '
           '--workdir=/tmp/run.')
@@ -56,14 +91,7 @@ def main(argv):
     if _DEBUG.value:
       raise
     fail(str(error), 1)
-  try:
-    config = _CONFIG.value
-    config.to_dict()  # A config file that failed to load raises on first use.
-  except OSError as error:  # The experiment file cannot be read (the usual cases fail earlier).
-    if _DEBUG.value:
-      raise
-    fail(f'--config={flags.FLAGS["config"].config_filename} could not be read '
-          f'({innermost(error)}); pass an experiment file, e.g. --config=experiments/tiny.py.')
+  config = _load_config()
   try:
     train.train(config, _WORKDIR.value)
   except (ConfigError, NonFiniteError, CheckpointError) as error:

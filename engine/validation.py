@@ -16,20 +16,9 @@ import ml_collections
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from engine import models, parallel, sharding, text_files
-from engine.config import (DTYPES, SOURCES, TOKENIZERS, ConfigError, default_config,
-                           resolve_mesh_shape)
+from engine import config_help, models, parallel, sharding, text_files
+from engine.config import DTYPES, SOURCES, TOKENIZERS, ConfigError, resolve_mesh_shape
 from engine.models import attention, llama
-
-
-def _unknown_keys(config: ConfigDict, schema: ConfigDict, prefix: str = '') -> list[str]:
-  unknown = []
-  for key, value in config.items():
-    if key not in schema:
-      unknown.append(prefix + key)
-    elif isinstance(value, ConfigDict) and isinstance(schema[key], ConfigDict):
-      unknown += _unknown_keys(value, schema[key], prefix + key + '.')
-  return unknown
 
 
 _MAX_SEED = 2**32 - 2
@@ -106,11 +95,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   naming key and fix. `num_slices` > 1 (several TPU slices): the dcn axes split the mesh by
   slice, not by process. `training=False` (a finished run laid out for generation or export)
   skips what only a train step needs: the batch's split and the pipeline schedule."""
-  unknown = _unknown_keys(config, default_config())
-  if unknown:
-    raise ConfigError(
-        f'Unknown config keys {unknown}; see engine/config.py default_config() for the schema '
-        '(a typo in an override?).')
+  config_help.check_known_keys(config)
   if config.model.name not in models.MODELS:
     raise ConfigError(f'model.name={config.model.name!r} is unknown; choose one of '
                       f'{sorted(models.MODELS)}.')

@@ -104,8 +104,9 @@ BAD_INPUTS = [
     (['--config=$T/broken_experiment.py', RUN], 2, "--config=$T/broken_experiment.py failed to "
      "load (NameError: name 'defaults' is not defined); fix the file, or see the traceback with "
      '--debug.'),
-    (['--config=$T/typo_experiment.py', RUN], 2, "Unknown config keys ['model.num_layer']; see "
-     'engine/config.py default_config() for the schema (a typo in an override?).'),
+    (['--config=$T/typo_experiment.py', RUN], 2, "Unknown config keys ['model.num_layer'] (did "
+     'you mean model.num_layers?); see engine/config.py default_config() for the schema (a typo '
+     'in an override?).'),
     (['--config=experiments/tiny.py:foo=1', RUN], 2, "--config=experiments/tiny.py:foo=1: Unknown "
      "experiment argument 'foo'; the experiment takes mesh, mode, steps (e.g. "
      ':steps=100,mesh=2x2x2).'),
@@ -123,6 +124,25 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.optimizer.b2=0.95'], 2, '--config.optimizer.b2=0.95: the config has no '
      'key optimizer.b2 (did you mean optim.b2?); the keys and their defaults are in '
      'engine/config.py, default_config().'),
+    # Abbreviations, and keys of another section.
+    ([TINY, RUN, '--config.optim.lr=3e-4'], 2, '--config.optim.lr=3e-4: the config has no key '
+     'optim.lr (did you mean optim.learning_rate?); the keys and their defaults are in '
+     'engine/config.py, default_config().'),
+    ([TINY, RUN, '--config.wd=0'], 2, '--config.wd=0: the config has no key wd (did you mean '
+     'optim.weight_decay?); the keys and their defaults are in engine/config.py, '
+     'default_config().'),
+    ([TINY, RUN, '--config.data.batch_size=8'], 2, '--config.data.batch_size=8: the config has no '
+     'key data.batch_size (did you mean data.global_batch_size?); the keys and their defaults '
+     'are in engine/config.py, default_config().'),
+    ([TINY, RUN, '--config.train.learning_rate=3e-4'], 2, '--config.train.learning_rate=3e-4: the '
+     'config has no key train.learning_rate (did you mean optim.learning_rate?); the keys and '
+     'their defaults are in engine/config.py, default_config().'),
+    ([TINY, RUN, '--config.model.seq_len=128'], 2, '--config.model.seq_len=128: the config has no '
+     'key model.seq_len (did you mean data.seq_len?); the keys and their defaults are in '
+     'engine/config.py, default_config().'),
+    ([TINY, RUN, '--config.optim.steps=10'], 2, '--config.optim.steps=10: the config has no key '
+     'optim.steps (did you mean optim.warmup_steps or optim.decay_steps?); the keys and their '
+     'defaults are in engine/config.py, default_config().'),
     ([TINY, RUN, '--config.model=gpt'], 2, '--config.model=gpt: model is a section of the config, '
      'not a value; set its keys one by one, e.g. --config.model.attention=einsum.'),
     (['--config.optim.b2=0.95', TINY, RUN], 2, '--config.optim.b2=0.95 comes before --config, '
