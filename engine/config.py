@@ -92,9 +92,16 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 1e-3  # Peak learning rate, reached after warmup_steps.
-  c.optim.end_learning_rate = 1e-4  # Where the cosine decay ends.
+  c.optim.end_learning_rate = 1e-4  # Where cosine and wsd end; constant ignores it.
   c.optim.warmup_steps = 20  # Linear warmup from 0 to learning_rate.
-  c.optim.decay_steps = -1  # -1: warmup + cosine decay end at train.num_steps.
+  # Learning rate by step, each after a linear warmup (engine/optimizer.py): cosine (decay to
+  # end_learning_rate) | constant (the peak) | wsd (the peak, then a linear decay to
+  # end_learning_rate over the last decay_fraction of the steps).
+  c.optim.schedule = 'cosine'
+  # Where cosine and wsd reach end_learning_rate (warmup included); -1: at train.num_steps.
+  # Pin it to extend a finished run at its final rate (docs/training.md); constant has no end.
+  c.optim.decay_steps = -1
+  c.optim.decay_fraction = 0.2  # wsd only: the share of decay_steps (or num_steps) spent decaying.
   c.optim.b1 = 0.9  # Adam's first-moment decay.
   c.optim.b2 = 0.99  # Adam's second-moment decay.
   c.optim.weight_decay = 0.1  # AdamW's decoupled weight decay.

@@ -1,4 +1,13 @@
-"""The optimizer: AdamW on a warmup + cosine schedule, with global-norm clipping kept apart.
+"""The optimizer: AdamW on a learning-rate schedule, with global-norm clipping kept apart.
+
+Schedules (optim.schedule), all with a linear warmup from 0 to optim.learning_rate:
+  cosine: cosine decay to optim.end_learning_rate, ending at optim.decay_steps (-1: the end of
+    training);
+  constant: the peak from the end of warmup on;
+  wsd (warmup-stable-decay): the peak, then a linear decay to optim.end_learning_rate over the
+    last optim.decay_fraction of the steps up to optim.decay_steps (-1: the end of training).
+Every schedule is a function of the optimizer step only, so the optimizer state (Adam moments
+and a step count) has the same structure under each and checkpoints resume under any.
 
 Clipping happens in the train step (`clip_by_global_norm`), not in the optax chain: in manual
 mode the norm of sharded gradients needs collectives that only the step can write, and keeping it
@@ -21,17 +30,38 @@ class Optimizer:
   clip_norm: float  # Gradients are scaled down to this global norm before tx.
 
 
-def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
-  """Linear warmup to the peak, then cosine decay to `end_learning_rate`.
+SCHEDULES = ('cosine', 'constant', 'wsd')
 
-  The decay ends at `decay_steps` (warmup included), by default the end of training; a run
-  shorter than its warmup simply never leaves it."""
-  decay_steps = optim_config.decay_steps if optim_config.decay_steps > 0 else num_steps
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=optim_config.learning_rate,
-      warmup_steps=optim_config.warmup_steps,
-      decay_steps=max(decay_steps, optim_config.warmup_steps + 1),
-      end_value=optim_config.end_learning_rate)
+
+def schedule_end(optim_config, num_steps: int) -> int | None:
+  """The step at which the schedule reaches its end value: `decay_steps`, by default the end of
+  training, but at least one step past the warmup; None for `constant`, which has no end."""
+  if optim_config.schedule == 'constant':
+    return None
+  end = optim_config.decay_steps if optim_config.decay_steps > 0 else num_steps
+  return max(end, optim_config.warmup_steps + 1)  # One step of decay at least.
+
+
+def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
+  """The learning rate by optimizer step (0-based) of `optim_config.schedule`.
+
+  A run shorter than its warmup simply never leaves it; after its end a schedule stays at
+  `end_learning_rate`."""
+  peak, warmup = optim_config.learning_rate, optim_config.warmup_steps
+  end = schedule_end(optim_config, num_steps)
+  if optim_config.schedule == 'cosine':
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=peak, warmup_steps=warmup, decay_steps=end,
+        end_value=optim_config.end_learning_rate)
+  warmup_schedule = optax.linear_schedule(0.0, peak, warmup)
+  if optim_config.schedule == 'constant':
+    return optax.join_schedules([warmup_schedule, optax.constant_schedule(peak)], [warmup])
+  # wsd: the decay takes the last decay_fraction of the steps (at least one), but never the
+  # warmup's: a run too short for both shortens its decay.
+  decay_start = max(warmup, end - max(1, round(optim_config.decay_fraction * end)))
+  decay = optax.linear_schedule(peak, optim_config.end_learning_rate, end - decay_start)
+  return optax.join_schedules([warmup_schedule, optax.constant_schedule(peak), decay],
+                              [warmup, decay_start])
 
 
 def make_optimizer(optim_config, num_steps: int) -> Optimizer:

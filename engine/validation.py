@@ -1,10 +1,10 @@
 """The one validation pass over a config, before anything compiles or is written.
 
 `validate` checks the whole tree (engine/config.py's schema), one function per section (model,
-data, optim, train, mesh, parallelism; then the train step's schedule and the model sizes the
-mesh splits), and raises `ConfigError` naming the key and the fix; engine.assemble calls it for
-every command before anything touches a device. `check_layout` checks the laid-out model once
-its shapes are known.
+data, optim (engine/validation_optim.py), train, mesh, parallelism; then the train step's
+schedule and the model sizes the mesh splits), and raises `ConfigError` naming the key and the
+fix; engine.assemble calls it for every command before anything touches a device.
+`check_layout` checks the laid-out model once its shapes are known.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ml_collections import ConfigDict
 from engine import config_help, models, parallel, sharding, text_files
 from engine.config import DTYPES, SOURCES, TOKENIZERS, ConfigError, resolve_mesh_shape
 from engine.models import attention, llama
+from engine.validation_optim import check_optim
 
 
 _MAX_SEED = 2**32 - 2
@@ -102,7 +103,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   parallel.check_modes(config.parallelism.mode)
   _check_model(config.model)
   _check_data(config.data, config.model)
-  _check_optim(config.optim)
+  check_optim(config.optim)
   _check_train(config.train)
   if not 0 <= config.seed <= _MAX_SEED:
     raise ConfigError(f'seed={config.seed} must lie in [0, {_MAX_SEED}]: the data order is '
@@ -211,28 +212,6 @@ def _check_data(data: ConfigDict, model: ConfigDict) -> None:
            "shorten data.seq_len (model.max_len is the checkpoint's max_position_embeddings)")
     raise ConfigError(
         f'data.seq_len={data.seq_len} exceeds model.max_len={model.max_len}; {fix}.')
-
-
-def _check_optim(optim: ConfigDict) -> None:
-  _choose(optim, 'weight_decay_on', 'optim.weight_decay_on', ('matrices', 'all'))
-  _require_finite(optim, 'optim', ['learning_rate', 'end_learning_rate', 'weight_decay', 'b1',
-                                   'b2'])
-  for name in ('b1', 'b2'):
-    if not 0.0 <= optim[name] < 1.0:
-      raise ConfigError(f'optim.{name}={optim[name]} must lie in [0, 1): it is how much of its '
-                        'running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to '
-                        '0.999).')
-  if not optim.grad_clip_norm > 0:
-    raise ConfigError(f'optim.grad_clip_norm={optim.grad_clip_norm} must be positive: '
-                      'gradients are scaled down to this global norm (inf turns clipping off).')
-  if optim.weight_decay < 0:
-    raise ConfigError(f'optim.weight_decay={optim.weight_decay} must be >= 0.')
-  _require_positive(optim, 'optim', ['learning_rate'])
-  _require_non_negative(optim, 'optim', ['warmup_steps', 'end_learning_rate'])
-  if optim.decay_steps != -1 and optim.decay_steps <= optim.warmup_steps:
-    raise ConfigError(
-        f'optim.decay_steps={optim.decay_steps} must exceed optim.warmup_steps='
-        f'{optim.warmup_steps} (it counts the warmup), or be -1 to end at train.num_steps.')
 
 
 def _check_train(train: ConfigDict) -> None:

@@ -47,8 +47,9 @@ def prepare(workdir: str) -> epath.Path:
 
 def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
   """Refuses to resume a checkpoint whose model or data config differ from this one: the state
-  would not fit, or the run would silently change. Mesh, mode and schedule may change (but
-  not the circular pipeline's layer grouping)."""
+  would not fit, or the run would silently change; so does a learning-rate schedule whose end
+  would move with train.num_steps. Mesh, mode and the optim keys may change (but not the
+  circular pipeline's layer grouping)."""
   path = workdir / CONFIG_FILE
   if not path.exists():
     return
@@ -64,6 +65,35 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> N
     raise ConfigError(
         f'--workdir={workdir} holds checkpoints stored for train.pipeline_repeats={repeats}; '
         f'resume with --config.train.pipeline_repeats={repeats}, or use a new --workdir.')
+  _check_schedule_end(config, saved, workdir)
+
+
+def _check_schedule_end(config: ml_collections.ConfigDict, saved: dict, workdir) -> None:
+  """Refuses a resume whose schedule ends at a train.num_steps other than the saved run's
+  schedule end: extending a finished cosine run would otherwise stretch the decay, raising the
+  learning rate back up. An end given as optim.decay_steps, or a constant schedule, may change."""
+  saved_optim = saved.get('optim', {})
+  if (config.optim.decay_steps != -1 or config.optim.schedule == 'constant' or
+      saved_optim.get('schedule', 'cosine') == 'constant'):
+    return
+  saved_steps = saved.get('train', {}).get('num_steps', config.train.num_steps)
+  saved_decay = saved_optim.get('decay_steps', -1)
+  # A schedule ends one step after its warmup at the earliest (engine/optimizer.py): runs
+  # shorter than that share one schedule, and the end it reports is a valid decay_steps.
+  saved_warmup = saved_optim.get('warmup_steps', config.optim.warmup_steps)
+  saved_end = max(saved_decay if saved_decay > 0 else saved_steps, saved_warmup + 1)
+  num_steps = config.train.num_steps
+  if max(num_steps, config.optim.warmup_steps + 1) == saved_end:
+    return
+  keep = (f'--config.train.num_steps={saved_steps} to finish it as planned, '
+          if saved_steps == saved_end else '')
+  raise ConfigError(
+      f'--workdir={workdir} holds a run whose learning-rate schedule ends at step {saved_end}, '
+      f'and train.num_steps={num_steps} would move that end to step {num_steps} '
+      f'(optim.schedule={config.optim.schedule} with optim.decay_steps=-1 ends at '
+      f'train.num_steps); pass --config.optim.decay_steps={saved_end} to keep it (the rate stays '
+      f'at its end value after step {saved_end}), {keep}or start a fresh schedule from its '
+      f'weights in a new --workdir with --config.train.init_from={workdir}.')
 
 
 def read_run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -87,7 +117,10 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
                       'not a config a training run wrote: restore it, or pass the --workdir of '
                       'a training run.')
   config = ml_collections.ConfigDict(saved)
-  config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)  # Older runs lack it.
+  # Older runs lack these keys.
+  config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)
+  config.optim.schedule = config.optim.get('schedule', 'cosine')
+  config.optim.decay_fraction = config.optim.get('decay_fraction', 0.2)
   return config
 
 

@@ -193,6 +193,14 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.optim.warmup_steps=-5'], 2, 'optim.warmup_steps=-5 must be >= 0.'),
     ([TINY, RUN, '--config.optim.decay_steps=10'], 2, 'optim.decay_steps=10 must exceed '
      'optim.warmup_steps=20 (it counts the warmup), or be -1 to end at train.num_steps.'),
+    ([TINY, RUN, '--config.optim.schedule=linear'], 2,
+     "optim.schedule='linear' is unknown; choose one of ('cosine', 'constant', 'wsd')."),
+    ([TINY, RUN, '--config.optim.schedule=wsd', '--config.optim.decay_fraction=0'], 2,
+     'optim.decay_fraction=0.0 must lie in (0, 1]: it is the share of the steps that wsd spends '
+     'decaying (usual: 0.1 to 0.2).'),
+    ([TINY, RUN, '--config.optim.schedule=constant', '--config.optim.decay_steps=200'], 2,
+     'optim.decay_steps=200 has no effect with optim.schedule=constant (it never decays); leave '
+     'decay_steps at -1, or choose optim.schedule=cosine or wsd.'),
     ([TINY, RUN, '--config.train.num_steps=0'], 2, 'train.num_steps=0 must be positive.'),
     ([TINY, RUN, '--config.data.global_batch_size=-16'], 2,
      'data.global_batch_size=-16 must be positive.'),

@@ -87,6 +87,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_and_the_run_resumes(tmp_path, ca
   config = tiny.get_config()
   config.model.num_layers, config.data.seq_len = 1, 16
   config.train.update(num_steps=latest + 1, log_every=1, checkpoint_every=2, eval_every=100000)
+  config.optim.decay_steps = 100000  # The killed run's schedule, which num_steps would move.
   resumed = train(config, str(tmp_path))
   assert sorted(resumed.train_losses) == [latest + 1]
   assert f'from a run that is gone (host {socket.gethostname()}, pid {killed.pid}, ' in caplog.text
