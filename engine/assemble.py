@@ -7,8 +7,9 @@
 `assemble(config, devices)` runs it: training, the benchmark, the bubble and compare tools, the
 planner (with a TPU topology's devices), show_layout, and generate / evaluate / export (on a
 finished run's config, through `assemble_finished_run`). What a command needs of the data
-decides how much is read: the whole corpus (training, timing), the tokenizer that decodes
-(generation, evaluation), or only what fixes the vocabulary size (export, planning, layouts).
+decides how much is read: the whole corpus (training, timing, evaluation of the held-out
+split), the tokenizer that decodes (generation, evaluation of a text file), or only what fixes
+the vocabulary size (export, planning, layouts).
 """
 
 from __future__ import annotations

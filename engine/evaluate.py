@@ -1,12 +1,21 @@
-"""Loss and perplexity of a run's latest checkpoint on a text file.
+"""Loss, perplexity and bits per byte of a run's latest checkpoint: on the run's held-out split
+(by default), or on a text file.
 
+  python -m engine.evaluate --workdir=/tmp/shakespeare
   python -m engine.evaluate --workdir=/tmp/shakespeare --text_file=../shared/data/tinyshakespeare.txt
 
-The file is tokenized with the run's tokenizer, after its beginning-of-text token if it has one
+The held-out split is the training eval's: the same windows (the last data.val_fraction of the
+corpus, or of each shard set's packed windows; train.eval_batches fixed batches of
+data.global_batch_size windows, engine.data.eval_batches), so its loss is the one the training
+log reports as eval loss for that checkpoint (--eval_batches: more or fewer of those batches).
+
+A text file is tokenized with the run's tokenizer, after its beginning-of-text token if it has one
 (as engine.data.prepare starts each document; --noadd_bos: not), and cut into consecutive windows
-of data.seq_len + 1 tokens (the last partial one dropped); the loss is the mean next-token
-cross-entropy over every predicted token, the perplexity its exponential (per token of that
-tokenizer).
+of data.seq_len + 1 tokens (the last partial one dropped).
+
+The loss is the mean next-token cross-entropy over every predicted token, the perplexity its
+exponential (per token of that tokenizer); bits per byte, the summed cross-entropy in bits over
+the UTF-8 bytes those predicted tokens stand for (special tokens: none), compares tokenizers.
 """
 
 from __future__ import annotations
@@ -21,9 +30,11 @@ from absl import flags
 from flax import nnx
 
 from engine import config as config_lib
-from engine.assemble import assemble_finished_run
+from engine import data
+from engine.assemble import CORPUS, Run, assemble_finished_run
 from engine.checkpoint import restore_params
 from engine.cli import run_command
+from engine.data import tokenizers as tokenizer_lib
 from engine.generate import add_bos_flag, bos_ids, encode_prompts
 from engine.parallel.auto import AutoOps
 from engine.text_files import read_text
@@ -37,11 +48,8 @@ def check_length(tokens: np.ndarray, seq_len: int, what: str = 'the text') -> No
         f'1 = {seq_len + 1}; pass a longer text.')
 
 
-def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int) -> dict:
-  """Mean loss over the consecutive windows of `tokens`, `batch` windows per compiled call."""
-  check_length(tokens, seq_len)
-  count = (len(tokens) - 1) // seq_len
-  windows = np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
+def window_losses(setup, params, windows: np.ndarray, batch: int) -> np.ndarray:
+  """Each [seq_len + 1] window's mean next-token loss, `batch` windows per compiled call."""
   ops = AutoOps(setup)
 
   @jax.jit
@@ -50,19 +58,105 @@ def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int) -> dic
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), tokens_BL1[:, 1:]).mean(axis=-1)
 
-  total = 0.0
-  for start in range(0, count, batch):
+  losses = []
+  for start in range(0, len(windows), batch):
     rows = windows[start:start + batch]
     padded = np.concatenate([rows, np.repeat(rows[-1:], batch - len(rows), axis=0)])
-    total += float(np.asarray(row_losses(params, padded))[:len(rows)].sum())
-  loss = total / count
-  return {'loss': loss, 'perplexity': math.exp(loss), 'windows': count,
-          'tokens': count * seq_len}
+    losses.append(np.asarray(row_losses(params, padded), np.float64)[:len(rows)])
+  return np.concatenate(losses)
+
+
+def score(setup, params, windows: np.ndarray, batch: int, tokenizer=None) -> dict:
+  """Loss and perplexity over `windows` (and bits per byte, given the tokenizer that decodes
+  their ids)."""
+  losses = window_losses(setup, params, windows, batch)
+  loss = float(losses.mean())  # Windows are of equal length: the mean over every token.
+  result = {'loss': loss, 'perplexity': math.exp(loss), 'windows': len(windows),
+            'tokens': windows[:, 1:].size}
+  if tokenizer is not None:
+    num_bytes = int(tokenizer.byte_lengths(windows[:, 1:]).sum())
+    nats = float(losses.sum()) * (windows.shape[1] - 1)
+    result['bytes'] = num_bytes
+    result['bits_per_byte'] = nats / math.log(2) / num_bytes if num_bytes else math.nan
+  return result
+
+
+def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int,
+             tokenizer=None) -> dict:
+  """score() over the consecutive windows of `tokens`."""
+  check_length(tokens, seq_len)
+  count = (len(tokens) - 1) // seq_len
+  windows = np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
+  return score(setup, params, windows, batch, tokenizer)
+
+
+def heldout_windows(run: Run, num_batches: int) -> np.ndarray:
+  """The training eval's held-out windows (its first `num_batches` batches), one process's
+  view being the whole batch: [num_batches * data.global_batch_size, seq_len + 1]."""
+  config = run.config
+  return np.concatenate(data.eval_batches(run.corpus, config.data, config.seed, num_batches))
+
+
+def decoding_tokenizer(run: Run):
+  """The run's tokenizer that decodes (a shard set's record names its file)."""
+  if run.corpus is not None and run.corpus.shard_sets:
+    return tokenizer_lib.load(run.tokenizer.kind, run.tokenizer.path)
+  return run.tokenizer
+
+
+def _line(result: dict, what: str, seq_len: int, tokenizer, bos: str = '') -> str:
+  return (f'{what}: loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.3f}, '
+          f'{result["bits_per_byte"]:.4f} bits per byte over {result["tokens"]} tokens '
+          f'({result["bytes"]} bytes; {result["windows"]} windows of {seq_len}), '
+          f'{tokenizer.kind} tokens{bos}')
+
+
+def _check_flags(batch: int, eval_batches: int | None, text_file: str | None) -> None:
+  if batch < 1:
+    raise config_lib.ConfigError(f'--batch={batch} must be at least 1.')
+  if eval_batches is not None and eval_batches < 1:
+    raise config_lib.ConfigError(f'--eval_batches={eval_batches} must be at least 1 (or leave '
+                                 'it out: the run\'s train.eval_batches).')
+  if eval_batches is not None and text_file is not None:
+    raise config_lib.ConfigError(
+        f'--eval_batches={eval_batches} counts held-out batches, but --text_file={text_file} is '
+        'scored whole; drop one of them.')
+
+
+def _run_heldout(workdir: str, mesh: str, batch: int, eval_batches: int | None) -> str:
+  loaded = assemble_finished_run(workdir, mesh, reads=CORPUS)
+  config = loaded.config
+  num_batches = eval_batches or config.train.eval_batches
+  windows = heldout_windows(loaded, num_batches)
+  params = restore_params(workdir, loaded.setup.abstract_state()['params'])
+  tokenizer = decoding_tokenizer(loaded)
+  result = score(loaded.setup, params, windows, batch, tokenizer)
+  batches = (f"the training eval's {num_batches} batches" if eval_batches is None else
+             f"{num_batches} eval batches (the training eval's: the first "
+             f'{config.train.eval_batches})')
+  what = (f'held-out split ({batches} of {config.data.global_batch_size} windows; '
+          f'data.val_fraction={config.data.val_fraction})')
+  return _line(result, what, config.data.seq_len, tokenizer)
+
+
+def _run_text_file(workdir: str, mesh: str, batch: int, text_file: str, add_bos: bool) -> str:
+  text = read_text(text_file, f'--text_file={text_file}')
+  loaded = assemble_finished_run(workdir, mesh)
+  config, tokenizer = loaded.config, loaded.tokenizer
+  tokens, = encode_prompts(tokenizer, [text], add_bos, '--text_file')
+  check_length(tokens, config.data.seq_len, f'--text_file={text_file}')
+  params = restore_params(workdir, loaded.setup.abstract_state()['params'])
+  bos = ', the beginning-of-text token first' if bos_ids(tokenizer, add_bos) else ''
+  result = evaluate(loaded.setup, params, tokens, config.data.seq_len, batch, tokenizer)
+  return _line(result, f'text file {text_file}', config.data.seq_len, tokenizer, bos)
 
 
 def main():
   workdir = flags.DEFINE_string('workdir', None, 'The training run to evaluate.')
-  text_file = flags.DEFINE_string('text_file', None, 'A UTF-8 text file.')
+  text_file = flags.DEFINE_string('text_file', None, 'A UTF-8 text file to score instead of the '
+                                  'run\'s held-out split.')
+  eval_batches = flags.DEFINE_integer('eval_batches', None, 'Held-out batches to score (default: '
+                                      'the run\'s train.eval_batches, as the training eval).')
   batch = flags.DEFINE_integer('batch', 8, 'Windows per compiled call.')
   mesh = flags.DEFINE_string('mesh', '1x1x1', f'Mesh {config_lib.MESH_FORMAT} (axes not given '
                              'are 1; its devices are the first ones).')
@@ -70,21 +164,14 @@ def main():
 
   def run(argv):
     del argv
-    if batch.value < 1:
-      raise config_lib.ConfigError(f'--batch={batch.value} must be at least 1.')
-    text = read_text(text_file.value, f'--text_file={text_file.value}')
-    loaded = assemble_finished_run(workdir.value, mesh.value)
-    config, tokenizer = loaded.config, loaded.tokenizer
-    tokens, = encode_prompts(tokenizer, [text], add_bos.value, '--text_file')
-    check_length(tokens, config.data.seq_len, f'--text_file={text_file.value}')
-    params = restore_params(workdir.value, loaded.setup.abstract_state()['params'])
-    bos = ', the beginning-of-text token first' if bos_ids(tokenizer, add_bos.value) else ''
-    result = evaluate(loaded.setup, params, tokens, config.data.seq_len, batch.value)
-    print(f'{text_file.value}: loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.3f} '
-          f'over {result["tokens"]} tokens ({result["windows"]} windows of '
-          f'{config.data.seq_len}), {tokenizer.kind} tokens{bos}')
+    _check_flags(batch.value, eval_batches.value, text_file.value)
+    if text_file.value is None:
+      print(_run_heldout(workdir.value, mesh.value, batch.value, eval_batches.value))
+    else:
+      print(_run_text_file(workdir.value, mesh.value, batch.value, text_file.value,
+                           add_bos.value))
 
-  run_command(run, 'engine.evaluate', required=('workdir', 'text_file'))
+  run_command(run, 'engine.evaluate', required=('workdir',))
 
 
 if __name__ == '__main__':

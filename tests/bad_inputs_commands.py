@@ -84,7 +84,10 @@ COMMAND_ROWS = {
          'engine.generate --helpfull lists them.'),
     ],
     'engine.evaluate': [
-        ([RUN], 2, '--text_file is required: A UTF-8 text file.'),
+        ([RUN, '--eval_batches=0'], 2, "--eval_batches=0 must be at least 1 (or leave it out: "
+         "the run's train.eval_batches)."),
+        ([RUN, '--eval_batches=2', '--text_file=$T/short.txt'], 2, '--eval_batches=2 counts '
+         'held-out batches, but --text_file=$T/short.txt is scored whole; drop one of them.'),
         ([RUN, '--text_file=$T/no_such_file.txt'], 2,
          '--text_file=$T/no_such_file.txt does not exist; pass another file.'),
         ([RUN, '--text_file=$T'], 2, '--text_file=$T is a directory, not a file; pass another '

@@ -9,13 +9,18 @@
 
 Every tokenizer encodes text to int32 ids and decodes them back; a subword one also names its
 end-of-text id (and beginning-of-text id, where it has one), which bracket each document in a
-token stream (engine.data.prepare).
+token stream (engine.data.prepare). `byte_lengths(ids)` counts the UTF-8 bytes each id stands
+for (special tokens: none), for bits per byte (engine.evaluate): exact for byte, char,
+SentencePiece and byte-level BPE tokenizers (train_tokenizer's, GPT-2's, Llama 3's, Qwen's),
+whose tokens may each hold part of a character; another hf tokenizer's tokens are each decoded
+alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import numpy as np
 
@@ -38,6 +43,9 @@ class ByteTokenizer:
   def decode(self, ids) -> str:
     return bytes(int(i) for i in ids).decode('utf-8', errors='replace')
 
+  def byte_lengths(self, ids) -> np.ndarray:
+    return np.ones(np.shape(ids), np.int64)
+
 
 @dataclasses.dataclass(frozen=True)
 class CharTokenizer:
@@ -55,6 +63,9 @@ class CharTokenizer:
 
   def decode(self, ids) -> str:
     return ''.join(self.chars[int(i)] for i in ids)
+
+  def byte_lengths(self, ids) -> np.ndarray:
+    return _per_id(ids, lambda i: len(self.chars[i].encode('utf-8')))
 
 
 class HFTokenizer:
@@ -76,6 +87,25 @@ class HFTokenizer:
   def decode(self, ids) -> str:
     return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
+  def byte_lengths(self, ids) -> np.ndarray:
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    special = set(self._tokenizer.get_added_tokens_decoder())
+    # Byte-level: each character of a token's string stands for one byte.
+    alphabet = (set(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+                if isinstance(self._tokenizer.decoder, tokenizers.decoders.ByteLevel) else set())
+
+    def length(i: int) -> int:
+      token = self._tokenizer.id_to_token(i)
+      if i in special or token is None:
+        return 0
+      if alphabet and set(token) <= alphabet:
+        return len(token)
+      if re.fullmatch(r'<0x[0-9A-Fa-f]{2}>', token):  # A byte-fallback piece.
+        return 1
+      return len(self._tokenizer.decode([i], skip_special_tokens=False).encode('utf-8'))
+
+    return _per_id(ids, length)
+
 
 class SentencePieceTokenizer:
   """A SentencePiece `.model` file."""
@@ -94,6 +124,24 @@ class SentencePieceTokenizer:
 
   def decode(self, ids) -> str:
     return self._processor.decode([int(i) for i in ids])
+
+  def byte_lengths(self, ids) -> np.ndarray:
+    sp = self._processor
+
+    def length(i: int) -> int:
+      if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+        return 0
+      # A byte piece is one byte; '▁' marks a space (the dummy prefix's counts too).
+      return 1 if sp.is_byte(i) else len(sp.id_to_piece(i).replace('▁', ' ').encode('utf-8'))
+
+    return _per_id(ids, length)
+
+
+def _per_id(ids, length_of) -> np.ndarray:
+  """length_of(id) for every entry of `ids`, each distinct id computed once."""
+  unique, inverse = np.unique(np.asarray(ids), return_inverse=True)
+  lengths = np.array([length_of(int(i)) for i in unique], np.int64)
+  return lengths[inverse.reshape(-1)].reshape(np.shape(ids))
 
 
 def load(kind: str, path: str = '', text: str = ''):
