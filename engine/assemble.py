@@ -121,7 +121,7 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
   hf.apply_model_config(config)  # train.init_from=hf:DIR: the model is DIR's.
   num_processes = len({d.process_index for d in devices})
   validation.validate(config, len(devices), num_processes, validation.count_slices(devices),
-                      training=training)
+                      training=training, reads_text=reads != VOCABULARY)
   if corpus is None and reads == CORPUS:
     corpus = data.load_corpus(config.data, config.seed)
   tokenizer = corpus.tokenizer if corpus is not None and reads != TOKENIZER else None

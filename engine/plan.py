@@ -287,8 +287,8 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
       f'{c0["data"]["global_batch_size"]}, {c0["model"]["dtype"]}, remat {c0["model"]["remat"]} '
       f'on {result["topology"]} x {result["num_slices"]} slice(s): {result["devices"]} x '
       f'{result["chip"]} devices, {_gib(result["hbm_bytes_per_device"])} GiB HBM each', '',
-      '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB | TFLOP / device | compute s '
-      '| HBM s | ICI s | DCN s | step s (overlapped - serial) | MFU (serial) | compile s |',
+      '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB | TFLOP / device | compute ms '
+      '| HBM ms | ICI ms | DCN ms | step ms (overlapped - serial) | MFU (serial) | compile s |',
       '|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|']
   for r in sorted(result['candidates'], key=lambda r: r.get('rank', 0)):
     if r['status'] == 'invalid':
@@ -299,9 +299,10 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
              _gib(m.get('peak_estimate_bytes')), _gib(m.get('argument_size_in_bytes')),
              _gib(m.get('temp_size_in_bytes'))]
     if e:
-      cells += [f'{e["flops_per_device"] / 1e12:.1f}', f'{e["compute_s"]:.3f}',
-                f'{e["memory_s"]:.3f}', f'{e["ici_s"]:.3f}', f'{e["dcn_s"]:.3f}',
-                f'{e["overlapped_s"]:.3f} - {e["serial_s"]:.3f}', f'{100 * r["mfu"]:.1f} %']
+      ms = lambda seconds: f'{seconds * 1e3:.3g}'  # Three digits, from microseconds to hours.
+      cells += [f'{e["flops_per_device"] / 1e12:.3g}', ms(e['compute_s']), ms(e['memory_s']),
+                ms(e['ici_s']), ms(e['dcn_s']), f'{ms(e["overlapped_s"])} - {ms(e["serial_s"])}',
+                f'{100 * r["mfu"]:.1f} %']
     else:
       cells += ['-'] * 7
     cells.append(f'{r["compile_s"]:.0f}')

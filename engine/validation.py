@@ -91,18 +91,21 @@ def _require_non_negative(section: ConfigDict, prefix: str, names: list[str]) ->
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1,
-             num_slices: int = 1, training: bool = True) -> ml_collections.ConfigDict:
+             num_slices: int = 1, training: bool = True,
+             reads_text: bool = True) -> ml_collections.ConfigDict:
   """Checks the whole config, section by section; returns it unchanged or raises ConfigError
   naming key and fix. `num_slices` > 1 (several TPU slices): the dcn axes split the mesh by
   slice, not by process. `training=False` (a finished run laid out for generation or export)
-  skips what only a train step needs: the batch's split and the pipeline schedule."""
+  skips what only a train step needs: the batch's split and the pipeline schedule;
+  `reads_text=False` (a command that needs only the vocabulary, such as engine.plan) does not
+  ask for data.path's file."""
   config_help.check_known_keys(config)
   if config.model.name not in models.MODELS:
     raise ConfigError(f'model.name={config.model.name!r} is unknown; choose one of '
                       f'{sorted(models.MODELS)}.')
   parallel.check_modes(config.parallelism.mode)
   _check_model(config.model)
-  _check_data(config.data, config.model)
+  _check_data(config.data, config.model, reads_text or config.data.tokenizer == 'char')
   check_optim(config.optim)
   _check_train(config.train)
   if not 0 <= config.seed <= _MAX_SEED:
@@ -178,10 +181,10 @@ def _check_llama_keys(model: ConfigDict) -> None:
     raise ConfigError(f'model.sliding_window={model.sliding_window} must be >= 0 (0: none).')
 
 
-def _check_data(data: ConfigDict, model: ConfigDict) -> None:
+def _check_data(data: ConfigDict, model: ConfigDict, reads_text: bool = True) -> None:
   _choose(data, 'source', 'data.source', SOURCES)
   _choose(data, 'tokenizer', 'data.tokenizer', TOKENIZERS)
-  if data.source == 'file':
+  if data.source == 'file' and reads_text:
     _check_data_file(data.path)
   subword = data.tokenizer in ('hf', 'sentencepiece')
   if subword and data.source != 'shards' and not os.path.isfile(data.tokenizer_path):

@@ -90,6 +90,13 @@ def test_missing_data_file():
   c.data.source = 'file'
   c.data.path = '/no/such/file.txt'
   _expect(c, "data.path='/no/such/file.txt'", '--config.data.path', devices=1)
+  # A command that needs only the vocabulary (engine.plan, show_layout, export) reads no text;
+  # a character vocabulary comes from the text, so it still needs the file.
+  validate(c, 1, reads_text=False)
+  c.data.tokenizer = 'char'
+  _expect(c, "data.path='/no/such/file.txt'", '--config.data.path', devices=1)
+  with pytest.raises(ConfigError, match="data.path='/no/such/file.txt'"):
+    validate(c, 1, reads_text=False)
 
 
 @pytest.mark.parametrize('key', ['model.num_layers', 'model.embed_dim', 'data.seq_len',
