@@ -3,10 +3,13 @@
 Each process traces its own devices: into WORKDIR/profile with one process, into
 WORKDIR/profile/process_<i> with several (jax names the trace file after the host, which
 processes sharing a host would overwrite). TensorBoard with its profile plugin, or xprof, reads
-the directory: `tensorboard --logdir=WORKDIR/profile`.
+the directory: `tensorboard --logdir=WORKDIR/profile`. engine.bench --profile traces each variant
+with trace_steps.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 from absl import logging
@@ -35,11 +38,25 @@ def parse_steps(text: str, num_steps: int) -> tuple[int, int] | None:
   return first, last
 
 
-def trace_directory(workdir) -> str:
-  directory = workdir / 'profile'
+def trace_directory(base) -> str:
+  """Where this process's trace goes: `base` itself, or base/process_<i> with several."""
   if jax.process_count() > 1:
-    directory = directory / f'process_{jax.process_index()}'
-  return str(directory)
+    return os.path.join(str(base), f'process_{jax.process_index()}')
+  return str(base)
+
+
+def trace_steps(directory: str, step, state, batches: list):
+  """Runs `state, metrics = step(state, batch)` for each batch under a trace into `directory`,
+  started once the device is idle and stopped once the last step is done; the final state."""
+  state = jax.block_until_ready(state)
+  jax.profiler.start_trace(directory)
+  try:
+    for batch in batches:
+      state, metrics = step(state, batch)
+    jax.block_until_ready((state, metrics))
+  finally:
+    jax.profiler.stop_trace()
+  return state
 
 
 class StepProfiler:
@@ -54,7 +71,7 @@ class StepProfiler:
     if steps is not None and start_step < steps[1]:
       self.first, self.last = max(steps[0], start_step + 1), steps[1]
     self.base = str(workdir / 'profile')
-    self.directory = trace_directory(workdir) if self.first > 0 else ''
+    self.directory = trace_directory(self.base) if self.first > 0 else ''
     self.active = False
 
   def before(self, step: int, state) -> None:
