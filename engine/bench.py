@@ -12,6 +12,10 @@ TFLOP/s per device and as MFU against the chip's peak (engine.analysis.chips: kn
 GPUs; --peak_tflops elsewhere), per-device memory, and the collectives of each compiled step by
 kind and mesh axes.
 
+--profile=DIR also traces a few steps of each variant with jax.profiler, after the timed
+rounds (so the profiler's cost stays out of the times), into DIR/<mesh>-<mode>, e.g.
+DIR/data8-manual: `tensorboard --logdir=DIR` with tensorboard-plugin-profile shows each as a run.
+
 --torch_python=PYTHON (a Python that has torch) also runs the PyTorch version of the GPT model
 (engine/analysis/torch_reference.py) in a child process that takes a turn in every round.
 The command lives here, not in engine/analysis/, for its short name; it is an analysis tool.
@@ -42,6 +46,9 @@ _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps per variant.')
 _PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for the MFU column '
                            '(default: the chip table; none on CPUs).')
 _OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
+_PROFILE = flags.DEFINE_string('profile', None, 'Also trace a few steps of each variant, after '
+                               'the timed ones, into PROFILE/<mesh>-<mode> (TensorBoard\'s '
+                               'profile plugin reads PROFILE).')
 _TORCH = flags.DEFINE_string('torch_python', None, 'A Python with torch: also time the PyTorch '
                              'GPT (GPT configs on one device).')
 
@@ -67,6 +74,9 @@ def main(argv):
   del argv
   config = _CONFIG.value
   check_out_prefix(_OUT.value)
+  if _PROFILE.value is not None and (not _PROFILE.value or os.path.isfile(_PROFILE.value)):
+    raise config_lib.ConfigError(f'--profile={_PROFILE.value} is not a directory; give one (it '
+                                 'is created if missing), e.g. --profile=/tmp/bench_profile.')
   if _PEAK.value is not None and not _PEAK.value > 0:
     raise config_lib.ConfigError(f'--peak_tflops={_PEAK.value:g} must be a positive number '
                                  '(one device\'s peak, TFLOP/s).')
@@ -83,7 +93,7 @@ def main(argv):
                                      config.data.seq_len, config.data.global_batch_size,
                                      os.cpu_count())
   runs = benchmark.run_variants(config, corpus, runs_to_make, _STEPS.value, _WARMUP.value,
-                                each_round=torch)
+                                each_round=torch, profile=_PROFILE.value)
   peak = benchmark.peak_flops_per_device(config.model.dtype, _PEAK.value)
   rows = [benchmark.measurements(run, tokens, model_flops, peak) for run in runs]
   external = torch.close() if torch else None

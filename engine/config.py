@@ -152,6 +152,9 @@ def default_config() -> ml_collections.ConfigDict:
   # (stage - 1) / (R * microbatches + stage - 1) for R times the activation transfers. The
   # stacked parameters are stored as [R, layers / R, ...]: a checkpoint resumes with the same R.
   c.train.pipeline_repeats = 1
+  # A:B: a jax.profiler trace of steps A to B (both included) into WORKDIR/profile, for
+  # TensorBoard's profile plugin (docs/training.md, "Profiling"). '': no trace.
+  c.train.profile_steps = ''
   # Start from the parameters (not the optimizer state) of another run's latest checkpoint:
   # that run's --workdir. Used only when this workdir has no checkpoint yet.
   c.train.init_from = ''

@@ -26,6 +26,7 @@ from engine.checkpoint import Checkpointer, restore_params
 from engine.finiteness import FinitenessGuard
 from engine.metrics import MetricsWriter, log_memory
 from engine.preemption import PreemptionWatch
+from engine.profiling import StepProfiler
 
 
 @dataclasses.dataclass
@@ -118,6 +119,7 @@ class StepLoop:
   metrics: DeferredMetrics
   preemption: PreemptionWatch
   result: TrainResult
+  profiler: StepProfiler
 
   def __call__(self, state, start_step: int) -> None:
     config = self.run.config
@@ -129,7 +131,9 @@ class StepLoop:
     lockstep = jax.process_count() > 1 and jax.default_backend() == 'cpu'
     for step in range(start_step + 1, num_steps + 1):
       tokens = data.to_global(next(self.train_iterator), batch_sharding, batch)
+      self.profiler.before(step, state)
       state, metrics = self.train_step(state, tokens)
+      self.profiler.after(step, state, metrics)
       if lockstep:
         jax.block_until_ready(state)
       self.guard.after_dispatch(step, metrics)
@@ -235,7 +239,8 @@ def _train(run: Run, workdir) -> TrainResult:
   preemption = PreemptionWatch()
   loop = StepLoop(run, train_step, train_iterator, Evaluator(run, eval_step), checkpointer,
                   guard, DeferredMetrics(writer, result, config.train.log_every, num_steps),
-                  preemption, result)
+                  preemption, result,
+                  StepProfiler(config.train.profile_steps, num_steps, start_step, workdir))
   try:
     loop(state, start_step)
   except jax.errors.JaxRuntimeError:
@@ -245,6 +250,8 @@ def _train(run: Run, workdir) -> TrainResult:
     _close_quietly(checkpointer)
     raise
   finally:
+    with contextlib.suppress(Exception):  # The error that stopped the run is the one reported.
+      loop.profiler.stop()  # A run stopped inside the range keeps its partial trace.
     preemption.close()
   checkpointer.close()
   _final_report(config, checkpointer, preemption, result)

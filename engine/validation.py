@@ -16,7 +16,7 @@ import ml_collections
 from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
-from engine import config_help, models, parallel, sharding, text_files
+from engine import config_help, models, parallel, profiling, sharding, text_files
 from engine.config import DTYPES, SOURCES, TOKENIZERS, ConfigError, resolve_mesh_shape
 from engine.models import attention, llama
 from engine.validation_optim import check_optim
@@ -227,6 +227,7 @@ def _check_train(train: ConfigDict) -> None:
                                      'pipeline_repeats'])
   if train.init_from:
     _check_init_from(train.init_from)
+  profiling.parse_steps(train.profile_steps, train.num_steps)
 
 
 def _check_mesh(mesh_config: ConfigDict, num_devices: int, num_processes: int,

@@ -140,6 +140,8 @@ COMMAND_ROWS = {
          '$T/no_such_dir is not a directory; create it, or pass a prefix in one.'),
         ([TINY, '--out=$T/'], 2, '--out=$T/ is not a file prefix; give one, e.g. '
          '--out=/tmp/report for /tmp/report.md and /tmp/report.json.'),
+        ([TINY, '--profile=$T/notes.txt'], 2, '--profile=$T/notes.txt is not a directory; give '
+         'one (it is created if missing), e.g. --profile=/tmp/bench_profile.'),
         ([TINY, '--config.model.name=llama', '--torch_python=python3'], 2,
          '--torch_python: the PyTorch reference is the GPT model on one device.'),
         ([TINY, '--config.optim.b2=1.5'], 2, 'optim.b2=1.5 must lie in [0, 1): it is how much of '

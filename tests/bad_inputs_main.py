@@ -202,6 +202,13 @@ BAD_INPUTS = [
      'optim.decay_steps=200 has no effect with optim.schedule=constant (it never decays); leave '
      'decay_steps at -1, or choose optim.schedule=cosine or wsd.'),
     ([TINY, RUN, '--config.train.num_steps=0'], 2, 'train.num_steps=0 must be positive.'),
+    ([TINY, RUN, '--config.train.profile_steps=5'], 2, "train.profile_steps='5' must be A:B, "
+     'the first and last step to trace, e.g. 10:12.'),
+    ([TINY, RUN, '--config.train.profile_steps=12:10'], 2, "train.profile_steps='12:10' must "
+     'have 1 <= A <= B <= train.num_steps=600; e.g. 10:12 traces steps 10, 11 and 12.'),
+    ([TINY, RUN, '--config.train.num_steps=50', '--config.train.profile_steps=40:60'], 2,
+     "train.profile_steps='40:60' must have 1 <= A <= B <= train.num_steps=50; e.g. 10:12 traces "
+     'steps 10, 11 and 12.'),
     ([TINY, RUN, '--config.data.global_batch_size=-16'], 2,
      'data.global_batch_size=-16 must be positive.'),
     ([TINY, RUN, '--config.data.val_fraction=1.5'], 2, 'data.val_fraction=1.5 must lie in (0, 1).'),

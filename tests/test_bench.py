@@ -20,7 +20,7 @@ def test_bench_measures_every_mode_on_every_mesh(tmp_path):
       [sys.executable, '-m', 'engine.bench', '--config=experiments/tiny.py',
        '--config.model.num_layers=2', '--config.data.source=synthetic',
        '--meshes=8x1x1,1x2x4', '--modes=auto,manual', '--steps=2', '--warmup=1',
-       '--peak_tflops=0.5', f'--out={tmp_path / "bench"}'],
+       '--peak_tflops=0.5', f'--out={tmp_path / "bench"}', f'--profile={tmp_path / "trace"}'],
       check=True, env=env, cwd=ROOT, timeout=600)
   report = json.loads((tmp_path / 'bench.json').read_text())
   rows = report['variants']
@@ -44,6 +44,11 @@ def test_bench_measures_every_mode_on_every_mesh(tmp_path):
       ('fsdp 2 x tensor 4', 'manual')]
   markdown = (tmp_path / 'bench.md').read_text()
   assert markdown.count('| data 8 |') == 2 and 'MFU' in markdown
+  # --profile: a trace of each variant, in a directory of its own.
+  traces = {p.relative_to(tmp_path / 'trace').parts[0]: p.stat().st_size
+            for p in (tmp_path / 'trace').glob('*/plugins/profile/*/*.xplane.pb')}
+  assert sorted(traces) == ['data8-auto', 'data8-manual', 'fsdp2_tensor4-auto',
+                            'fsdp2_tensor4-manual'] and min(traces.values()) > 0, traces
 
 
 def test_import_engine_applies_the_allocator_settings_unless_told_not_to():

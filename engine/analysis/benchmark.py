@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from engine import data, parallel
+from engine import data, parallel, profiling
 from engine.assemble import compile_train_step
 from engine.analysis import chips, collectives
 from engine.config import MESH_AXES, ConfigError
@@ -73,14 +74,16 @@ def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
 def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSetup]],
                  num_steps: int, warmup: int = 2, observe: Callable | None = None,
                  each_round: Callable[[bool], None] | None = None,
-                 batch_sizes: list[int] | None = None) -> list[ModeRun]:
+                 batch_sizes: list[int] | None = None,
+                 profile: str | None = None) -> list[ModeRun]:
   """Compiles every (mode, setup), then runs their steps interleaved on the same batches.
 
   `observe(step, run, state, host_batch)` is called after each variant's step, outside the timed
   region (step counts from 1, warm-up included). `each_round(timed)` takes a turn in every
   round like one more variant (an external reference's step, for instance). `batch_sizes`
   (default: the config's for all) gives each variant its global batch: the first rows of each
-  host's share of the largest.
+  host's share of the largest. `profile` (a directory): after the timed rounds, each variant's
+  trace of PROFILE_STEPS more steps into profile/<variant_directory>.
   """
   seq_len = config.data.seq_len
   batch_sizes = batch_sizes or [config.data.global_batch_size] * len(variants)
@@ -114,7 +117,34 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
         observe(i + 1, run, states[k], host_batch)
     if (i + 1) % 10 == 0 or i + 1 == warmup + num_steps:
       logging.info('Round %d of %d done (%d warm-up).', i + 1, warmup + num_steps, warmup)
+  if profile:
+    _profile_variants(runs, states, batch_sizes, [batches[warmup + i] for i in range(
+        min(PROFILE_STEPS, num_steps))], profile)
   return runs
+
+
+# Steps per variant in a --profile trace: a few are enough to see one step's ops and gaps.
+PROFILE_STEPS = 3
+
+
+def variant_directory(run: ModeRun) -> str:
+  """'data8_tensor4-manual': the variant's mesh and mode, as a directory name."""
+  return f"{run.mesh.replace(' x ', '_').replace(' ', '')}-{run.mode}"
+
+
+def _profile_variants(runs: list[ModeRun], states: list, batch_sizes: list[int],
+                      host_batches: list, directory: str) -> None:
+  """Each variant's steps on the timed rounds' first batches, traced apart from the timing (the
+  profiler's own cost stays out of the step times), one variant at a time."""
+  processes = jax.process_count()
+  for run, state, size in zip(runs, states, batch_sizes):
+    batches = [data.to_global(b[:size // processes], run.setup.batch_sharding(), size)
+               for b in host_batches]
+    path = profiling.trace_directory(os.path.join(directory, variant_directory(run)))
+    profiling.trace_steps(path, run.compiled, state, batches)
+  logging.info('Profiled %d steps of each variant into %s/<mesh>-<mode>; open it with '
+               '`tensorboard --logdir=%s` (pip install tensorboard tensorboard-plugin-profile; '
+               'the Profile tab).', len(host_batches), directory, directory)
 
 
 def run_interleaved(config, corpus: data.Corpus, train_setup: TrainSetup, modes: list[str],
