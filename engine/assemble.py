@@ -22,7 +22,7 @@ import jax
 import ml_collections
 
 from engine import config as config_lib
-from engine import data, hf, models, parallel, validation
+from engine import data, hf, models, parallel, run_tokenizer, validation
 from engine import workdir as workdir_lib
 from engine.data import tokenizers
 from engine.mesh import make_mesh
@@ -112,10 +112,12 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
 
 
 def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CORPUS,
-             corpus: data.Corpus | None = None, training: bool = True) -> Run:
+             corpus: data.Corpus | None = None, training: bool = True,
+             tokenizer=None) -> Run:
   """The config validated and laid out on `devices` (default: all of this run's), before
   anything compiles. `corpus` reuses data already read (commands that assemble several
-  variants of one config); `training=False` skips the checks that only a train step needs
+  variants of one config); `tokenizer` is the one that decodes, already loaded (a finished
+  run's kept copy), for the reads other than CORPUS; `training=False` skips the checks that only a train step needs
   (the batch's split, the pipeline schedule), for a finished run's generation and export."""
   devices = list(devices if devices is not None else jax.devices())
   hf.apply_model_config(config)  # train.init_from=hf:DIR: the model is DIR's.
@@ -124,7 +126,8 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
                       training=training, reads_text=reads != VOCABULARY)
   if corpus is None and reads == CORPUS:
     corpus = data.load_corpus(config.data, config.seed)
-  tokenizer = corpus.tokenizer if corpus is not None and reads != TOKENIZER else None
+  if corpus is not None and reads != TOKENIZER:
+    tokenizer = corpus.tokenizer
   if tokenizer is None and (reads == TOKENIZER or config.model.vocab_size == -1):
     tokenizer = _tokenizer(config.data, config.seed, reads)
   train_setup = lay_out(config, tokenizer.vocab_size if tokenizer else 0, devices)
@@ -137,8 +140,13 @@ def assemble_finished_run(workdir: str, mesh: str, where: str = '--mesh',
                           reads: str = TOKENIZER) -> Run:
   """A finished run's config (WORKDIR/config.json) laid out on `mesh` (a mesh string, on the
   first devices of this machine that it needs): what generation, evaluation and export restore
-  its checkpoint into."""
+  its checkpoint into. The tokenizer is the copy the workdir keeps (engine/run_tokenizer.py),
+  where it has one: a corpus read for evaluation is checked against it, and nothing else is
+  read for the others."""
   config = workdir_lib.read_run_config(workdir)
+  kept = run_tokenizer.load_kept(workdir, workdir_lib.read_saved(workdir))
+  if kept is not None and kept.kind != 'char':
+    config.data.tokenizer_path = kept.path  # Shards check it against their meta.json.
   config.train.init_from = ''  # The parameters are the workdir's own checkpoint's.
   config_lib.set_mesh_shape(config, mesh, where)
   config.mesh.dcn_data = config.mesh.dcn_fsdp = 1
@@ -148,4 +156,5 @@ def assemble_finished_run(workdir: str, mesh: str, where: str = '--mesh',
   # which validation then refuses in one line) it takes them all.
   devices = jax.devices() if -1 in sizes or count > jax.device_count() else (
       jax.devices()[:count])
-  return assemble(config, devices, reads=reads, training=False)
+  return assemble(config, devices, reads=reads, training=False,
+                  tokenizer=kept if reads != CORPUS else None)

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from engine import data, distributed, hf, run_lock, sharding
+from engine import data, distributed, hf, run_lock, run_tokenizer, sharding
 from engine import workdir as workdir_lib
 from engine.assemble import Run, assemble
 from engine.checkpoint import Checkpointer, restore_params
@@ -52,6 +52,7 @@ def initial_state(run: Run, checkpointer: Checkpointer, train_iterator, workdir)
   start_step = checkpointer.choose_resume_step(config.train.skip_damaged_checkpoints)
   if start_step is not None:
     workdir_lib.check_resumable(config, workdir)
+    run_tokenizer.check_resumed(run.tokenizer, workdir)
     return checkpointer.restore(start_step, abstract_state, train_iterator), start_step, {}
   # Another run's parameters are checked against this model before anything compiles.
   init_from = config.train.init_from
@@ -225,7 +226,8 @@ def _train(run: Run, workdir) -> TrainResult:
   logging.info('Parameters per device: %.2f MiB',
                sharding.bytes_per_device(state['params']) / 2**20)
   train_step, eval_step = compile_steps(run, memory)
-  workdir_lib.write_config(config, workdir)
+  # The workdir keeps the tokenizer, so that the finished run needs no file outside it.
+  workdir_lib.write_config(config, workdir, run_tokenizer.save(run.tokenizer, workdir))
   num_steps = config.train.num_steps
   writer = MetricsWriter(workdir, num_steps, config.data.global_batch_size * config.data.seq_len,
                          run.setup.model.flops_per_token(config.data.seq_len), start_step)

@@ -96,19 +96,25 @@ def _check_schedule_end(config: ml_collections.ConfigDict, saved: dict, workdir)
       f'weights in a new --workdir with --config.train.init_from={workdir}.')
 
 
-def read_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """A finished run's config, as its WORKDIR/config.json recorded it (engine.assemble lays it
-  out on another mesh for generation, evaluation and export)."""
+def read_saved(workdir: str) -> dict:
+  """A finished run's WORKDIR/config.json as written (the config, and the record of the
+  tokenizer it keeps: engine/run_tokenizer.py)."""
   path = resolve(workdir) / CONFIG_FILE
   if not path.exists():
     raise ConfigError(f'--workdir={workdir} holds no {CONFIG_FILE}; pass the --workdir of a '
                       'training run.')
   try:
-    saved = json.loads(path.read_text())
+    return json.loads(path.read_text())
   except ValueError as error:
     raise ConfigError(f'--workdir={workdir}: {CONFIG_FILE} is not valid JSON ({error}); it is '
                       'not a file a training run wrote: restore it, or pass another --workdir.'
                       ) from None
+
+
+def read_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """A finished run's config, as its WORKDIR/config.json recorded it (engine.assemble lays it
+  out on another mesh for generation, evaluation and export)."""
+  saved = read_saved(workdir)
   sections = ('model', 'data', 'train', 'mesh', 'parallelism', 'optim')
   missing = [s for s in sections if not isinstance(saved, dict) or
              not isinstance(saved.get(s), dict)]
@@ -116,6 +122,7 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
     raise ConfigError(f'--workdir={workdir}: {CONFIG_FILE} has no {missing[0]} section; it is '
                       'not a config a training run wrote: restore it, or pass the --workdir of '
                       'a training run.')
+  saved.pop('tokenizer', None)  # The kept tokenizer's record (engine/run_tokenizer.py).
   config = ml_collections.ConfigDict(saved)
   # Older runs lack these keys.
   config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)
@@ -124,10 +131,15 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
   return config
 
 
-def write_config(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
-  """Records the config once the run is known to start (never for a run that failed early)."""
+def write_config(config: ml_collections.ConfigDict, workdir: epath.Path,
+                 tokenizer: dict | None = None) -> None:
+  """Records the config once the run is known to start (never for a run that failed early),
+  with `tokenizer`, the record of the tokenizer the workdir keeps (engine/run_tokenizer.py)."""
   if jax.process_index() == 0:
-    write_text_atomically(workdir / CONFIG_FILE, config.to_json(indent=2))
+    saved = json.loads(config.to_json())
+    if tokenizer is not None:
+      saved['tokenizer'] = tokenizer
+    write_text_atomically(workdir / CONFIG_FILE, json.dumps(saved, indent=2))
 
 
 def write_text_atomically(path: epath.Path, text: str) -> None:

@@ -7,6 +7,19 @@ finished two-step training run of a tiny Llama (byte tokenizer, data.seq_len=64,
 no row may change.
 """
 
+import json
+
+from engine.config import default_config
+
+
+def _kept_run(sha256: str) -> str:
+  """A run's config.json whose record of the kept tokenizer (engine/run_tokenizer.py) has
+  `sha256`."""
+  saved = json.loads(default_config().to_json())
+  saved['tokenizer'] = {'kind': 'hf', 'file': 'tokenizer/tokenizer.json', 'sha256': sha256}
+  return json.dumps(saved)
+
+
 # What each row's scratch directory $T holds (text, or bytes).
 COMMAND_SCRATCH = {
     'notes.txt': 'keep me',
@@ -16,6 +29,10 @@ COMMAND_SCRATCH = {
     'long_prompt.txt': 'a prompt of a good forty-odd characters or so\n',
     'not_a_run/config.json': '{"model": {}}',  # A config.json no training run wrote.
     'garbled_run/config.json': '{"model": ',
+    # Runs whose kept tokenizer is gone, or not the one config.json records.
+    'lost_tokenizer_run/config.json': _kept_run('0' * 64),
+    'damaged_tokenizer_run/config.json': _kept_run('0' * 64),
+    'damaged_tokenizer_run/tokenizer/tokenizer.json': '{}',
     'hf_export/config.json': '{}',  # What an earlier export left: replaced whole, not refused.
     'not_executable.sh': 'echo hi\n',
     'hello.txt': 'hello world\n',
@@ -78,6 +95,14 @@ COMMAND_ROWS = {
         (['--workdir=$T/garbled_run', '--prompt=hi'], 2, '--workdir=$T/garbled_run: config.json '
          'is not valid JSON (Expecting value: line 1 column 11 (char 10)); it is not a file a '
          'training run wrote: restore it, or pass another --workdir.'),
+        (['--workdir=$T/lost_tokenizer_run', '--prompt=hi'], 2,
+         "--workdir=$T/lost_tokenizer_run: config.json records the run's tokenizer in "
+         '$T/lost_tokenizer_run/tokenizer/tokenizer.json, which is missing; restore it (a copy '
+         'of the tokenizer file the run trained with), or pass the --workdir of a complete run.'),
+        (['--workdir=$T/damaged_tokenizer_run', '--prompt=hi'], 2,
+         '--workdir=$T/damaged_tokenizer_run: $T/damaged_tokenizer_run/tokenizer/tokenizer.json '
+         "does not match the SHA-256 that config.json records for the run's tokenizer; restore "
+         'the file the run trained with.'),
         ([RUN, '--prompt=hi', 'extra'], 2, "unexpected arguments ['extra']; everything is given "
          'as a flag, --name=value.'),
         ([RUN, '--promt=hi'], 2, '--promt is not a flag (did you mean --prompt?); python -m '
