@@ -133,9 +133,9 @@ COMMAND_ROWS = {
          '--out=/tmp/hf_export.'),
         ([RUN, '--out=$T/notes.txt'], 2, '--out=$T/notes.txt is a file; pass a directory to '
          'write.'),
-        ([RUN, '--out=$T'], 2, "--out=$T holds 13 entries that are not a Hugging Face "
-         "checkpoint's, e.g. 'empty.txt'; pass a new or empty directory (an earlier export there "
-         'is replaced whole).'),
+        ([RUN, '--out=$T'], 2, "--out=$T holds 15 entries that are not a Hugging Face "
+         "checkpoint's, e.g. 'damaged_tokenizer_run'; pass a new or empty directory (an earlier "
+         'export there is replaced whole).'),
         ([RUN, '--out=$T/notes.txt/export'], 2, '--out=$T/notes.txt/export: $T/notes.txt is not '
          'a directory this process can write (the export is staged beside --out, then renamed); '
          'pass a path in one.'),

@@ -225,8 +225,11 @@ def test_export_writes_config_generation_config_weights_and_tokenizer(trained, t
   out = tmp_path / 'float32'
   assert written.files == ['config.json', 'generation_config.json', 'model.safetensors',
                            'tokenizer.json', 'tokenizer_config.json']
+  # From the run's own copy (WORKDIR/tokenizer/), identical to the file it trained with.
+  kept = os.path.join(workdir, 'tokenizer', 'tokenizer.json')
   assert written.tokenizer == (f'tokenizer.json and tokenizer_config.json '
-                               f'(PreTrainedTokenizerFast) from {tokenizer_path}.')
+                               f'(PreTrainedTokenizerFast) from {kept}.')
+  assert open(kept, 'rb').read() == open(tokenizer_path, 'rb').read()
   config = json.loads((out / 'config.json').read_text())
   assert (config['bos_token_id'], config['eos_token_id']) == (300, 0)
   assert config['dtype'] == config['torch_dtype'] == 'float32'
