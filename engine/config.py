@@ -155,6 +155,14 @@ def default_config() -> ml_collections.ConfigDict:
   # A:B: a jax.profiler trace of steps A to B (both included) into WORKDIR/profile, for
   # TensorBoard's profile plugin (docs/training.md, "Profiling"). '': no trace.
   c.train.profile_steps = ''
+  # N > 0: every N steps, after the eval, log a sample of the model's text from the live
+  # parameters (engine/train_samples.py, as nanoGPT does); 0: none.
+  c.train.sample_every = 0
+  # The sample's prompt; '': the tokenizer's beginning-of-text token, or a newline without one.
+  c.train.sample_prompt = ''
+  # New tokens per sample; 0: 64, or fewer if a GPT model's learned positions leave fewer.
+  c.train.sample_tokens = 0
+  c.train.sample_temperature = 0.8  # 0: greedy. The key of step S's sample is seed S.
   # Start from the parameters (not the optimizer state) of another run's latest checkpoint:
   # that run's --workdir. Used only when this workdir has no checkpoint yet.
   c.train.init_from = ''

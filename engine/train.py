@@ -27,6 +27,7 @@ from engine.finiteness import FinitenessGuard
 from engine.metrics import MetricsWriter, log_memory
 from engine.preemption import PreemptionWatch
 from engine.profiling import StepProfiler
+from engine.train_samples import Sampler
 
 
 @dataclasses.dataclass
@@ -121,6 +122,7 @@ class StepLoop:
   preemption: PreemptionWatch
   result: TrainResult
   profiler: StepProfiler
+  sampler: Sampler  # train.sample_every's samples.
 
   def __call__(self, state, start_step: int) -> None:
     config = self.run.config
@@ -149,6 +151,8 @@ class StepLoop:
         self.guard.stop_if_not_finite(step, {'eval loss': eval_loss})
         self.metrics.writer.log_eval(step, eval_loss)
         self.result.eval_losses[step] = eval_loss
+      if not stop:
+        self.sampler(step, state['params'])
       self.checkpointer.save(step, state, self.train_iterator, force=final)
       self.result.final_step = step
       if stop:
@@ -209,13 +213,14 @@ def _close_quietly(checkpointer: Checkpointer) -> None:
 def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains (or resumes) the experiment `config` in `workdir` (a local path or gs://...)."""
   run = assemble(config)
+  sampler = Sampler(run)  # Its prompt is checked here, before anything is written.
   workdir = workdir_lib.prepare(workdir)  # After validation: a bad config leaves no workdir.
   # One run per workdir: a second is refused here, before it writes or compiles anything.
   with run_lock.hold(workdir):
-    return _train(run, workdir)
+    return _train(run, workdir, sampler)
 
 
-def _train(run: Run, workdir) -> TrainResult:
+def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
   """The loop's phases, in a workdir this run holds."""
   config = run.config
   _log_start(run)
@@ -242,7 +247,8 @@ def _train(run: Run, workdir) -> TrainResult:
   loop = StepLoop(run, train_step, train_iterator, Evaluator(run, eval_step), checkpointer,
                   guard, DeferredMetrics(writer, result, config.train.log_every, num_steps),
                   preemption, result,
-                  StepProfiler(config.train.profile_steps, num_steps, start_step, workdir))
+                  StepProfiler(config.train.profile_steps, num_steps, start_step, workdir),
+                  sampler)
   try:
     loop(state, start_step)
   except jax.errors.JaxRuntimeError:

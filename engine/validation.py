@@ -20,6 +20,7 @@ from engine import config_help, models, parallel, profiling, sharding, text_file
 from engine.config import DTYPES, SOURCES, TOKENIZERS, ConfigError, resolve_mesh_shape
 from engine.models import attention, llama
 from engine.validation_optim import check_optim
+from engine.validation_samples import check_sample_keys
 
 
 _MAX_SEED = 2**32 - 2
@@ -108,6 +109,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   _check_data(config.data, config.model, reads_text or config.data.tokenizer == 'char')
   check_optim(config.optim)
   _check_train(config.train)
+  check_sample_keys(config.train, num_processes if training else 1)  # Samples only in training.
   if not 0 <= config.seed <= _MAX_SEED:
     raise ConfigError(f'seed={config.seed} must lie in [0, {_MAX_SEED}]: the data order is '
                       'shuffled with 32-bit seeds (evaluation uses seed + 1); give e.g. '

@@ -209,6 +209,21 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.train.num_steps=50', '--config.train.profile_steps=40:60'], 2,
      "train.profile_steps='40:60' must have 1 <= A <= B <= train.num_steps=50; e.g. 10:12 traces "
      'steps 10, 11 and 12.'),
+    ([TINY, RUN, '--config.train.sample_every=-10'], 2, 'train.sample_every=-10 must be >= 0 '
+     '(0: no samples; N: a sample every N steps).'),
+    ([TINY, RUN, '--config.train.sample_every=50', '--config.train.sample_tokens=-1'], 2,
+     "train.sample_tokens=-1 must be >= 0 (0: 64, or what a GPT model's learned positions "
+     'leave).'),
+    ([TINY, RUN, '--config.train.sample_every=50', '--config.train.sample_temperature=-1'], 2,
+     'train.sample_temperature=-1.0 must be a finite number >= 0 (0: greedy).'),
+    ([TINY, RUN, '--config.train.sample_every=50', '--config.train.sample_tokens=64'], 2,
+     'train.sample_tokens=64 with the 1 tokens of train.sample_prompt exceeds the GPT model\'s '
+     'learned positions (model.max_len): 64; give train.sample_tokens <= 63 (0: what they '
+     'leave).'),
+    ([TINY, RUN, '--config.model.max_len=8', '--config.data.seq_len=8',
+      '--config.train.sample_every=50', '--config.train.sample_prompt=abcdefgh'], 2,
+     "train.sample_prompt='abcdefgh' takes 8 tokens, all of the GPT model's learned positions "
+     '(model.max_len): 8, leaving none to sample; shorten it.'),
     ([TINY, RUN, '--config.data.global_batch_size=-16'], 2,
      'data.global_batch_size=-16 must be positive.'),
     ([TINY, RUN, '--config.data.val_fraction=1.5'], 2, 'data.val_fraction=1.5 must lie in (0, 1).'),
