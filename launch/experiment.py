@@ -26,8 +26,8 @@ def command_mesh(command: list[str]) -> tuple[dict, str] | None:
   """(the mesh section as a dict, the --config given) of an engine command, or None when the
   command names no experiment file (it is not the engine's, or takes no --config)."""
   given = flag_value(command, 'config')
-  if not given:
-    return None
+  if not given or not any(arg.startswith('engine.') for arg in command):
+    return None  # Not `python -m engine.X --config=...`: another program's --config.
   path, _, arg = given.partition(':')
   if not os.path.isfile(path):
     fail(f'--config={given} (in the command) is not a file here; run the launcher from the '
