@@ -17,7 +17,8 @@ rounds (so the profiler's cost stays out of the times), into DIR/<mesh>-<mode>, 
 DIR/data8-manual: `tensorboard --logdir=DIR` with tensorboard-plugin-profile shows each as a run.
 
 --torch_python=PYTHON (a Python that has torch) also runs the PyTorch version of the GPT model
-(engine/analysis/torch_reference.py) in a child process that takes a turn in every round.
+(engine/analysis/torch_reference.py) in a child process that takes a turn in every round; that
+Python is tried (`import torch`) before anything compiles.
 The command lives here, not in engine/analysis/, for its short name; it is an analysis tool.
 """
 
@@ -80,15 +81,17 @@ def main(argv):
   if _PEAK.value is not None and not _PEAK.value > 0:
     raise config_lib.ConfigError(f'--peak_tflops={_PEAK.value:g} must be a positive number '
                                  '(one device\'s peak, TFLOP/s).')
+  if _TORCH.value:
+    benchmark.check_torch_python(_TORCH.value)  # First: the flag's own value.
+    if config.model.name != 'gpt' or jax.device_count() != 1:
+      raise config_lib.ConfigError('--torch_python: the PyTorch reference is the GPT model on '
+                                   'one device.')
   corpus, runs_to_make = variants(config)
   first_setup = runs_to_make[0][1]
   tokens = config.data.global_batch_size * config.data.seq_len
   model_flops = first_setup.model.flops_per_token(config.data.seq_len) * tokens
   torch = None
   if _TORCH.value:
-    if config.model.name != 'gpt' or jax.device_count() != 1:
-      raise config_lib.ConfigError('--torch_python: the PyTorch reference is the GPT model on '
-                                   'one device.')
     torch = benchmark.TorchReference(_TORCH.value, config.model, first_setup.model.vocab_size,
                                      config.data.seq_len, config.data.global_batch_size,
                                      os.cpu_count())

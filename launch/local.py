@@ -1,23 +1,30 @@
 """Runs one command as N cooperating JAX processes on this machine, each with K CPU devices.
 
   python -m launch.local --num_processes=2 --devices_per_process=4 -- \
-      python -m engine.main --config=experiments/tiny.py:mesh=2x2x2 --workdir=/tmp/tiny_2x4
+      python -m engine.main --config=experiments/tiny.py:mesh=2x2x2,steps=100 \
+      --workdir=/tmp/tiny_2x4
 
 Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (read by
 engine.distributed), ENGINE_RUN_TOKEN (a fresh random secret per launch, the same for all: the
 start-up roll call admits only its holders, engine/roll_call.py) and XLA_FLAGS for K simulated
-devices. Their output is streamed with a
-`[pI]` prefix. If any process fails, the others are stopped (SIGTERM, then SIGKILL after
+devices. Their output is streamed with a `[pI]` prefix, less Gloo's connection notices
+(GlooFilter). If any process fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace_s: JAX traps SIGTERM as a preemption notice, so a process blocked in a collective only
 goes at the SIGKILL) and the launcher exits with that process's status, naming it. SIGTERM or
 Ctrl-C to the launcher is forwarded to every process as SIGTERM: each finishes its step, writes
 a checkpoint of it and exits 0 (engine/preemption.py); what is still running after
 --stop_grace_s is killed.
+
+It is for trying multi-process behaviour, not for speed: the collectives between processes run
+on the CPU through Gloo (TCP), and steps run in lockstep (engine/train.py), so expect several
+times less throughput than one process with the same devices (tiny.py at mesh=2x2x2 on 2 cores:
+1.9 steps/s against 11).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -56,10 +63,38 @@ def process_env(base: dict, index: int, num_processes: int, devices: int, port: 
   return env
 
 
+# Gloo (JAX's CPU collectives across processes) prints a line for every communicator it sets up,
+# e.g. `[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1`:
+# dozens per launch, all saying that the processes found each other. Only lines made of nothing
+# but such messages are dropped. Two threads writing at once can put two messages on one line and
+# leave the second one's newline as an empty line later; that many empty lines are dropped too.
+_GLOO = re.compile(r'(\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of '
+                   r'connected peer ranks is : \d+)+')
+
+
+class GlooFilter:
+  """Which lines of one process's output to show: all but Gloo's connection notices."""
+
+  def __init__(self):
+    self.stray_newlines = 0  # Newlines still owed by messages that shared a line.
+
+  def keep(self, line: str) -> bool:
+    text = line.rstrip('\r\n')
+    if _GLOO.fullmatch(text):
+      self.stray_newlines += text.count('[Gloo]') - 1
+      return False
+    if not text and self.stray_newlines:
+      self.stray_newlines -= 1
+      return False
+    return True
+
+
 def _stream(index: int, pipe) -> None:
+  shown = GlooFilter()
   for line in iter(pipe.readline, ''):
-    sys.stdout.write(f'[p{index}] {line}')
-    sys.stdout.flush()
+    if shown.keep(line):
+      sys.stdout.write(f'[p{index}] {line}')
+      sys.stdout.flush()
 
 
 def _describe(code: int) -> str:

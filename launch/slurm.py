@@ -26,6 +26,7 @@ import sys
 
 from launch.command import (Parser, add_command_argument, check_at_least, check_tool,
                             command_after_dashes, fail)
+from launch.experiment import check_job_fits_mesh
 
 # SLURM's time limit formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
 _TIME = re.compile(r'^(\d+|\d+:\d\d|\d+:\d\d:\d\d|\d+-\d+|\d+-\d+:\d\d|\d+-\d+:\d\d:\d\d)$')
@@ -84,6 +85,11 @@ def main(argv=None) -> int:
   if not _TIME.match(args.time):
     fail(f'--time={args.time} is not a SLURM time limit; write MINUTES, HH:MM:SS or '
          'DAYS-HH:MM:SS, e.g. --time=02:00:00.')
+  per_gpu = args.tasks == 'per_gpu'
+  check_job_fits_mesh(command, args.nodes * (args.gpus_per_node if per_gpu else 1),
+                      1 if per_gpu else args.gpus_per_node,
+                      f'--nodes={args.nodes} x --gpus_per_node={args.gpus_per_node}, '
+                      f'--tasks={args.tasks}')
   if not args.dry_run:
     check_tool('sbatch', 'submit from a SLURM login node')
     directory = os.path.dirname(os.path.abspath(args.script))

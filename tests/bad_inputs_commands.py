@@ -167,8 +167,16 @@ COMMAND_ROWS = {
          '--out=/tmp/report for /tmp/report.md and /tmp/report.json.'),
         ([TINY, '--profile=$T/notes.txt'], 2, '--profile=$T/notes.txt is not a directory; give '
          'one (it is created if missing), e.g. --profile=/tmp/bench_profile.'),
-        ([TINY, '--config.model.name=llama', '--torch_python=python3'], 2,
+        # /bin/true passes the torch check (`true -c 'import torch'` exits 0), so the next one
+        # speaks.
+        ([TINY, '--config.model.name=llama', '--torch_python=/bin/true'], 2,
          '--torch_python: the PyTorch reference is the GPT model on one device.'),
+        ([TINY, '--torch_python=python3'], 2, "--torch_python=python3 cannot import torch "
+         "(ModuleNotFoundError: No module named 'torch'); install it into that Python (python3 "
+         "-m pip install torch), or point --torch_python at a Python that has it."),
+        ([TINY, '--torch_python=$T/no_such_python'], 2, '--torch_python=$T/no_such_python cannot '
+         'be run (No such file or directory); give the path of a Python that has torch, e.g. '
+         '--torch_python=/opt/torch-venv/bin/python.'),
         ([TINY, '--config.optim.b2=1.5'], 2, 'optim.b2=1.5 must lie in [0, 1): it is how much of '
          'its running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).'),
     ],
@@ -322,6 +330,23 @@ COMMAND_ROWS = {
          'time limit; write MINUTES, HH:MM:SS or DAYS-HH:MM:SS, e.g. --time=02:00:00.'),
         (['--nodes=1', '--stop_grace_s=-5', '--dry_run', '--', 'python'], 2,
          '--stop_grace_s=-5 must be >= 0.'),
+        # The processes x devices, and the processes the mesh lays across hosts, checked
+        # against the command's experiment before the job queues.
+        (['--nodes=2', '--gpus_per_node=8', '--dry_run', '--', 'python', '-m', 'engine.main',
+          '--config=experiments/tiny.py:mesh=2x2x2', '--workdir=$T/run'], 2, 'the job has 16 '
+         'processes x 1 devices = 16 devices (--nodes=2 x --gpus_per_node=8, --tasks=per_gpu), '
+         'but the mesh of --config=experiments/tiny.py:mesh=2x2x2 is 2x2x2x1x1, which needs 8; '
+         'change the flags to give 8 devices, or the mesh (e.g. one axis -1).'),
+        (['--nodes=2', '--gpus_per_node=8', '--dry_run', '--', 'python', '-m', 'engine.main',
+          '--config=experiments/tiny.py:mesh=2x8x1', '--config.mesh.dcn_data=2',
+          '--workdir=$T/run'], 2, 'the job has 16 processes (--nodes=2 x --gpus_per_node=8, '
+         '--tasks=per_gpu), but mesh.dcn_data*mesh.dcn_fsdp=2 in '
+         '--config=experiments/tiny.py:mesh=2x8x1 asks for 2, one per host; run one process per '
+         'host (--tasks=per_host), or set mesh.dcn_data*mesh.dcn_fsdp to 16 or 1.'),
+        (['--nodes=1', '--dry_run', '--', 'python', '-m', 'engine.main',
+          '--config=experiments/no_such.py', '--workdir=$T/run'], 2,
+         '--config=experiments/no_such.py (in the command) is not a file here; run the launcher '
+         'from the directory the job runs in (the project root), or fix the path.'),
     ],
     'launch.tpu_pod': [
         ([], 2, 'the following arguments are required: --tpu, --zone; python -m launch.tpu_pod '
@@ -334,5 +359,14 @@ COMMAND_ROWS = {
          '--, e.g. -- python -m engine.main --config=experiments/tiny.py --workdir=/tmp/tiny.'),
         (['--tpu=my-tpu', '--zone=us-west4-a', '--stop_grace_s=-1', '--dry_run', '--', 'python'],
          2, '--stop_grace_s=-1 must be >= 0.'),
+        # Only the project is shipped: an experiment file outside it would be missing there.
+        (['--tpu=my-tpu', '--zone=us-west4-a', '--dry_run', '--', 'python', '-m', 'engine.main',
+          '--config=$T/notes.txt', '--workdir=gs://b/run'], 2, '--config=$T/notes.txt (in the '
+         'command) lies outside the project, and only the project is shipped to the workers; '
+         'copy it into the project, e.g. experiments/notes.txt, and give that path.'),
+        (['--tpu=my-tpu', '--zone=us-west4-a', '--dry_run', '--', 'python', '-m', 'engine.main',
+          '--config=experiments/no_such.py', '--workdir=gs://b/run'], 2,
+         '--config=experiments/no_such.py (in the command) is not a file here; run the launcher '
+         'from the project root, or fix the path.'),
     ],
 }

@@ -77,3 +77,19 @@ def test_peak_flops_follow_the_compute_dtype_or_the_flag():
   assert chips.peak_flops('NVIDIA H100 80GB HBM3', 'float32') == 495e12  # TF32.
   assert chips.peak_flops('cpu', 'float32') is None
   assert chips.peak_flops('cpu', 'float32', override_tflops=2.0) == 2e12
+
+
+def test_a_failing_torch_child_shows_the_end_of_its_stderr(tmp_path):
+  from engine.analysis import benchmark  # pylint: disable=g-import-not-at-top
+  from engine.config import default_config  # pylint: disable=g-import-not-at-top
+  fake = tmp_path / 'python'  # Has "torch", then dies at start-up with something on stderr.
+  fake.write_text('#!/bin/sh\ncase "$2" in "import torch") exit 0;; esac\n'
+                  'for i in 1 2 3 4 5 6 7 8 9 10 11 12; do echo "noise $i" >&2; done\n'
+                  'echo "RuntimeError: out of cheese" >&2\nexit 3\n')
+  fake.chmod(0o755)
+  benchmark.check_torch_python(str(fake))  # Imports torch: no error.
+  with pytest.raises(RuntimeError) as raised:
+    benchmark.TorchReference(str(fake), default_config().model, 256, 64, 16, 1)
+  message = str(raised.value)
+  assert 'did not start (status 3)' in message and message.endswith('out of cheese')
+  assert 'noise 4\n' in message and 'noise 3\n' not in message  # The last 10 lines.

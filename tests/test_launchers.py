@@ -111,3 +111,64 @@ def test_local_launcher_propagates_a_failure():
                        'sys.exit(3) if os.environ["JAX_PROCESS_ID"] == "1" else time.sleep(60)'],
                       num_processes=2, devices_per_process=1, grace_s=1)
   assert code == 3
+
+
+def test_local_launcher_drops_only_gloos_connection_notices():
+  notice = ('[Gloo] Rank {} is connected to 1 peer ranks. Expected number of connected peer '
+            'ranks is : 1')
+  lines = [notice.format(0) + '\n',
+           notice.format(1) + notice.format(0) + '\n',  # Two threads' messages on one line...
+           'I1201 train.py:169] Mesh {...}\n',
+           '\n',  # ...and the second one's newline, later.
+           '\n',  # A real empty line: kept.
+           'warning: [Gloo] Rank 0 is connected to 1 peer ranks.\n',  # Not only the notice.
+           notice.format(2) + ' and more\n',
+           'Traceback (most recent call last):\n']
+  shown = local.GlooFilter()
+  kept = [line for line in lines if shown.keep(line)]
+  assert kept == lines[2:3] + lines[4:]
+
+
+def _git_project(tmp_path):
+  """A project with one tracked file and an untracked experiment, as a user's checkout."""
+  for command in (['git', 'init', '-q'], ['git', 'config', 'user.email', 'a@b'],
+                  ['git', 'config', 'user.name', 'a']):
+    subprocess.run(command, cwd=tmp_path, check=True)
+  (tmp_path / 'experiments').mkdir()
+  (tmp_path / 'tracked.py').write_text('x = 1\n')
+  subprocess.run(['git', 'add', 'tracked.py'], cwd=tmp_path, check=True)
+  (tmp_path / 'experiments' / 'mine.py').write_text('def get_config(arg=None): ...\n')
+  (tmp_path / 'scratch.txt').write_text('not shipped\n')
+
+
+def test_tpu_pod_ships_an_untracked_experiment_and_installs_what_the_run_needs(tmp_path,
+                                                                               monkeypatch):
+  _git_project(tmp_path)
+  monkeypatch.chdir(tmp_path)
+  command = ['python', '-m', 'engine.main', '--config=experiments/mine.py:steps=5',
+             '--config.data.path=gs://b/data.txt', '--workdir=/tmp/run']
+  extra = tpu_pod.experiment_file(command)
+  assert extra == 'experiments/mine.py'
+  assert tpu_pod.experiment_file(['python', '-m', 'engine.main', '--config=tracked.py']) is None
+  pack, _, ssh = tpu_pod.plan('pod', 'z', None, '~/e', 'pip install wandb', command, extra)
+  # The packing step, run for real into a scratch archive: tracked files and the experiment.
+  archive = tmp_path / 'code.tgz'
+  subprocess.run(['bash', '-c', pack[2].replace(tpu_pod.ARCHIVE, str(archive))], check=True)
+  listed = subprocess.run(['tar', 'tzf', str(archive)], capture_output=True, text=True,
+                          check=True).stdout.split()
+  assert sorted(listed) == ['experiments/mine.py', 'tracked.py']
+  # A gs:// path (here the data) brings the gcs extra; --setup runs after the install.
+  assert ('cd ~/e && python3 -m pip install -q -e ".[tpu,gcs]" && pip install wandb && '
+          + shlex.join(command)) in ssh[-1]
+  _, _, local_run = tpu_pod.plan('pod', 'z', None, '~/e', '', ['python', 'x.py'])
+  assert local_run[-1].endswith('python3 -m pip install -q -e ".[tpu]" && python x.py')
+
+
+def test_the_readme_slurm_example_fits_its_mesh():
+  text = open(os.path.join(ROOT, 'README.md')).read()
+  start = text.index('python -m launch.slurm')
+  example = text[start:text.index('```', start)].replace('\\\n', ' ').split('\n')[0]
+  argv = shlex.split(example)[3:]  # After `python -m launch.slurm`.
+  dashes = argv.index('--')
+  code, out = _output(slurm.main, argv[:dashes] + ['--dry_run'] + argv[dashes:])
+  assert code == 0 and '--config.mesh.dcn_data=2' in out

@@ -13,8 +13,10 @@ import dataclasses
 import json
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -228,6 +230,29 @@ def peak_flops_per_device(dtype: str, override_tflops: float | None) -> float | 
   return chips.peak_flops(jax.devices()[0].device_kind, dtype, override_tflops)
 
 
+def check_torch_python(python: str) -> None:
+  """`python` must run and import torch: checked before anything compiles, so a wrong
+  --torch_python is one line, not a failed child after minutes of compiling."""
+  try:
+    result = subprocess.run([python, '-c', 'import torch'], capture_output=True, text=True,
+                            timeout=300)
+  except OSError as error:
+    raise ConfigError(f'--torch_python={python} cannot be run ({error.strerror}); give the path '
+                      'of a Python that has torch, e.g. --torch_python=/opt/torch-venv/bin/python.'
+                      ) from None
+  if result.returncode != 0:
+    why = (result.stderr.strip().splitlines() or ['no output'])[-1]
+    raise ConfigError(f'--torch_python={python} cannot import torch ({why}); install it into '
+                      f'that Python ({python} -m pip install torch), or point --torch_python at '
+                      'a Python that has it.')
+
+
+def _tail(file, lines: int = 10) -> str:
+  file.seek(0)
+  text = file.read().decode(errors='replace').strip().splitlines()[-lines:]
+  return '\n'.join(text) or '(nothing on stderr)'
+
+
 class TorchReference:
   """The PyTorch version of the GPT model (engine/analysis/torch_reference.py) in a child
   process run by a Python that has torch; one of its steps runs after each round of ours."""
@@ -241,16 +266,33 @@ class TorchReference:
             '--seq', str(seq_len), '--batch', str(global_batch), '--threads', str(threads)]
     if not model_config.tie_embeddings:
       args.append('--no-tie')
+    self.command = ' '.join(args)
+    # Its stderr goes to a file (a pipe nobody reads could fill and stall it), shown on failure.
+    self.stderr = tempfile.TemporaryFile()
     self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    text=True)
+                                    stderr=self.stderr, text=True)
     if self.process.stdout.readline().strip() != 'ready':
-      raise RuntimeError(f'{" ".join(args)} did not start; run it by hand to see why.')
+      self._failed('did not start')
     self.step_ms: list[float] = []
 
+  def _failed(self, what: str) -> NoReturn:
+    try:
+      self.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      self.process.kill()
+    raise RuntimeError(f'the PyTorch reference {what} (status {self.process.poll()}): '
+                       f'{self.command}\nIts stderr ends:\n{_tail(self.stderr)}')
+
   def __call__(self, timed: bool) -> None:
-    self.process.stdin.write('step 1\n')
-    self.process.stdin.flush()
-    reply = json.loads(self.process.stdout.readline())
+    try:
+      self.process.stdin.write('step 1\n')
+      self.process.stdin.flush()
+    except BrokenPipeError:
+      self._failed('stopped')
+    line = self.process.stdout.readline()
+    if not line:
+      self._failed('stopped')
+    reply = json.loads(line)
     if timed:
       self.step_ms += reply['step_ms']
 
@@ -258,6 +300,7 @@ class TorchReference:
     self.process.stdin.write('quit\n')
     self.process.stdin.flush()
     self.process.wait(timeout=60)
+    self.stderr.close()
     t = np.array(self.step_ms)
     return {'name': 'PyTorch, same model and shapes', 'median_ms': float(np.median(t)),
             'min_ms': float(t.min()), 'max_ms': float(t.max()), 'step_ms': t.tolist()}

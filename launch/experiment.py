@@ -1,0 +1,73 @@
+"""What a launcher can read of the command it runs: the experiment's mesh, from
+`--config=FILE[:ARG]` and `--config.mesh.*=` overrides, so that a job whose processes and devices
+cannot make that mesh is refused before it is queued, not after."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+from launch.command import fail
+
+
+def flag_value(command: list[str], name: str) -> str | None:
+  """The value of `--name=V` or `--name V` in `command` (the last one given), else None."""
+  value = None
+  for i, arg in enumerate(command):
+    if arg.startswith(f'--{name}='):
+      value = arg.split('=', 1)[1]
+    elif arg == f'--{name}' and i + 1 < len(command):
+      value = command[i + 1]
+  return value
+
+
+def command_mesh(command: list[str]) -> tuple[dict, str] | None:
+  """(the mesh section as a dict, the --config given) of an engine command, or None when the
+  command names no experiment file (it is not the engine's, or takes no --config)."""
+  given = flag_value(command, 'config')
+  if not given or not any(arg.startswith('engine.') for arg in command):
+    return None  # Not `python -m engine.X --config=...`: another program's --config.
+  path, _, arg = given.partition(':')
+  if not os.path.isfile(path):
+    fail(f'--config={given} (in the command) is not a file here; run the launcher from the '
+         'directory the job runs in (the project root), or fix the path.')
+  spec = importlib.util.spec_from_file_location('_launched_experiment', path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
+  except Exception as error:  # pylint: disable=broad-except
+    fail(f'--config={given} (in the command) failed to load ({type(error).__name__}: {error}); '
+         'run the command by itself to see why.')
+  mesh = {key: int(value) for key, value in config.mesh.items()}
+  for key in mesh:
+    override = flag_value(command, f'config.mesh.{key}')
+    if override is not None and override.lstrip('-').isdigit():
+      mesh[key] = int(override)
+  return mesh, given
+
+
+def check_job_fits_mesh(command: list[str], processes: int, devices_per_process: int,
+                        how: str) -> None:
+  """The job's devices (processes x devices each) must make the command's mesh, and a mesh laid
+  across hosts (mesh.dcn_data x mesh.dcn_fsdp > 1) must have one group per process; `how` names
+  the launcher's flags that set the counts."""
+  found = command_mesh(command)
+  if found is None:
+    return
+  mesh, given = found
+  devices = processes * devices_per_process
+  sizes = [mesh[a] for a in ('data', 'fsdp', 'tensor', 'context', 'stage')]
+  fixed = math.prod(s for s in sizes if s != -1)
+  shape = 'x'.join(str(s) for s in sizes)
+  if (-1 in sizes and devices % fixed) or (-1 not in sizes and devices != fixed):
+    needs = f'a multiple of {fixed}' if -1 in sizes else str(fixed)
+    fail(f'the job has {processes} processes x {devices_per_process} devices = {devices} '
+         f'devices ({how}), but the mesh of --config={given} is {shape}, which needs {needs}; '
+         f'change the flags to give {needs} devices, or the mesh (e.g. one axis -1).')
+  hosts = mesh['dcn_data'] * mesh['dcn_fsdp']
+  if hosts > 1 and hosts != processes:
+    fail(f'the job has {processes} processes ({how}), but mesh.dcn_data*mesh.dcn_fsdp={hosts} '
+         f'in --config={given} asks for {hosts}, one per host; run one process per host '
+         f'(--tasks=per_host), or set mesh.dcn_data*mesh.dcn_fsdp to {processes} or 1.')
