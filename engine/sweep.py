@@ -25,10 +25,11 @@ import subprocess
 import sys
 import time
 
+import jax
 from absl import flags
 from ml_collections import config_flags
 
-from engine import sweep_grid, sweep_report
+from engine import assemble, sweep_grid, sweep_report
 from engine.cli import _given, fail, run_command
 from engine.config import ConfigError
 
@@ -53,13 +54,11 @@ def _configs(variants) -> list:
 
 
 def _check_on_devices(variants, configs) -> None:
-  """What engine.main checks before it compiles, for every variant, on this machine's devices."""
-  import jax  # pylint: disable=g-import-not-at-top  (only this child process starts a backend)
-  from engine import hf, validation  # pylint: disable=g-import-not-at-top
+  """What engine.main checks before it compiles, for every variant, on this machine's devices
+  (only this child process starts JAX's backend: the variants' processes need the devices)."""
   for variant, config in zip(variants, configs):
     try:
-      hf.apply_model_config(config)
-      validation.validate(config, jax.device_count(), jax.process_count())
+      assemble.check(config, jax.devices())
     except ConfigError as error:
       raise ConfigError(f'variant {variant.name}: {error}') from None
 
@@ -145,6 +144,18 @@ def _run_all(directory: str, variants, configs, commands) -> dict:
   return state
 
 
+def _base_overrides(args: list[str]) -> list[str]:
+  """The sweep's own --config.KEY=VALUE flags, for every variant (a value given as the next
+  argument, --config.KEY VALUE, joined to its flag)."""
+  found = []
+  for i, arg in enumerate(args):
+    if not _OVERRIDE.match(arg):
+      continue
+    following = args[i + 1] if i + 1 < len(args) else '-'
+    found.append(arg if '=' in arg or following.startswith('-') else f'{arg}={following}')
+  return found
+
+
 def main(argv):
   del argv
   variants = sweep_grid.variants(sweep_grid.parse_grid(_GRID.value))
@@ -154,7 +165,7 @@ def main(argv):
   directory = _WORKDIR.value
   _check_workdir(directory)
   experiment = _given(sys.argv, 'config')
-  base = [arg for arg in sys.argv[1:] if _OVERRIDE.match(arg)]
+  base = _base_overrides(sys.argv[1:])
   commands = [sweep_grid.command(experiment, base, v, os.path.join(directory, v.name))
               for v in variants]
   if _PRINT.value:
