@@ -11,7 +11,8 @@ starts, in a short child process (so that this one never holds the accelerators)
 one `error:` line. DIR/sweep.json records each variant's status; a rerun skips the finished
 ones and resumes the others from their checkpoints. A failed variant is recorded (exit status,
 last error line; its output is in DIR/logs/<variant>.log) and the sweep goes on; the exit status
-is 1 if any failed. At the end: DIR/sweep.md and DIR/sweep.csv (final and best eval loss,
+is 1 if any failed. SIGTERM or SIGINT stops the running variant after a checkpoint (recorded
+as preempted) and the sweep. At the end: DIR/sweep.md and DIR/sweep.csv (final and best eval loss,
 median tokens/s, peak memory, status), printed too, and DIR/loss_curves.png.
 """
 
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -72,6 +74,15 @@ def _check_workdir(workdir: str) -> None:
                       'directory of the sweep to resume.')
 
 
+class Stopped(Exception):
+  """SIGTERM or SIGINT reached the sweep (its args: the variant then running, if known)."""
+
+
+def _stop(signum, frame) -> None:
+  del signum, frame
+  raise Stopped()
+
+
 def _load_state(path: str) -> dict:
   try:
     with open(path) as f:
@@ -107,8 +118,13 @@ def run_variant(command: list[str], workdir: str, log_path: str, num_steps: int)
   """Runs one variant's engine.main to its end; its record for sweep.json."""
   start = time.monotonic()
   with open(log_path, 'a') as log:
-    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
-                          check=False).returncode
+    child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+      code = child.wait()
+    except BaseException:  # The sweep was stopped: so is the variant, after a checkpoint.
+      child.send_signal(signal.SIGTERM)  # Its first SIGTERM: a clean stop (engine.preemption).
+      child.wait()
+      raise
   record = {'exit_code': code, 'seconds': round(time.monotonic() - start, 1),
             'command': shlex.join(command), 'log': log_path}
   if code != 0:
@@ -133,10 +149,11 @@ def _run_all(directory: str, variants, configs, commands) -> dict:
     try:
       record = run_variant(command, os.path.join(directory, variant.name), log_path,
                            config.train.num_steps)
-    except KeyboardInterrupt:
-      state[variant.name] = {'status': 'preempted', 'command': shlex.join(command)}
+    except (KeyboardInterrupt, Stopped):
+      state[variant.name] = {'status': 'preempted', 'command': shlex.join(command),
+                             'log': log_path}
       _save_state(state_path, state)
-      raise
+      raise Stopped(variant.name) from None
     state[variant.name] = record
     _save_state(state_path, state)
     error = f': {record["error"]}' if 'error' in record else ''
@@ -176,7 +193,14 @@ def main(argv):
   if check.returncode:
     sys.exit(check.returncode)  # The child said why, in one line.
   os.makedirs(directory, exist_ok=True)
-  state = _run_all(directory, variants, configs, commands)
+  signal.signal(signal.SIGTERM, _stop)
+  try:
+    state = _run_all(directory, variants, configs, commands)
+  except Stopped as stopped:
+    running = stopped.args[0] if stopped.args else 'a variant'
+    fail(f'stopped by a signal while {running} ran (recorded as preempted in '
+         f'{os.path.join(directory, STATE_FILE)}); rerun the same command to resume it from its '
+         'checkpoint.', 1)
   workdirs = {v.name: os.path.join(directory, v.name) for v in variants}
   rows = {name: sweep_report.results(workdirs[name], state.get(name, {}).get('status', '-'))
           for name in workdirs}
