@@ -89,15 +89,15 @@ def test_the_table_csv_and_plot(sweep):
 
 def test_print_commands_prints_every_variant_and_runs_nothing(tmp_path):
   directory = tmp_path / 'sweep'
-  result = _sweep('--config=experiments/tiny.py', '--config.train.num_steps=10',
+  result = _sweep('--config=experiments/tiny.py:steps=10', '--config.train.log_every=5',
                   '--grid=mode=auto,manual', '--grid=mesh=8x1x1,2x2x2', f'--workdir={directory}',
                   '--print_commands')
   assert result.returncode == 0, result.stderr
   lines = result.stdout.splitlines()
   assert len(lines) == 4 and not directory.exists()
   assert lines[0] == (
-      f'{sys.executable} -m engine.main --config=experiments/tiny.py '
-      '--config.train.num_steps=10 --config.parallelism.mode=auto --config.mesh.data=8 '
+      f'{sys.executable} -m engine.main --config=experiments/tiny.py:steps=10 '
+      '--config.train.log_every=5 --config.parallelism.mode=auto --config.mesh.data=8 '
       '--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.mesh.context=1 --config.mesh.stage=1 '
       f'--workdir={directory}/mode=auto,mesh=8x1x1')
   assert lines[3].endswith('--config.parallelism.mode=manual --config.mesh.data=2 '
