@@ -111,6 +111,16 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
   return train_setup
 
 
+def check(config: ml_collections.ConfigDict, devices, *, training: bool = True,
+          reads_text: bool = True) -> None:
+  """What assemble checks before it reads data or builds anything: the config on `devices`
+  (engine.sweep checks every variant so before the first one trains)."""
+  hf.apply_model_config(config)  # train.init_from=hf:DIR: the model is DIR's.
+  num_processes = len({d.process_index for d in devices})
+  validation.validate(config, len(devices), num_processes, validation.count_slices(devices),
+                      training=training, reads_text=reads_text)
+
+
 def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CORPUS,
              corpus: data.Corpus | None = None, training: bool = True,
              tokenizer=None) -> Run:
@@ -120,10 +130,7 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
   run's kept copy), for the reads other than CORPUS; `training=False` skips the checks that only a train step needs
   (the batch's split, the pipeline schedule), for a finished run's generation and export."""
   devices = list(devices if devices is not None else jax.devices())
-  hf.apply_model_config(config)  # train.init_from=hf:DIR: the model is DIR's.
-  num_processes = len({d.process_index for d in devices})
-  validation.validate(config, len(devices), num_processes, validation.count_slices(devices),
-                      training=training, reads_text=reads != VOCABULARY)
+  check(config, devices, training=training, reads_text=reads != VOCABULARY)
   if corpus is None and reads == CORPUS:
     corpus = data.load_corpus(config.data, config.seed)
   if corpus is not None and reads != TOKENIZER:

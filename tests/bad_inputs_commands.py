@@ -43,6 +43,7 @@ COMMAND_SCRATCH = {
 
 RUN = '--workdir=$RUN'
 TINY = '--config=experiments/tiny.py'
+SWEEP = '--workdir=$T/sweep'
 PIPELINE = '--config=experiments/tiny.py:mesh=2x1x1x1x4'
 V5P = '--topology=v5p:2x2x2'
 HF_CHECK = '--torch_python=/bin/true'  # Never run: the rows fail first.
@@ -179,6 +180,38 @@ COMMAND_ROWS = {
          '--torch_python=/opt/torch-venv/bin/python.'),
         ([TINY, '--config.optim.b2=1.5'], 2, 'optim.b2=1.5 must lie in [0, 1): it is how much of '
          'its running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).'),
+    ],
+    'engine.sweep': [
+        ([], 2, '--config is required: Experiment config file, optionally with :arg.'),
+        ([TINY], 2, '--workdir is required: Directory of the sweep: one workdir per variant, '
+         'sweep.json, the table and the plot; rerun with it to resume.'),
+        ([TINY, SWEEP], 2, 'give at least one --grid=KEY=V1,V2,..., e.g. '
+         '--grid=optim.learning_rate=1e-3,3e-3.'),
+        ([TINY, SWEEP, '--grid=optim.learning_rat=1e-3'], 2, '--grid=optim.learning_rat=1e-3: the '
+         'config has no key optim.learning_rat (did you mean optim.learning_rate?); the keys are '
+         'in engine/config.py, default_config() (and mode, mesh).'),
+        ([TINY, SWEEP, '--grid=optim=1'], 2, '--grid=optim=1: optim is a section of the config, '
+         'not a value; sweep its keys one by one.'),
+        ([TINY, SWEEP, '--grid=optim.learning_rate'], 2, '--grid=optim.learning_rate is not '
+         'KEY=V1,V2,...; e.g. --grid=optim.learning_rate=1e-3,3e-3.'),
+        ([TINY, SWEEP, '--grid=optim.learning_rate=1e-3,,2e-3'], 2, '--grid=optim.learning_rate='
+         '1e-3,,2e-3 has an empty value; list values separated by single commas, e.g. '
+         '--grid=optim.learning_rate=A,B.'),
+        ([TINY, SWEEP, '--grid=mode=auto,auto'], 2,
+         '--grid=mode=auto,auto lists a value twice; list each value once.'),
+        ([TINY, SWEEP, '--grid=mode=auto', '--grid=mode=manual'], 2, '--grid: mode is given '
+         'twice; give all its values in one flag, --grid=mode=V1,V2,....'),
+        ([TINY, SWEEP, '--grid=optim.learning_rate=1e-3,abc'], 2, '--grid: '
+         "optim.learning_rate=abc is not a number; give values of the key's type, e.g. "
+         'optim.learning_rate=0.001.'),
+        ([TINY, SWEEP, '--grid=mesh=8x1x1,2x'], 2, f'--grid: mesh=2x: {MESH_FORMAT}'),
+        ([TINY, SWEEP, '--grid=mesh=8x1x1,16x1x1'], 2, 'variant mesh=16x1x1: mesh: '
+         'data*fsdp*tensor = 16*1*1 = 16, but there are 8 devices; make the product 8 or set one '
+         'axis to -1.'),
+        ([TINY, SWEEP, '--grid=mode=auto,bogus'], 2, "variant mode=bogus: parallelism.mode="
+         "'bogus' is unknown; choose one of ['auto', 'manual']."),
+        ([TINY, '--workdir=$T/notes.txt', '--grid=mode=auto'], 2, '--workdir=$T/notes.txt is a '
+         'file, not a directory; pass a new path or the directory of the sweep to resume.'),
     ],
     'engine.plan': [
         ([TINY], 2, '--topology is required: TPU topology VERSION:SHAPE, e.g. v5p:4x4x8.'),

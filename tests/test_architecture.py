@@ -143,7 +143,7 @@ def test_no_parameter_name_outside_the_models():
 # Every command: its module, and the module its work starts in.
 COMMANDS = ('engine.main', 'engine.bench', 'engine.plan', 'engine.generate', 'engine.evaluate',
             'engine.export', 'engine.analysis.compare', 'engine.analysis.bubble',
-            'engine.analysis.show_layout', 'engine.analysis.hf_check')
+            'engine.analysis.show_layout', 'engine.analysis.hf_check', 'engine.sweep')
 # What only the run path does (engine.assemble): validate, build a mesh or a model, compile a
 # train step.
 RUN_PATH_CALLS = ('validation.validate(', 'validate(config', 'make_mesh(', 'models.build(',

@@ -69,5 +69,5 @@ def test_every_command_has_rows():
               'engine.plan', 'engine.analysis.bubble', 'engine.analysis.compare',
               'engine.analysis.show_layout', 'engine.analysis.hf_check', 'launch.local',
               'launch.slurm', 'launch.tpu_pod', 'engine.data.prepare',
-              'engine.data.train_tokenizer'}
+              'engine.data.train_tokenizer', 'engine.sweep'}
   assert commands <= set(COMMAND_ROWS)

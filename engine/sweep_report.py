@@ -1,0 +1,107 @@
+"""engine.sweep's results: each variant's numbers read from its workdir (metrics.jsonl, and
+summary.json where the run wrote one), one table (DIR/sweep.md, DIR/sweep.csv) and one plot of
+every loss curve (DIR/loss_curves.png)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+
+import matplotlib
+
+matplotlib.use('Agg')  # Files only; no display on training machines.
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLUMNS = ('variant', 'status', 'final eval loss', 'best eval loss', 'tokens/s',
+           'peak memory MiB')
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """metrics.jsonl's records (none if missing); a line cut short by a crash is skipped."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return []
+  records = []
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
+def _summary(workdir: str) -> dict:
+  try:
+    with open(os.path.join(workdir, 'summary.json')) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError):
+    return {}
+
+
+def results(workdir: str, status: str) -> dict:
+  """One row: final and best eval loss, median tokens/s (from metrics.jsonl), peak memory (from
+  summary.json, when the run wrote one); None where there is no number."""
+  records = read_metrics(workdir)
+  evals = [r['eval/loss'] for r in records if 'eval/loss' in r]
+  speeds = [r['train/tokens_per_s'] for r in records if 'train/tokens_per_s' in r]
+  peak = _summary(workdir).get('peak_memory_bytes')
+  return {'status': status, 'final_eval_loss': evals[-1] if evals else None,
+          'best_eval_loss': min(evals) if evals else None,
+          'tokens_per_s': statistics.median(speeds) if speeds else None,
+          'peak_memory_mib': peak / 2**20 if isinstance(peak, (int, float)) else None}
+
+
+def _cells(name: str, row: dict) -> list[str]:
+  def number(value, spec):
+    return '-' if value is None else format(value, spec)
+  return [name, row['status'], number(row['final_eval_loss'], '.4f'),
+          number(row['best_eval_loss'], '.4f'), number(row['tokens_per_s'], ',.0f'),
+          number(row['peak_memory_mib'], '.1f')]
+
+
+def markdown(rows: dict[str, dict]) -> str:
+  lines = ['| ' + ' | '.join(COLUMNS) + ' |', '|' + '---|' * len(COLUMNS)]
+  lines += ['| ' + ' | '.join(_cells(name, row)) + ' |' for name, row in rows.items()]
+  return '\n'.join(lines) + '\n'
+
+
+def write_csv(path: str, rows: dict[str, dict]) -> None:
+  keys = ('status', 'final_eval_loss', 'best_eval_loss', 'tokens_per_s', 'peak_memory_mib')
+  with open(path, 'w', newline='') as f:
+    writer = csv.writer(f)
+    writer.writerow(('variant', *keys))
+    for name, row in rows.items():
+      writer.writerow((name, *('' if row[k] is None else row[k] for k in keys)))
+
+
+def plot(path: str, workdirs: dict[str, str]) -> None:
+  """Every variant's train loss as a line, its eval losses as points of the same colour."""
+  fig, ax = plt.subplots(figsize=(9, 5))
+  for name, workdir in workdirs.items():
+    records = read_metrics(workdir)
+    train = [(r['step'], r['train/loss']) for r in records if 'train/loss' in r]
+    evals = [(r['step'], r['eval/loss']) for r in records if 'eval/loss' in r]
+    if not train and not evals:
+      continue
+    line, = ax.plot(*zip(*train), label=name) if train else ax.plot([], [], label=name)
+    if evals:
+      ax.plot(*zip(*evals), 'o', color=line.get_color())
+  ax.set_xlabel('step')
+  ax.set_ylabel('loss (line: train, points: eval)')
+  ax.legend(fontsize='small')
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def write_all(directory: str, rows: dict[str, dict], workdirs: dict[str, str]) -> str:
+  """sweep.md, sweep.csv and loss_curves.png in `directory`; returns the Markdown table."""
+  table = markdown(rows)
+  with open(os.path.join(directory, 'sweep.md'), 'w') as f:
+    f.write(table)
+  write_csv(os.path.join(directory, 'sweep.csv'), rows)
+  plot(os.path.join(directory, 'loss_curves.png'), workdirs)
+  return table
