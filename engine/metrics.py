@@ -1,13 +1,16 @@
 """Training metrics: absl log lines, TensorBoard events (tensorboardX) and JSON lines.
 
-Only process 0 writes files; every process may call the writer. Throughput and the estimated time
-left come from wall-clock time between log points. The workdir may be remote (gs://...): files go
+Only process 0 writes files; every process may call the writer. Throughput, MFU and the estimated
+time left come from wall-clock time between log points, less the time spent paused (eval and
+checkpoint saves, which the loop wraps in `pause()`). The workdir may be remote (gs://...): files go
 through etils.epath, and TensorBoard events through tensorboardX's own writers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 
 import jax
@@ -22,16 +25,21 @@ from engine import workdir as workdir_lib
 class MetricsWriter:
 
   def __init__(self, workdir: str | epath.Path, num_steps: int, tokens_per_step: int,
-               flops_per_token: float = 0.0, start_step: int = 0):
+               flops_per_token: float = 0.0, start_step: int = 0,
+               peak_flops: float | None = None, clock=time.perf_counter):
     """`start_step`: the step the run starts from (a resumed checkpoint's). Anything logged
     after it by an earlier attempt is dropped, since those steps are about to be redone: the
-    lines of metrics.jsonl, and TensorBoard's events (its `purge_step`)."""
+    lines of metrics.jsonl, and TensorBoard's events (its `purge_step`). `peak_flops`: the peak
+    FLOP/s of all the run's devices together, for MFU (None: unknown, no MFU)."""
     self.is_writer = jax.process_index() == 0
     self.num_steps = num_steps
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token  # The model's training FLOPs, for achieved FLOP/s.
+    self.peak_flops = peak_flops
+    self._clock = clock
     self._last_time = None
     self._last_step = None
+    self._paused_s = 0.0  # Time inside pause() since the last log point.
     self.steps_per_s: list[float] = []  # One entry per log interval, for the closing summary.
     if self.is_writer:
       workdir = workdir_lib.resolve(workdir)
@@ -40,7 +48,16 @@ class MetricsWriter:
 
   def start_clock(self, step: int) -> None:
     """Marks the start of timed steps (call after compilation, so it is not counted)."""
-    self._last_time, self._last_step = time.perf_counter(), step
+    self._last_time, self._last_step, self._paused_s = self._clock(), step, 0.0
+
+  @contextlib.contextmanager
+  def pause(self):
+    """Time spent inside (eval, checkpoint saves) is left out of the throughput."""
+    start = self._clock()
+    try:
+      yield
+    finally:
+      self._paused_s += self._clock() - start
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.is_writer:
@@ -49,28 +66,36 @@ class MetricsWriter:
       self.tensorboard.add_scalar(name, value, step)
     self.jsonl.write({'step': step, **scalars})
 
-  def log_train(self, step: int, loss: float, learning_rate: float, grad_norm: float) -> None:
-    """Logs one training point with throughput since the previous one."""
-    now = time.perf_counter()
+  def log_train(self, step: int, loss: float, learning_rate: float, grad_norm: float,
+                extra: dict[str, float] | None = None) -> None:
+    """Logs one training point (`loss`: the mean over the steps since the previous one) with
+    throughput since the previous one, pauses left out; `extra`: more scalars to write."""
+    now = self._clock()
     scalars = {'train/loss': loss, 'train/learning_rate': learning_rate,
-               'train/grad_norm': grad_norm}
+               'train/grad_norm': grad_norm, **(extra or {})}
     eta = ''
-    if self._last_time is not None and step > self._last_step:
-      steps_per_s = (step - self._last_step) / (now - self._last_time)
+    busy_s = None if self._last_time is None else now - self._last_time - self._paused_s
+    if busy_s is not None and step > self._last_step and busy_s > 0:
+      steps_per_s = (step - self._last_step) / busy_s
       scalars['train/steps_per_s'] = steps_per_s
       self.steps_per_s.append(steps_per_s)
       scalars['train/tokens_per_s'] = steps_per_s * self.tokens_per_step
       scalars['train/model_flops_per_s'] = scalars['train/tokens_per_s'] * self.flops_per_token
+      if self.peak_flops:
+        scalars['train/mfu'] = scalars['train/model_flops_per_s'] / self.peak_flops
       time_left = _duration((self.num_steps - step) / steps_per_s)
-      eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s | eta {time_left}'
-    self._last_time, self._last_step = now, step
+      mfu = f' | mfu {scalars["train/mfu"]:.1%}' if 'train/mfu' in scalars else ''
+      eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s{mfu} | eta {time_left}'
+    self._last_time, self._last_step, self._paused_s = now, step, 0.0
     logging.info('step %d/%d | loss %.4f | lr %.2e | grad norm %.3f%s', step, self.num_steps,
                  loss, learning_rate, grad_norm, eta)
     self.write(step, scalars)
 
   def log_eval(self, step: int, loss: float) -> None:
-    logging.info('step %d/%d | eval loss %.4f', step, self.num_steps, loss)
-    self.write(step, {'eval/loss': loss})
+    perplexity = perplexity_of(loss)
+    logging.info('step %d/%d | eval loss %.4f | perplexity %.2f', step, self.num_steps, loss,
+                 perplexity)
+    self.write(step, {'eval/loss': loss, 'eval/perplexity': perplexity})
 
   def close(self) -> None:
     if self.steps_per_s:
@@ -124,6 +149,11 @@ class JsonLines:
       self._file.close()
     else:
       self._rewrite()
+
+
+def perplexity_of(loss: float) -> float:
+  """exp(loss), infinite where it would overflow a float."""
+  return math.inf if loss > 700 else math.exp(loss)
 
 
 def _duration(seconds: float) -> str:

@@ -13,13 +13,14 @@ import contextlib
 import dataclasses
 import math
 import threading
+import time
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
 
-from engine import data, distributed, hf, run_lock, run_tokenizer, sharding
+from engine import data, distributed, hf, run_lock, run_summary, run_tokenizer, sharding
 from engine import workdir as workdir_lib
 from engine.assemble import Run, assemble
 from engine.checkpoint import Checkpointer, restore_params
@@ -32,8 +33,10 @@ from engine.train_samples import Sampler
 
 @dataclasses.dataclass
 class TrainResult:
-  """What a run reports back: the logged steps' train losses and gradient norms (before
-  clipping), eval losses, the last step, compiled memory."""
+  """What a run reports back, by logged step: train losses (that step's own, which parity
+  tests compare against a reference) and their means over the steps since the previous logged
+  step (what the log, metrics.jsonl and TensorBoard show as train/loss), gradient norms (before
+  clipping); eval losses, the last step, compiled memory, summary.json's contents."""
   train_losses: dict[int, float]
   train_grad_norms: dict[int, float]
   eval_losses: dict[int, float]
@@ -43,6 +46,9 @@ class TrainResult:
   # Steps whose loss or gradient norm was not finite and whose update was not applied
   # (train.skip_nonfinite_steps > 0).
   skipped_steps: list[int] = dataclasses.field(default_factory=list)
+  # Mean of the finite per-step losses of the steps (previous logged step, this one].
+  train_interval_losses: dict[int, float] = dataclasses.field(default_factory=dict)
+  summary: dict | None = None  # WORKDIR/summary.json's contents (process 0 only).
 
 
 def initial_state(run: Run, checkpointer: Checkpointer, train_iterator, workdir) -> tuple:
@@ -83,28 +89,41 @@ class Evaluator:
 
 
 class DeferredMetrics:
-  """Logs every log_every-th step's metrics, fetched once the next step is dispatched."""
+  """Logs every log_every-th step's metrics, fetched once the next step is dispatched, with the
+  mean loss of the steps since the previous log point (their losses stay on the device until
+  then: no host sync per step)."""
 
   def __init__(self, writer: MetricsWriter, result: TrainResult, log_every: int,
-               num_steps: int):
+               num_steps: int, peak_memory: run_summary.PeakMemory):
     self.writer, self.result = writer, result
     self.log_every, self.num_steps = log_every, num_steps
+    self.peak_memory = peak_memory
     self._pending = None
+    self._losses = []  # Device scalars of the steps since the last log point.
 
   def after_dispatch(self, step: int, metrics) -> None:
     self.flush()
+    self._losses.append(metrics['loss'])
     if step % self.log_every == 0 or step == self.num_steps:
-      self._pending = (step, metrics)
+      self._pending = (step, metrics, self._losses)
+      self._losses = []
 
   def flush(self) -> None:
     if self._pending is None:
       return
-    step, metrics = self._pending
+    step, metrics, losses = self._pending
     self._pending = None
-    metrics = jax.device_get(metrics)
+    metrics, losses = jax.device_get((metrics, losses))
     loss, grad_norm = float(metrics['loss']), float(metrics['grad_norm'])
-    self.writer.log_train(step, loss, float(metrics['learning_rate']), grad_norm)
+    finite = [float(l) for l in losses if np.isfinite(l)]  # Skipped steps' are not.
+    mean_loss = float(np.mean(finite)) if finite else loss
+    extra = {}
+    peak_bytes, _ = self.peak_memory.read()
+    if peak_bytes is not None:
+      extra['train/peak_memory_bytes'] = peak_bytes
+    self.writer.log_train(step, mean_loss, float(metrics['learning_rate']), grad_norm, extra)
     self.result.train_losses[step] = loss
+    self.result.train_interval_losses[step] = mean_loss
     self.result.train_grad_norms[step] = grad_norm
 
 
@@ -144,20 +163,28 @@ class StepLoop:
       stop = self.preemption.stop_after(step)
       final = step == num_steps or stop
       evaluate = (step % config.train.eval_every == 0 or step == num_steps) and not stop
-      if evaluate or self.checkpointer.is_due(step, force=final):
-        self.guard.check(step, metrics)  # Nothing not finite is evaluated or checkpointed.
-      if evaluate:
-        eval_loss = self.evaluate(state['params'])
-        self.guard.stop_if_not_finite(step, {'eval loss': eval_loss})
-        self.metrics.writer.log_eval(step, eval_loss)
-        self.result.eval_losses[step] = eval_loss
-      if not stop:
-        self.sampler(step, state['params'])
-      self.checkpointer.save(step, state, self.train_iterator, force=final)
+      sample = self.sampler.due(step) and not stop
+      if evaluate or sample or self.checkpointer.is_due(step, force=final):
+        # Nothing not finite is evaluated, sampled or checkpointed.
+        self.guard.check(step, metrics)
+        # The step itself counts towards throughput; the eval, the sample and the save do not.
+        jax.block_until_ready(state)
+        with self.metrics.writer.pause():
+          if evaluate:
+            self._evaluate(step, state['params'])
+          if sample:
+            self.sampler(step, state['params'])
+          self.checkpointer.save(step, state, self.train_iterator, force=final)
       self.result.final_step = step
       if stop:
         break
     self.metrics.flush()
+
+  def _evaluate(self, step: int, params) -> None:
+    eval_loss = self.evaluate(params)
+    self.guard.stop_if_not_finite(step, {'eval loss': eval_loss})
+    self.metrics.writer.log_eval(step, eval_loss)
+    self.result.eval_losses[step] = eval_loss
 
 
 def compile_steps(run: Run, memory: dict) -> tuple:
@@ -222,7 +249,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
 
 def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
   """The loop's phases, in a workdir this run holds."""
-  config = run.config
+  config, started = run.config, time.perf_counter()
   _log_start(run)
   train_iterator = data.train_iterator(run.corpus, config.data, config.seed)
   checkpointer = Checkpointer(workdir / 'checkpoints', config.train.checkpoint_every,
@@ -234,8 +261,12 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
   # The workdir keeps the tokenizer, so that the finished run needs no file outside it.
   workdir_lib.write_config(config, workdir, run_tokenizer.save(run.tokenizer, workdir))
   num_steps = config.train.num_steps
+  mesh = run.setup.mesh
   writer = MetricsWriter(workdir, num_steps, config.data.global_batch_size * config.data.seq_len,
-                         run.setup.model.flops_per_token(config.data.seq_len), start_step)
+                         run.setup.model.flops_per_token(config.data.seq_len), start_step,
+                         run_summary.peak_flops_of_devices(
+                             jax.devices()[0].device_kind, config.model.dtype, mesh.size))
+  peak_memory = run_summary.PeakMemory(memory['train_step'].get('peak_estimate_bytes'))
   result = TrainResult({}, {}, {}, start_step, memory)
   guard = FinitenessGuard(config.train.skip_nonfinite_steps, checkpointer, workdir)
   result.skipped_steps = guard.skipped
@@ -245,7 +276,8 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
   writer.start_clock(start_step)
   preemption = PreemptionWatch()
   loop = StepLoop(run, train_step, train_iterator, Evaluator(run, eval_step), checkpointer,
-                  guard, DeferredMetrics(writer, result, config.train.log_every, num_steps),
+                  guard,
+                  DeferredMetrics(writer, result, config.train.log_every, num_steps, peak_memory),
                   preemption, result,
                   StepProfiler(config.train.profile_steps, num_steps, start_step, workdir),
                   sampler)
@@ -264,4 +296,9 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
   checkpointer.close()
   _final_report(config, checkpointer, preemption, result)
   writer.close()
+  result.summary = run_summary.write(
+      workdir, status='preempted' if result.preempted else 'finished',
+      final_step=result.final_step, num_steps=num_steps, peak_memory=peak_memory.read(),
+      wall_s=time.perf_counter() - started, mode=config.parallelism.mode,
+      mesh=run_summary.mesh_string(dict(mesh.shape)), model=run.setup.model.name)
   return result

@@ -215,9 +215,12 @@ def test_sigterm_checkpoints_the_current_step_and_exits_0(processes, tmp_path):
   assert 'Rerun the same command to resume' in output, output[-4000:]  # Process 0 logs it.
   stopped = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3).latest_step()
   assert sorted(_logged_losses(tmp_path)) == list(range(1, stopped + 1))
+  summary = json.loads((tmp_path / 'summary.json').read_text())
+  assert (summary['status'], summary['final_step']) == ('preempted', stopped), summary
   # The rerun continues as if nothing had happened.
   resumed = train(multihost_experiment.get_config(f'steps={stopped + 2}'), str(tmp_path))
   assert sorted(resumed.train_losses) == [stopped + 1, stopped + 2]
+  assert (resumed.summary['status'], resumed.summary['final_step']) == ('finished', stopped + 2)
   uninterrupted = train(multihost_experiment.get_config(f'steps={stopped + 2}'),
                         str(tmp_path / 'uninterrupted'))
   logged = _logged_losses(tmp_path)
