@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use('Agg')  # Files only; no display on training machines.
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLUMNS = ('variant', 'status', 'final eval loss', 'best eval loss', 'tokens/s',
+COLUMNS = ('variant', 'status', 'final eval loss', 'best eval loss', 'tokens/s', 'MFU',
            'peak memory MiB')
 
 
@@ -47,10 +47,12 @@ def results(workdir: str, status: str) -> dict:
   records = read_metrics(workdir)
   evals = [r['eval/loss'] for r in records if 'eval/loss' in r]
   speeds = [r['train/tokens_per_s'] for r in records if 'train/tokens_per_s' in r]
-  peak = _summary(workdir).get('peak_memory_bytes')
+  summary = _summary(workdir)
+  peak, mfu = summary.get('peak_memory_bytes'), summary.get('mfu')
   return {'status': status, 'final_eval_loss': evals[-1] if evals else None,
           'best_eval_loss': min(evals) if evals else None,
           'tokens_per_s': statistics.median(speeds) if speeds else None,
+          'mfu': mfu if isinstance(mfu, (int, float)) else None,
           'peak_memory_mib': peak / 2**20 if isinstance(peak, (int, float)) else None}
 
 
@@ -59,7 +61,7 @@ def _cells(name: str, row: dict) -> list[str]:
     return '-' if value is None else format(value, spec)
   return [name, row['status'], number(row['final_eval_loss'], '.4f'),
           number(row['best_eval_loss'], '.4f'), number(row['tokens_per_s'], ',.0f'),
-          number(row['peak_memory_mib'], '.1f')]
+          number(row['mfu'], '.1%'), number(row['peak_memory_mib'], '.1f')]
 
 
 def markdown(rows: dict[str, dict]) -> str:
@@ -69,7 +71,8 @@ def markdown(rows: dict[str, dict]) -> str:
 
 
 def write_csv(path: str, rows: dict[str, dict]) -> None:
-  keys = ('status', 'final_eval_loss', 'best_eval_loss', 'tokens_per_s', 'peak_memory_mib')
+  keys = ('status', 'final_eval_loss', 'best_eval_loss', 'tokens_per_s', 'mfu',
+          'peak_memory_mib')
   with open(path, 'w', newline='') as f:
     writer = csv.writer(f)
     writer.writerow(('variant', *keys))

@@ -6,10 +6,13 @@ import csv
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 
 import pytest
+
+from engine import sweep as sweep_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOOD, BAD = 'optim.learning_rate=1e-3', 'optim.learning_rate=3e-3'
@@ -72,13 +75,16 @@ def test_the_table_csv_and_plot(sweep):
   speeds = sorted(r['train/tokens_per_s'] for r in records if 'train/tokens_per_s' in r)
   assert len(evals) == 2 and speeds  # Evals at steps 2 and 4.
   median = (speeds[(len(speeds) - 1) // 2] + speeds[len(speeds) // 2]) / 2
+  summary = json.loads((directory / GOOD / 'summary.json').read_text())
+  assert summary['mfu'] is None  # CPUs have no known peak.
+  peak_mib = summary['peak_memory_bytes'] / 2**20
   table = (directory / 'sweep.md').read_text()
   assert table in second.stdout
   assert table.splitlines()[0] == ('| variant | status | final eval loss | best eval loss | '
-                                   'tokens/s | peak memory MiB |')
+                                   'tokens/s | MFU | peak memory MiB |')
   assert table.splitlines()[2] == (f'| {GOOD} | finished | {evals[-1]:.4f} | {min(evals):.4f} | '
-                                   f'{median:,.0f} | - |')
-  assert table.splitlines()[3] == f'| {BAD} | failed | - | - | - | - |'
+                                   f'{median:,.0f} | - | {peak_mib:.1f} |')
+  assert table.splitlines()[3] == f'| {BAD} | failed | - | - | - | - | - |'
   rows = list(csv.DictReader((directory / 'sweep.csv').open()))
   assert [r['variant'] for r in rows] == [GOOD, BAD]
   assert float(rows[0]['final_eval_loss']) == pytest.approx(evals[-1])
@@ -103,3 +109,12 @@ def test_print_commands_prints_every_variant_and_runs_nothing(tmp_path):
   assert lines[3].endswith('--config.parallelism.mode=manual --config.mesh.data=2 '
                            '--config.mesh.fsdp=2 --config.mesh.tensor=2 --config.mesh.context=1 '
                            f'--config.mesh.stage=1 --workdir={directory}/mode=manual,mesh=2x2x2')
+
+
+def test_a_finished_variant_runs_again_when_its_command_changed():
+  command = ['python', '-m', 'engine.main', '--config=experiments/tiny.py:steps=4']
+  record = {'status': 'finished', 'command': shlex.join(command)}
+  assert sweep_lib.already_finished(record, command)
+  assert not sweep_lib.already_finished(record, command[:-1] + ['--config=tiny.py:steps=8'])
+  assert not sweep_lib.already_finished({**record, 'status': 'failed'}, command)
+  assert not sweep_lib.already_finished({}, command)
