@@ -8,7 +8,7 @@ Every variant is compiled once, then the variants' steps run interleaved on the 
 from the same initial parameters, the order rotating every round (engine.analysis.benchmark).
 Printed, and written as Markdown (OUT.md) and JSON (OUT.json): compile time, median / min / max
 step time, tokens/s, the model's FLOPs per step (6N plus attention, from the model spec) as
-TFLOP/s per device and as MFU against the chip's peak (engine.analysis.chips: known TPUs and
+TFLOP/s per device and as MFU against the chip's peak (engine.chips: known TPUs and
 GPUs; --peak_tflops elsewhere), per-device memory, and the collectives of each compiled step by
 kind and mesh axes.
 

@@ -14,7 +14,7 @@ gets:
   - its collectives by kind and mesh axes (engine.analysis.collectives on the TPU HLO) against
     the communication theory (engine.analysis.comm_theory);
   - a roofline estimate of the step time from the compiled cost analysis and the chip's
-    published figures (engine.analysis.chips): compute = FLOPs / peak, memory = bytes accessed /
+    published figures (engine.chips): compute = FLOPs / peak, memory = bytes accessed /
     HBM bandwidth, communication = each collective's bytes on the wire / interconnect bandwidth
     (DCN bandwidth for axes split across slices). The step takes at least the largest of the
     three (perfect overlap) and at most their sum (compute or memory, then communication): both
@@ -48,7 +48,8 @@ from ml_collections import config_flags  # noqa: E402
 
 from engine import config as config_lib  # noqa: E402
 from engine import hf, parallel, validation  # noqa: E402
-from engine.analysis import benchmark, chips, collectives, comm_theory  # noqa: E402
+from engine import chips  # noqa: E402
+from engine.analysis import benchmark, collectives, comm_theory  # noqa: E402
 from engine.analysis.compare import communication_table  # noqa: E402
 from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound  # noqa: E402
 from engine.cli import check_out_prefix, run_command  # noqa: E402
@@ -108,7 +109,7 @@ class Hardware:
   def of(cls, devices, dcn_gb_per_s: float = DCN_GB_PER_S) -> Hardware:
     chip = chips.chip_of(devices[0].device_kind)
     if chip is None:
-      raise PlanError(f'{devices[0].device_kind!r} is not in engine/analysis/chips.py; add its '
+      raise PlanError(f'{devices[0].device_kind!r} is not in engine/chips.py; add its '
                       'published figures there.')
     places = {(getattr(d, 'slice_index', 0), tuple(d.coords)) for d in devices}
     return cls(chip, len(devices) // len(places), len(devices),

@@ -18,7 +18,7 @@ from absl import logging
 from etils import epath
 
 from engine import workdir as workdir_lib
-from engine.analysis import chips
+from engine import chips
 
 matplotlib.use('Agg')  # Files only; no display on training machines.
 import matplotlib.pyplot as plt  # noqa: E402
@@ -31,7 +31,7 @@ SUMMARY_KEYS = ('status', 'final_step', 'num_steps', 'final_train_loss', 'final_
 
 def peak_flops_of_devices(device_kind: str, dtype: str, num_devices: int) -> float | None:
   """The peak FLOP/s of `num_devices` chips of `device_kind` in `dtype`, None where unknown
-  (CPUs, chips not in engine/analysis/chips.py)."""
+  (CPUs, chips not in engine/chips.py)."""
   peak = chips.peak_flops(device_kind, dtype)
   return peak * num_devices if peak else None
 

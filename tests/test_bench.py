@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.analysis import chips
+from engine import chips
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

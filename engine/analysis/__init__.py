@@ -7,7 +7,6 @@ imports them.
   comm_theory.py     the bytes a layout should move, from the model's spec and the rules
   benchmark.py       step time, FLOP/s, memory and collectives of modes x meshes, interleaved
                      in one run (command: python -m engine.bench)
-  chips.py           published peak FLOP/s, memory and bandwidths of TPUs and GPUs
   torch_reference.py the GPT in PyTorch, a child process the bench can interleave (not imported)
   compare.py         auto against manual against the reference: numerics, speed, memory, bytes
   compare_report.py  the comparison as Markdown, JSON and plots

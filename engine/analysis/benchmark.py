@@ -24,7 +24,8 @@ from absl import logging
 
 from engine import data, parallel, profiling
 from engine.assemble import compile_train_step
-from engine.analysis import chips, collectives
+from engine import chips
+from engine.analysis import collectives
 from engine.config import MESH_AXES, ConfigError
 from engine.metrics import log_memory
 from engine.state import TrainSetup
