@@ -9,8 +9,10 @@ parent, so each child starts its own (forking a started backend's threads would 
 
   python -m tests.forked_commands < rows.json > results.json
 
-rows.json: [{"program": "engine.generate", "argv": [...], "cwd": "..."}, ...]; each result:
-{"code": exit status, "output": stdout and stderr, "compiles": XLA compiles}.
+rows.json: [{"program": "engine.generate", "argv": [...], "cwd": "...", "env": {optional
+environment variables, set before the child's backend starts}}, ...]; each result:
+{"code": exit status, "output": stdout and stderr, "compiles": XLA compiles, "seconds": wall
+time}.
 """
 
 import json
@@ -18,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 
 # Imported once here, inherited by every child: what the commands import, but no command module
 # that defines its flags on import (running it as __main__ would define them twice).
@@ -40,6 +43,7 @@ def _child(row: dict, output_fd: int, compiles_path: str) -> None:
   os.dup2(output_fd, 1)
   os.dup2(output_fd, 2)
   os.chdir(row['cwd'])
+  os.environ.update(row.get('env', {}))
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, seconds, **kw: compiles.append(seconds) if event == COMPILE_EVENT else None)
@@ -61,6 +65,7 @@ def _child(row: dict, output_fd: int, compiles_path: str) -> None:
 
 
 def run_row(row: dict) -> dict:
+  start = time.monotonic()
   with tempfile.TemporaryDirectory() as scratch:
     output_path, compiles_path = f'{scratch}/output', f'{scratch}/compiles'
     output_fd = os.open(output_path, os.O_WRONLY | os.O_CREAT)
@@ -75,7 +80,8 @@ def run_row(row: dict) -> dict:
     with open(output_path) as f:
       output = f.read()
     compiles = int(open(compiles_path).read()) if os.path.exists(compiles_path) else -1
-  return {'code': os.waitstatus_to_exitcode(status), 'output': output, 'compiles': compiles}
+  return {'code': os.waitstatus_to_exitcode(status), 'output': output, 'compiles': compiles,
+          'seconds': round(time.monotonic() - start, 1)}
 
 
 def main() -> None:
