@@ -34,7 +34,8 @@ SHORT_TRAIN = ('--config.train.num_steps=2', '--config.train.eval_every=2',
 class Run:
   chain: str  # Runs of one chain share a scratch directory, in the table's order.
   add: tuple[str, ...] = ()  # Appended after the command's last word.
-  replace: tuple[tuple[str, str], ...] = ()  # (old word, new word) rewrites of whole flags.
+  # (old word, new words) rewrites of whole flags; several new words are joined by spaces.
+  replace: tuple[tuple[str, str], ...] = ()
   files: tuple[tuple[str, str], ...] = ()  # (name, text) written in the scratch first.
   outputs: tuple[str, ...] = ()  # Paths (after the /tmp move) the docs say it writes.
   order: int = 0  # Within a chain: lower first, then the table's order.
@@ -123,17 +124,27 @@ CHECKS = {
         NO_TORCH,
     # README and docs/multihost.md, "Many processes".
     'python -m launch.local --num_processes=2 --devices_per_process=4 -- python -m engine.main '
-    '--config=experiments/tiny.py:mesh=2x2x2 --workdir=/tmp/tiny_2x4':
+    '--config=experiments/tiny.py:mesh=2x2x2,steps=100 --workdir=/tmp/tiny_2x4':
         Run('local', add=SHORT_TRAIN, outputs=('/tmp/tiny_2x4/metrics.jsonl',)),
     'python -m launch.tpu_pod --tpu=my-v5e-32 --zone=us-west4-a -- python -m engine.main '
     '--config=experiments/shakespeare_char.py:mesh=-1x1x1 '
     '--config.data.path=/data/tinyshakespeare.txt --workdir=gs://my-bucket/shakespeare':
-        Skip('needs a TPU pod slice and gcloud'),
-    'python -m launch.slurm --nodes=2 --gpus_per_node=8 --partition=gpu '
+        Run('launchers', replace=(('--zone=us-west4-a', '--zone=us-west4-a --dry_run'),)),
+    'python -m launch.slurm --nodes=2 --gpus_per_node=8 --tasks=per_host --partition=gpu '
     '--setup=source .venv/bin/activate -- python -m engine.main '
     '--config=experiments/shakespeare_char.py:mesh=2x8x1 --config.mesh.dcn_data=2 '
     '--config.data.path=/shared/tinyshakespeare.txt --workdir=/shared/runs/s':
-        Skip('needs a SLURM cluster with GPUs'),
+        # Without sbatch: --dry_run still checks the job against the experiment's mesh.
+        Run('launchers', replace=(('--partition=gpu', '--partition=gpu --dry_run'),)),
+    # README, "Sweeps": one variant of the grid's four, two steps.
+    'python -m engine.sweep --config=experiments/tiny.py --config.train.num_steps=100 '
+    '--grid=optim.learning_rate=1e-3,3e-3 --grid=model.num_layers=2,4 --workdir=/tmp/sweep':
+        Run('sweep', replace=(('--config.train.num_steps=100', ' '.join(SHORT_TRAIN)),
+                              ('--grid=optim.learning_rate=1e-3,3e-3',
+                               '--grid=optim.learning_rate=1e-3'),
+                              ('--grid=model.num_layers=2,4', '--grid=model.num_layers=2')),
+            outputs=('/tmp/sweep/sweep.md', '/tmp/sweep/loss_curves.png',
+                     '/tmp/sweep/optim.learning_rate=1e-3,model.num_layers=2/summary.json')),
     # docs/performance.md, docs/training.md.
     'python -m engine.bench --config=experiments/shakespeare_char.py '
     '--config.data.path=../shared/data/tinyshakespeare.txt --steps=40 '
@@ -223,8 +234,9 @@ def reduced(words: list[str], check: Run, scratch: str) -> tuple[dict, list[str]
     env[name] = os.environ.get(name, '') + ' ' + value
     words = words[1:]
   assert words[:2] == ['python', '-m'], words
-  replace = dict(check.replace)
-  words = [replace.get(w, w) for w in words[2:]] + list(check.add)
+  replace = dict(check.replace)  # A replacement may be several words, joined by spaces.
+  words = [x for w in words[2:] for x in (replace[w].split(' ') if w in replace else [w])]
+  words += list(check.add)
   return env, [move_tmp(w, scratch) for w in words]
 
 
