@@ -17,8 +17,8 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from engine import workdir as workdir_lib
 from engine import chips
+from engine import workdir as workdir_lib
 
 matplotlib.use('Agg')  # Files only; no display on training machines.
 import matplotlib.pyplot as plt  # noqa: E402

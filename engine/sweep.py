@@ -134,12 +134,6 @@ def run_variant(command: list[str], workdir: str, log_path: str, num_steps: int)
   return {'status': 'finished', **record}
 
 
-def already_finished(record: dict, command: list[str]) -> bool:
-  """Whether sweep.json's record says this very command ran to its end. Another command (more
-  steps, say) runs again: engine.main extends the run, or refuses in one line."""
-  return record.get('status') == 'finished' and record.get('command') == shlex.join(command)
-
-
 def _run_all(directory: str, variants, configs, commands) -> dict:
   """Runs the variants not finished yet, recording each in sweep.json as it ends."""
   state_path = os.path.join(directory, STATE_FILE)
@@ -148,7 +142,7 @@ def _run_all(directory: str, variants, configs, commands) -> dict:
   for i, (variant, config, command) in enumerate(zip(variants, configs, commands), 1):
     where = f'[{i}/{len(variants)}] {variant.name}'
     before = state.get(variant.name, {})
-    if already_finished(before, command):
+    if sweep_grid.already_finished(before, command):
       print(f'{where}: finished before, skipped', flush=True)
       continue
     if before.get('status') == 'finished':

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import itertools
 import re
+import shlex
 import sys
 
 import ml_collections
@@ -125,3 +126,9 @@ def command(experiment: str, base_overrides: list[str], variant: Variant,
   """The variant's engine.main command line."""
   return [sys.executable, '-m', 'engine.main', f'--config={experiment}', *base_overrides,
           *variant.overrides, f'--workdir={workdir}']
+
+
+def already_finished(record: dict, command: list[str]) -> bool:
+  """Whether sweep.json's record says this very command ran to its end. Another command (more
+  steps, say) runs again: engine.main extends the run, or refuses in one line."""
+  return record.get('status') == 'finished' and record.get('command') == shlex.join(command)

@@ -83,13 +83,18 @@ def write_csv(path: str, rows: dict[str, dict]) -> None:
 def plot(path: str, workdirs: dict[str, str]) -> None:
   """Every variant's train loss as a line, its eval losses as points of the same colour."""
   fig, ax = plt.subplots(figsize=(9, 5))
-  for name, workdir in workdirs.items():
+  # Layouts that agree (auto and manual, one mesh and another) draw the same curve: the line
+  # styles keep every one of them visible.
+  styles = ('-', '--', ':', '-.')
+  for i, (name, workdir) in enumerate(workdirs.items()):
     records = read_metrics(workdir)
     train = [(r['step'], r['train/loss']) for r in records if 'train/loss' in r]
     evals = [(r['step'], r['eval/loss']) for r in records if 'eval/loss' in r]
     if not train and not evals:
       continue
-    line, = ax.plot(*zip(*train), label=name) if train else ax.plot([], [], label=name)
+    style = styles[i % len(styles)]
+    line, = (ax.plot(*zip(*train), style, label=name) if train
+             else ax.plot([], [], style, label=name))
     if evals:
       ax.plot(*zip(*evals), 'o', color=line.get_color())
   ax.set_xlabel('step')

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from engine import sweep as sweep_lib
+from engine import sweep_grid
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOOD, BAD = 'optim.learning_rate=1e-3', 'optim.learning_rate=3e-3'
@@ -114,7 +114,7 @@ def test_print_commands_prints_every_variant_and_runs_nothing(tmp_path):
 def test_a_finished_variant_runs_again_when_its_command_changed():
   command = ['python', '-m', 'engine.main', '--config=experiments/tiny.py:steps=4']
   record = {'status': 'finished', 'command': shlex.join(command)}
-  assert sweep_lib.already_finished(record, command)
-  assert not sweep_lib.already_finished(record, command[:-1] + ['--config=tiny.py:steps=8'])
-  assert not sweep_lib.already_finished({**record, 'status': 'failed'}, command)
-  assert not sweep_lib.already_finished({}, command)
+  assert sweep_grid.already_finished(record, command)
+  assert not sweep_grid.already_finished(record, command[:-1] + ['--config=tiny.py:steps=8'])
+  assert not sweep_grid.already_finished({**record, 'status': 'failed'}, command)
+  assert not sweep_grid.already_finished({}, command)
