@@ -64,6 +64,24 @@ def default_config() -> ml_collections.ConfigDict:
   # Llama: attend only to this many most recent positions (Mistral); 0: all. The engine computes
   # full causal attention, so a window shorter than the sequence is refused.
   c.model.sliding_window = 0
+  # Llama: a mixture of experts in place of each block's MLP (engine/models/moe.py): this many
+  # SwiGLU experts; 0: the dense MLP.
+  c.model.num_experts = 0
+  c.model.experts_per_token = 2  # Llama MoE: experts each token is routed to (top-k).
+  # Llama MoE: softmax_topk (softmax over all experts, the top k renormalised: Mixtral,
+  # Qwen-MoE) | topk_softmax (the top k logits, softmax over those k).
+  c.model.moe_router = 'softmax_topk'
+  c.model.moe_mlp_dim = 0  # Llama MoE: each expert's hidden size; 0: mlp_dim.
+  # Llama MoE: hidden size of a shared SwiGLU expert every token also goes through; 0: none.
+  c.model.moe_shared_expert = 0
+  # Llama MoE: dropless (grouped matmuls over tokens sorted by expert) | capacity (each expert
+  # takes at most moe_capacity_factor * tokens * k / experts assignments; later ones dropped).
+  c.model.moe_dispatch = 'dropless'
+  c.model.moe_capacity_factor = 1.25  # Llama MoE, capacity dispatch: see moe_dispatch.
+  # Llama MoE: weight of Switch's load-balancing loss (experts * sum_e f_e * P_e), per layer.
+  c.model.moe_aux_loss_coef = 0.01
+  # Llama MoE: weight of the router z-loss, mean(logsumexp(router logits)^2), per layer.
+  c.model.moe_z_loss_coef = 0.0
   # Llama: the Hugging Face architecture the model was loaded from and is exported as ('' : the
   # family's own, LlamaForCausalLM); set by train.init_from=hf:DIR.
   c.model.hf_architecture = ''

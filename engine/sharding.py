@@ -73,6 +73,8 @@ class Rules:
 # The combined layout: batch over data and fsdp; parameters' embed over fsdp (ZeRO-3);
 # heads / MLP hidden / vocabulary over tensor (Megatron); the sequence (activations' `length`)
 # over context; stacked layers over stage (pipeline). Other presets are its restrictions.
+# `experts` (the leading axis of a mixture of experts' stacked weights) is in no preset yet: every
+# device holds every expert, each expert's `mlp` split like the dense MLP's.
 _TENSOR_NAMES = ('heads', 'kv_heads', 'mlp', 'vocab')
 _CONTEXT = {'length': ('context',)}
 _STAGE = {'layers': ('stage',)}  # Stacked layers split into pipeline stages.

@@ -19,6 +19,7 @@ from ml_collections import ConfigDict
 from engine import config_help, models, parallel, profiling, sharding, text_files
 from engine.config import DTYPES, SOURCES, TOKENIZERS, ConfigError, resolve_mesh_shape
 from engine.models import attention, llama
+from engine.validation_moe import check_moe
 from engine.validation_optim import check_optim
 from engine.validation_samples import check_sample_keys
 
@@ -116,6 +117,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
                       '--config.seed=0.')
   mesh = _check_mesh(config.mesh, num_devices, num_processes, num_slices)
   rules = _check_parallelism(config, mesh)
+  check_moe(config, mesh)
   if training:
     _check_schedule(config, mesh, rules, num_processes)
   _check_model_splits(config.model, mesh)
@@ -159,7 +161,7 @@ def _check_model(model: ConfigDict) -> None:
 
 # Keys that only the Llama family reads, with their neutral values: another model refuses them.
 _LLAMA_ONLY = {'head_dim': -1, 'qkv_bias': False, 'qk_norm': False, 'rope_type': 'default',
-               'sliding_window': 0, 'hf_architecture': ''}
+               'sliding_window': 0, 'hf_architecture': '', 'num_experts': 0}
 
 
 def _check_llama_keys(model: ConfigDict) -> None:

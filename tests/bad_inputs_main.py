@@ -15,6 +15,8 @@ TINY = '--config=experiments/tiny.py'
 RUN = '--workdir=$T/run'
 FILE = '--config.data.source=file'
 SHARDS = '--config.data.source=shards'
+LLAMA = '--config.model.name=llama'
+MOE = [LLAMA, '--config.model.num_experts=4']  # A Llama with a mixture of experts.
 
 # A tiny Llama's config.json (two layers).
 HF_LLAMA = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 16,
@@ -331,4 +333,29 @@ BAD_INPUTS = [
      "only; model.name='gpt' would ignore it: drop it."),
     ([TINY, RUN, '--config.model.attention_scale=0'], 2, 'model.attention_scale=0.0 must be a '
      'positive number, or -1 for 1/sqrt(head_dim).'),
+    # Mixture of experts (Llama).
+    ([TINY, RUN, '--config.model.num_experts=4'], 2, "model.num_experts=4 is read by the llama "
+     "model only; model.name='gpt' would ignore it: drop it."),
+    ([TINY, RUN, LLAMA, '--config.model.num_experts=-1'], 2, 'model.num_experts=-1 must be '
+     '>= 0; give 0 for the dense MLP, or the number of experts.'),
+    ([TINY, RUN, *MOE, '--config.model.experts_per_token=5'], 2,
+     'model.experts_per_token=5 must lie in [1, model.num_experts=4]; route each token to at '
+     'least one and at most every expert.'),
+    ([TINY, RUN, *MOE, '--config.model.experts_per_token=0'], 2,
+     'model.experts_per_token=0 must lie in [1, model.num_experts=4]; route each token to at '
+     'least one and at most every expert.'),
+    ([TINY, RUN, *MOE, '--config.model.moe_router=top1'], 2, "model.moe_router='top1' is "
+     "unknown; choose one of ('softmax_topk', 'topk_softmax')."),
+    ([TINY, RUN, *MOE, '--config.model.moe_dispatch=dense'], 2, "model.moe_dispatch='dense' "
+     "is unknown; choose one of ('dropless', 'capacity')."),
+    ([TINY, RUN, *MOE, '--config.model.moe_capacity_factor=0'], 2,
+     'model.moe_capacity_factor=0.0 must be a positive number; each expert takes ceil(tokens * k '
+     '/ experts * factor) assignments (e.g. 1.25).'),
+    ([TINY, RUN, *MOE, '--config.model.moe_aux_loss_coef=-0.1'], 2,
+     'model.moe_aux_loss_coef=-0.1 must be a number >= 0; give 0 or more.'),
+    (['--config=experiments/tiny.py:mode=manual', RUN, *MOE], 2, 'model.num_experts=4 in '
+     'manual mode on a mesh that splits the tokens (data*fsdp*context=8) is not supported yet; '
+     'use parallelism.mode=auto, or split only mesh.tensor.'),
+    (['--config=experiments/tiny.py:mesh=4x1x1x1x2', RUN, *MOE], 2, 'model.num_experts=4 with '
+     'mesh.stage=2: pipeline stages are not supported with experts yet; set mesh.stage=1.'),
 ]

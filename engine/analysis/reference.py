@@ -15,7 +15,7 @@ import jax
 import optax
 from flax import nnx
 
-from engine.models.spec import ModelSpec
+from engine.models.spec import ModelSpec, logits_and_aux_loss
 from engine.optimizer import make_optimizer
 
 
@@ -34,9 +34,10 @@ class ReferenceRun:
     self._gradients = jax.jit(jax.value_and_grad(self._loss))
 
   def _loss(self, params, tokens_BL1):
-    logits_BLV = nnx.merge(self.graphdef, params)(tokens_BL1[:, :-1])
+    logits_BLV, aux_loss = logits_and_aux_loss(nnx.merge(self.graphdef, params),
+                                               tokens_BL1[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits_BLV.astype('float32'), tokens_BL1[:, 1:]).mean()
+        logits_BLV.astype('float32'), tokens_BL1[:, 1:]).mean() + aux_loss
 
   def gradients(self, tokens_BL1):
     """(loss, gradients) of the current parameters on a host batch, without stepping."""

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.layers import apply_layers, dense, param, stack_layers
+from engine.models.moe import MoeConfig, MoeMlp
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
 
@@ -79,6 +80,7 @@ class LlamaConfig:
   qk_norm: bool = False  # Qwen3: RMSNorm over each query / key head, before rotary.
   scan_layers: bool = True
   init_std: float = 0.02
+  moe: MoeConfig | None = None  # A mixture of experts in place of each block's MLP.
 
 
 class RMSNorm(nnx.Module):
@@ -127,6 +129,9 @@ class Block(nnx.Module):
       self.k_norm = RMSNorm(K, cfg.norm_eps, rngs)
     self.w_o_HKD = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), cfg.init_std)
     self.mlp_norm = RMSNorm(D, cfg.norm_eps, rngs)
+    if cfg.moe:
+      self.moe = MoeMlp(D, cfg.moe, cfg.init_std, rngs)
+      return
     self.w_gate_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
     self.w_up_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
     self.w_down_FD = param(rngs, (F, D), ('mlp', 'embed'), cfg.init_std)
@@ -168,11 +173,18 @@ class Block(nnx.Module):
     y_BLD = dense(h_BLF, self.w_down_FD[...])
     return ops.finish_contraction(y_BLD, 'mlp')
 
-  def __call__(self, x_BLD, ops):
+  def __call__(self, carry, ops):
+    """x [B, L, D] -> x; or, for the training loss, (x, auxiliary loss so far) -> the same with
+    this block's mixture-of-experts loss added."""
+    x_BLD, aux = carry if isinstance(carry, tuple) else (carry, None)
     x_BLD = x_BLD + self.attention(self.attn_norm(x_BLD), ops)
     x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
-    x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD), ops)
-    return ops.constrain(x_BLD, ('batch', 'length', 'embed'))
+    if self.cfg.moe:
+      y_BLD, layer_aux, _ = self.moe(self.mlp_norm(x_BLD), ops)
+    else:
+      y_BLD, layer_aux = self.mlp(self.mlp_norm(x_BLD), ops), 0.0
+    x_BLD = ops.constrain(x_BLD + y_BLD, ('batch', 'length', 'embed'))
+    return x_BLD if aux is None else (x_BLD, aux + layer_aux)
 
 
 class Llama(nnx.Module):
@@ -188,13 +200,35 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens_BL: jax.Array, ops=LocalOps()) -> jax.Array:
     """Logits (float32) for every position of `tokens_BL`."""
+    return self.logits_and_aux_loss(tokens_BL, ops, with_aux=False)[0]
+
+  def logits_and_aux_loss(self, tokens_BL: jax.Array, ops=LocalOps(), with_aux: bool = True):
+    """(logits, the mixture-of-experts layers' auxiliary losses summed, to add to the training
+    loss: 0.0 for a dense model)."""
     x_BLD = ops.constrain(ops.embed_lookup(self.tok_embed_VD[...], tokens_BL),
                           ('batch', 'length', 'embed'))
-
     unroll = 1 if self.cfg.scan_layers else self.cfg.num_layers
-    x_BLD = self.final_norm(apply_layers(self.blocks, x_BLD, ops, unroll))
-    logits_BLV = dense(x_BLD, self.head_DV[...], preferred_element_type=jnp.float32)
-    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
+    aux = 0.0
+    if with_aux and self.cfg.moe:  # The loss rides along the layers' carry.
+      x_BLD, aux = apply_layers(self.blocks, (x_BLD, jnp.zeros((), jnp.float32)), ops, unroll)
+    else:
+      x_BLD = apply_layers(self.blocks, x_BLD, ops, unroll)
+    logits_BLV = dense(self.final_norm(x_BLD), self.head_DV[...],
+                       preferred_element_type=jnp.float32)
+    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab')), aux
+
+
+def moe_config(model_config) -> MoeConfig | None:
+  """The mixture of experts of the model.moe_* keys; None for a dense model."""
+  if not model_config.get('num_experts', 0):
+    return None
+  return MoeConfig(
+      num_experts=model_config.num_experts,
+      mlp_dim=model_config.moe_mlp_dim or model_config.mlp_dim,
+      experts_per_token=model_config.experts_per_token, router=model_config.moe_router,
+      shared_expert_dim=model_config.moe_shared_expert, dispatch=model_config.moe_dispatch,
+      capacity_factor=model_config.moe_capacity_factor,
+      aux_loss_coef=model_config.moe_aux_loss_coef, z_loss_coef=model_config.moe_z_loss_coef)
 
 
 def build(model_config, vocab_size: int) -> ModelSpec:
@@ -215,9 +249,13 @@ def build(model_config, vocab_size: int) -> ModelSpec:
                        model_config.attention_scale),
       attention=model_config.attention, qkv_bias=model_config.qkv_bias,
       qk_norm=model_config.qk_norm, scan_layers=model_config.scan_layers,
-      init_std=model_config.init_std)
+      init_std=model_config.init_std, moe=moe_config(model_config))
   D, F, K = cfg.embed_dim, cfg.mlp_dim, cfg.head_dim
   HK, NK = cfg.num_heads * K, cfg.num_kv_heads * K
+  if cfg.moe:  # What one token multiplies: the router, k experts and the shared expert.
+    moe = cfg.moe
+    F = (moe.experts_per_token * moe.mlp_dim + moe.shared_expert_dim +
+         moe.num_experts / 3)
   matmul_params = cfg.num_layers * (2 * D * HK + 2 * D * NK + 3 * D * F) + vocab_size * D
 
   def flops_per_token(seq_len: int) -> float:

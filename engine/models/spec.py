@@ -17,6 +17,9 @@ The module that `ModelSpec.create` returns must:
     the rules may split (Megatron's row-parallel layers), `column_parallel_input(x, name)` on an
     input that feeds several column-parallel matmuls, `constrain` on activations, and `layer`
     around the application of each layer stacked along the `LAYERS` axis;
+  - optionally, define `logits_and_aux_loss(tokens_BL, ops) -> (logits_BLV, scalar)`: the
+    scalar (e.g. a mixture of experts' load-balancing loss) is added to the training loss
+    (`logits_and_aux_loss` below);
   - for context (sequence) parallelism (`context_parallel=True`), take positions from
     `ops.positions` and compute attention with `ops.attention`: a device then holds only part of
     each sequence.
@@ -62,3 +65,11 @@ class ModelSpec:
     the rules), so Flax's eager sharding, which reads the names as mesh axes, is off."""
     with nnx.use_eager_sharding(False):
       return group_layers(self.factory(rngs), self.layer_groups)
+
+
+def logits_and_aux_loss(model: nnx.Module, tokens_BL, ops=None):
+  """(logits, auxiliary loss to add to the training loss): the model's own `logits_and_aux_loss`
+  where it has one, else its logits and 0.0."""
+  if hasattr(model, 'logits_and_aux_loss'):
+    return model.logits_and_aux_loss(tokens_BL, *([ops] if ops is not None else []))
+  return (model(tokens_BL) if ops is None else model(tokens_BL, ops)), 0.0

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from engine.models.ops import LAYERS
+from engine.models.spec import logits_and_aux_loss
 from engine.optimizer import clip_by_global_norm
 from engine.sharding import logical_axes_of
 from engine.state import TrainSetup
@@ -48,10 +49,12 @@ REMAT_POLICIES = {
 
 
 def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) -> jax.Array:
-  """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
+  """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], plus the model's
+  auxiliary loss (a mixture of experts' router losses; engine.models.spec)."""
   model = ops.prepare_params(nnx.merge(graphdef, params))
   inputs_BL, targets_BL = ops.inputs_and_targets(tokens_BL1)
-  return ops.cross_entropy(model(inputs_BL, ops), targets_BL)
+  logits_BLV, aux_loss = logits_and_aux_loss(model, inputs_BL, ops)
+  return ops.cross_entropy(logits_BLV, targets_BL) + aux_loss
 
 
 def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:

@@ -1,0 +1,52 @@
+"""The mixture-of-experts keys (model.num_experts and model.moe_*; engine/models/moe.py), and
+the layouts the layer does not support yet. engine.validation.validate calls `check_moe`."""
+
+from __future__ import annotations
+
+import math
+
+from ml_collections import ConfigDict
+
+from engine.config import ConfigError
+from engine.models import moe
+
+
+def check_moe(config: ConfigDict, mesh: dict[str, int]) -> None:
+  """The MoE keys' values; then the meshes the layer's batch statistics are exact on."""
+  model = config.model
+  if model.num_experts < 0:
+    raise ConfigError(f'model.num_experts={model.num_experts} must be >= 0; give 0 for the '
+                      'dense MLP, or the number of experts.')
+  if not model.num_experts:
+    return
+  if not 1 <= model.experts_per_token <= model.num_experts:
+    raise ConfigError(
+        f'model.experts_per_token={model.experts_per_token} must lie in [1, model.num_experts='
+        f'{model.num_experts}]; route each token to at least one and at most every expert.')
+  for key, choices in (('moe_router', moe.ROUTERS), ('moe_dispatch', moe.DISPATCHES)):
+    if model[key] not in choices:
+      raise ConfigError(f'model.{key}={model[key]!r} is unknown; choose one of {choices}.')
+  factor = model.moe_capacity_factor
+  if not (math.isfinite(factor) and factor > 0):
+    raise ConfigError(f'model.moe_capacity_factor={factor} must be a positive number; each '
+                      'expert takes ceil(tokens * k / experts * factor) assignments (e.g. 1.25).')
+  for key in ('moe_mlp_dim', 'moe_shared_expert', 'moe_aux_loss_coef', 'moe_z_loss_coef'):
+    if not (math.isfinite(model[key]) and model[key] >= 0):
+      raise ConfigError(f'model.{key}={model[key]} must be a number >= 0; give 0 or more.')
+  _check_layout(config, mesh)
+
+
+def _check_layout(config: ConfigDict, mesh: dict[str, int]) -> None:
+  """The router's statistics and the capacity are taken over the tokens the layer sees: the
+  whole batch in auto mode; in manual mode only this device's, and a pipeline stage sees one
+  micro-batch, so those layouts would compute something else than the one-device model."""
+  experts = config.model.num_experts
+  if mesh['stage'] > 1:
+    raise ConfigError(f'model.num_experts={experts} with mesh.stage={mesh["stage"]}: pipeline '
+                      'stages are not supported with experts yet; set mesh.stage=1.')
+  split = mesh['data'] * mesh['fsdp'] * mesh['context']
+  if config.parallelism.mode == 'manual' and split > 1:
+    raise ConfigError(
+        f'model.num_experts={experts} in manual mode on a mesh that splits the tokens '
+        f'(data*fsdp*context={split}) is not supported yet; use parallelism.mode=auto, or '
+        'split only mesh.tensor.')

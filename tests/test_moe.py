@@ -1,0 +1,134 @@
+"""The mixture-of-experts layer (engine/models/moe.py) and the Llama model built with it.
+
+The layer is checked against a NumPy loop over tokens and their top-k experts written here, for
+both routers and both dispatches (capacity with so few slots that assignments drop), with its
+load-balancing and z-losses; the model's loss and gradients in auto mode on a 2x2x2 mesh and in
+manual mode on a tensor-only mesh against its single-device run (as tests/test_llama.py), and
+the refusal of the layouts it does not support yet.
+"""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from engine.analysis.reference import ReferenceRun
+from engine.config import ConfigError
+from engine.models import moe
+from engine.models.ops import LocalOps
+from engine.validation import validate
+from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
+
+D, E, K, F, S = 8, 4, 2, 16, 6  # embed, experts, experts per token, expert hidden, shared.
+
+
+def _silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def _numpy_layer(x_TD, p, router, slots):
+  """(y [T, D], balance loss, z-loss, dropped count): token by token, choice by choice."""
+  logits = x_TD @ p['w_router_DE']
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  used, dropped, y = np.zeros(E, int), 0, np.zeros_like(x_TD)
+  chosen_TK = np.argsort(-logits, axis=-1, kind='stable')[:, :K]
+  for t, x in enumerate(x_TD):
+    chosen = chosen_TK[t]
+    if router == 'softmax_topk':
+      weights = probs[t, chosen] / probs[t, chosen].sum()
+    else:
+      weights = np.exp(logits[t, chosen] - logits[t, chosen].max())
+      weights /= weights.sum()
+    for e, w in zip(chosen, weights):
+      used[e] += 1
+      if slots is not None and used[e] > slots:
+        dropped += 1  # Contributes nothing.
+        continue
+      h = _silu(x @ p['w_gate_EDF'][e]) * (x @ p['w_up_EDF'][e])
+      y[t] += w * (h @ p['w_down_EFD'][e])
+    y[t] += (_silu(x @ p['w_shared_gate_DS']) * (x @ p['w_shared_up_DS'])) @ p['w_shared_down_SD']
+  fraction = np.bincount(chosen_TK.ravel(), minlength=E) / chosen_TK.size
+  balance = E * np.sum(fraction * probs.mean(0))
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  return y, balance, np.mean(lse ** 2), dropped
+
+
+@pytest.mark.parametrize('router', moe.ROUTERS)
+def test_layer_matches_a_numpy_loop(router):
+  x_BLD = np.asarray(jax.random.normal(jax.random.key(1), (3, 4, D)))
+  T = x_BLD.shape[0] * x_BLD.shape[1]
+  for dispatch, factor in (('dropless', 1.0), ('capacity', 0.5), ('capacity', 4.0)):
+    cfg = moe.MoeConfig(E, F, K, router, S, dispatch, factor, aux_loss_coef=0.1,
+                        z_loss_coef=0.01)
+    with nnx.use_eager_sharding(False):
+      layer = moe.MoeMlp(D, cfg, 0.5, nnx.Rngs(0))
+    params = {k: np.asarray(v) for k, v in nnx.to_pure_dict(nnx.state(layer)).items()}
+    y, aux, stats = layer(x_BLD, LocalOps())
+    slots = moe.capacity(T, K, E, factor) if dispatch == 'capacity' else None
+    y_np, balance, z, dropped = _numpy_layer(x_BLD.reshape(T, D), params, router, slots)
+    np.testing.assert_allclose(np.asarray(y).reshape(T, D), y_np, atol=1e-5, err_msg=dispatch)
+    np.testing.assert_allclose(float(stats['balance']), balance, rtol=1e-5)
+    np.testing.assert_allclose(float(stats['z']), z, rtol=1e-5)
+    np.testing.assert_allclose(float(aux), 0.1 * balance + 0.01 * z, rtol=1e-5)
+    np.testing.assert_allclose(float(stats['dropped']), dropped / (T * K), atol=1e-7)
+    if factor == 0.5:  # 3 slots per expert for 24 assignments: at least half are dropped.
+      assert slots == 3 and dropped >= T * K - E * slots
+    else:
+      assert dropped == 0
+
+
+def moe_config(mesh=(1, 1, 1), dispatch='dropless', mode='auto'):
+  config = tiny_config(mesh=mesh, steps=2)
+  config.model.name = 'llama'
+  config.model.num_heads = 8  # tensor=8 splits the heads too.
+  config.model.tie_embeddings = False
+  config.model.num_experts = 4
+  config.model.moe_mlp_dim = 32
+  config.model.moe_shared_expert = 16
+  config.model.moe_dispatch = dispatch
+  config.model.moe_capacity_factor = 0.5  # Half the slots the assignments need: many drop.
+  config.model.moe_aux_loss_coef = 0.1
+  config.model.moe_z_loss_coef = 0.01
+  config.parallelism.mode = mode
+  return config
+
+
+@pytest.mark.parametrize('dispatch, layouts', [
+    ('dropless', [('auto', (2, 2, 2)), ('manual', (1, 1, 8))]),
+    ('capacity', [('auto', (2, 2, 2))])])
+def test_model_matches_single_device(dispatch, layouts):
+  reference = single_device_run(moe_config(dispatch=dispatch), 2)
+  for mode, mesh in layouts:
+    assert_same_run(engine_run(moe_config(mesh, dispatch, mode), mode, 2), reference)
+
+
+def test_the_auxiliary_losses_are_in_the_training_loss():
+  config = moe_config()
+  from engine import models
+  spec = models.build(config.model, 64)
+  run = ReferenceRun(spec, config.optim, 2, 0)
+  tokens = np.asarray(jax.random.randint(jax.random.key(2), (4, 9), 0, 64))
+  loss, _ = run.gradients(tokens)
+  model = nnx.merge(run.graphdef, run.params)
+  logits = np.asarray(model(tokens[:, :-1]), np.float64)
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  cross_entropy = np.mean(lse - np.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
+  # Per layer: 0.1 * balance (>= 1 by Cauchy-Schwarz-like bound, near 1 when balanced) plus
+  # 0.01 * z, summed over 2 layers.
+  extra = float(loss) - cross_entropy
+  assert 2 * 0.1 * 0.9 < extra < 2 * (0.1 * 4 + 0.01 * math.log(4) ** 2 * 4)
+
+
+@pytest.mark.parametrize('mode, mesh, message', [
+    ('manual', (2, 2, 2), 'model.num_experts=4 in manual mode on a mesh that splits the tokens'),
+    ('auto', (1, 1, 8), None)])
+def test_unsupported_layouts_are_refused(mode, mesh, message):
+  config = moe_config(mesh, mode=mode)
+  if message is None:
+    validate(config, 8)
+    return
+  with pytest.raises(ConfigError, match=message):
+    validate(config, 8)
