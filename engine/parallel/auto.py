@@ -87,6 +87,8 @@ def build_steps(setup: TrainSetup) -> Steps:
   return Steps(
       train=jax.jit(train_step, in_shardings=(state_shardings, batch),
                     out_shardings=(state_shardings, replicated), donate_argnums=0),
-      eval=jax.jit(loss_fn, in_shardings=(params_shardings, batch), out_shardings=replicated),
+      eval=jax.jit(lambda params, tokens_BL1: next_token_loss(
+          params, setup.graphdef, tokens_BL1, ops, with_aux=False),
+                   in_shardings=(params_shardings, batch), out_shardings=replicated),
       gradients=jax.jit(gradients, in_shardings=(params_shardings, batch),
                         out_shardings=(replicated, params_shardings)))

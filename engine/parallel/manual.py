@@ -312,7 +312,8 @@ def build_steps(setup: TrainSetup) -> Steps:
     return apply_update(setup, state, loss, grads, gradients.global_norm(grads))
 
   def eval_step(params, tokens_BL1):
-    return gradients.batch_mean(gradients.local_loss(params, tokens_BL1))
+    return gradients.batch_mean(next_token_loss(params, setup.graphdef, tokens_BL1,
+                                                gradients.ops, with_aux=False))
 
   return Steps(
       train=_shard_mapped(setup, train_step, (state_specs, batch_spec), (state_specs, P()),

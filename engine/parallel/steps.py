@@ -27,7 +27,7 @@ class Steps:
 
   train(state, tokens_BL1) -> (new state, {'loss', 'grad_norm', 'learning_rate'}); the state is
     donated. The loss is the one before the update, the gradient norm the one before clipping.
-  eval(params, tokens_BL1) -> mean loss.
+  eval(params, tokens_BL1) -> mean cross-entropy (without a model's auxiliary loss).
   gradients(params, tokens_BL1) -> (mean loss, gradients of the mean loss, sharded like params):
     what `train` computes before it clips and updates, for checking a layout against a
     reference.
@@ -48,11 +48,15 @@ REMAT_POLICIES = {
 }
 
 
-def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops) -> jax.Array:
-  """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], plus the model's
-  auxiliary loss (a mixture of experts' router losses; engine.models.spec)."""
+def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
+                    with_aux: bool = True) -> jax.Array:
+  """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], plus (`with_aux`: the
+  training loss, not evaluation's) the model's auxiliary loss (a mixture of experts' router
+  losses; engine.models.spec)."""
   model = ops.prepare_params(nnx.merge(graphdef, params))
   inputs_BL, targets_BL = ops.inputs_and_targets(tokens_BL1)
+  if not with_aux:
+    return ops.cross_entropy(model(inputs_BL, ops), targets_BL)
   logits_BLV, aux_loss = logits_and_aux_loss(model, inputs_BL, ops)
   return ops.cross_entropy(logits_BLV, targets_BL) + aux_loss
 
