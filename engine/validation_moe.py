@@ -37,16 +37,17 @@ def check_moe(config: ConfigDict, mesh: dict[str, int]) -> None:
 
 
 def _check_layout(config: ConfigDict, mesh: dict[str, int]) -> None:
-  """The router's statistics and the capacity are taken over the tokens the layer sees: the
-  whole batch in auto mode; in manual mode only this device's, and a pipeline stage sees one
-  micro-batch, so those layouts would compute something else than the one-device model."""
+  """The layouts that would compute something else than the one-device model: a pipeline stage
+  sees one micro-batch's tokens, and manual mode's capacity would count only this device's
+  (the router's statistics are averaged over the batch shards: ops.batch_mean)."""
   experts = config.model.num_experts
   if mesh['stage'] > 1:
     raise ConfigError(f'model.num_experts={experts} with mesh.stage={mesh["stage"]}: pipeline '
                       'stages are not supported with experts yet; set mesh.stage=1.')
   split = mesh['data'] * mesh['fsdp'] * mesh['context']
-  if config.parallelism.mode == 'manual' and split > 1:
+  if (config.parallelism.mode == 'manual' and split > 1 and
+      config.model.moe_dispatch == 'capacity'):
     raise ConfigError(
-        f'model.num_experts={experts} in manual mode on a mesh that splits the tokens '
+        f"model.moe_dispatch='capacity' in manual mode on a mesh that splits the tokens "
         f'(data*fsdp*context={split}) is not supported yet; use parallelism.mode=auto, or '
-        'split only mesh.tensor.')
+        "model.moe_dispatch='dropless'.")

@@ -2,9 +2,10 @@
 
 The layer is checked against a NumPy loop over tokens and their top-k experts written here, for
 both routers and both dispatches (capacity with so few slots that assignments drop), with its
-load-balancing and z-losses; the model's loss and gradients in auto mode on a 2x2x2 mesh and in
-manual mode on a tensor-only mesh against its single-device run (as tests/test_llama.py), and
-the refusal of the layouts it does not support yet.
+load-balancing and z-losses; the model's loss and gradients against its single-device run (as
+tests/test_llama.py) in auto mode on 2x2x2 and in manual mode on 2x2x2 and data x context
+(dropless: the routing statistics averaged over the batch shards) and on a tensor-only mesh
+(capacity), and the refusal of the layouts it does not support yet.
 """
 
 import math
@@ -81,7 +82,8 @@ def test_layer_matches_a_numpy_loop(router):
 
 
 def moe_config(mesh=(1, 1, 1), dispatch='dropless', mode='auto'):
-  config = tiny_config(mesh=mesh, steps=2)
+  config = tiny_config(mesh=mesh[:3], steps=2)
+  config.mesh.context = mesh[3] if len(mesh) > 3 else 1
   config.model.name = 'llama'
   config.model.num_heads = 8  # tensor=8 splits the heads too.
   config.model.tie_embeddings = False
@@ -97,8 +99,8 @@ def moe_config(mesh=(1, 1, 1), dispatch='dropless', mode='auto'):
 
 
 @pytest.mark.parametrize('dispatch, layouts', [
-    ('dropless', [('auto', (2, 2, 2)), ('manual', (1, 1, 8))]),
-    ('capacity', [('auto', (2, 2, 2))])])
+    ('dropless', [('auto', (2, 2, 2)), ('manual', (2, 2, 2)), ('manual', (4, 1, 1, 2))]),
+    ('capacity', [('auto', (2, 2, 2)), ('manual', (1, 1, 8))])])
 def test_model_matches_single_device(dispatch, layouts):
   reference = single_device_run(moe_config(dispatch=dispatch), 2)
   for mode, mesh in layouts:
@@ -122,11 +124,15 @@ def test_the_auxiliary_losses_are_in_the_training_loss():
   assert 2 * 0.1 * 0.9 < extra < 2 * (0.1 * 4 + 0.01 * math.log(4) ** 2 * 4)
 
 
-@pytest.mark.parametrize('mode, mesh, message', [
-    ('manual', (2, 2, 2), 'model.num_experts=4 in manual mode on a mesh that splits the tokens'),
-    ('auto', (1, 1, 8), None)])
-def test_unsupported_layouts_are_refused(mode, mesh, message):
-  config = moe_config(mesh, mode=mode)
+@pytest.mark.parametrize('dispatch, mode, mesh, message', [
+    ('capacity', 'manual', (2, 2, 2), "model.moe_dispatch='capacity' in manual mode on a mesh "
+     'that splits the tokens'),
+    ('capacity', 'manual', (1, 1, 8), None),
+    ('dropless', 'manual', (2, 2, 2), None),
+    ('dropless', 'auto', (2, 2, 1, 1, 2), 'pipeline stages are not supported with experts')])
+def test_unsupported_layouts_are_refused(dispatch, mode, mesh, message):
+  config = moe_config(mesh[:4], dispatch, mode)
+  config.mesh.stage = mesh[4] if len(mesh) > 4 else 1
   if message is None:
     validate(config, 8)
     return

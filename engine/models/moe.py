@@ -62,13 +62,15 @@ def route(logits_TE: jax.Array, k: int, router: str):
   return weights_TK, experts_TK.astype(jnp.int32), probs_TE
 
 
-def router_losses(logits_TE, probs_TE, experts_TK):
-  """(Switch load-balancing loss, router z-loss), unweighted."""
+def router_losses(logits_TE, probs_TE, experts_TK, ops):
+  """(Switch load-balancing loss, router z-loss), unweighted, over the whole batch: the balance
+  loss multiplies two batch means, so each is averaged over the devices (`ops.batch_mean`)
+  before the product, not the product after it."""
   E = logits_TE.shape[-1]
   assigned_E = jax.nn.one_hot(experts_TK, E, dtype=jnp.float32).sum((0, 1))
-  fraction_E = assigned_E / experts_TK.size
-  balance = E * jnp.sum(fraction_E * probs_TE.mean(0))
-  z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+  fraction_E = ops.batch_mean(assigned_E / experts_TK.size)
+  balance = E * jnp.sum(fraction_E * ops.batch_mean(probs_TE.mean(0)))
+  z = ops.batch_mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))))
   return balance, z
 
 
@@ -121,7 +123,7 @@ class MoeMlp(nnx.Module):
       h_TS = jax.nn.silu(dense(x_TD, self.w_shared_gate_DS[...])) * dense(
           x_TD, self.w_shared_up_DS[...])
       y_TD = y_TD + ops.finish_contraction(dense(h_TS, self.w_shared_down_SD[...]), 'mlp')
-    balance, z = router_losses(logits_TE, probs_TE, experts_TK)
+    balance, z = router_losses(logits_TE, probs_TE, experts_TK, ops)
     aux = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
     return y_TD.reshape(B, L, D), aux, {'balance': balance, 'z': z, 'dropped': dropped}
 

@@ -83,6 +83,12 @@ class LocalOps:
     values between its devices."""
     return causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale)
 
+  def batch_mean(self, x: jax.Array) -> jax.Array:
+    """A statistic that is a mean over the tokens this device holds (a mixture of experts'
+    routing fractions), as the mean over the whole batch: a layout that splits the tokens
+    averages it over its devices (which hold equal token counts)."""
+    return x
+
   def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     return jnp.take(table_VD, tokens_BL, axis=0)
 

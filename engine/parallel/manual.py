@@ -194,6 +194,11 @@ class ManualOps(LocalOps):
     rows_BLD = jnp.take(table_VD, jnp.where(mine_BL, local_BL, 0), axis=0)
     return jax.lax.psum(jnp.where(mine_BL[..., None], rows_BLD, 0), axes)
 
+  def batch_mean(self, x):
+    # Every device's loss then holds the same shared term; pmean's transpose gives each device
+    # the share of its gradient that the step's average over the batch axes expects.
+    return jax.lax.pmean(x, self.batch_axes) if self.batch_axes else x
+
   def cross_entropy(self, logits_BLV, targets_BL):
     axes, first = self._vocab_shard(logits_BLV.shape[-1])
     if not axes:
@@ -360,3 +365,4 @@ def _cast_to_varying(param, axes):
 
 def _psum_if(x, axes):
   return jax.lax.psum(x, axes) if axes else x
+
