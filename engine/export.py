@@ -107,6 +107,11 @@ def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
     raise config_lib.ConfigError(
         f'--workdir={workdir} trained model.name={config.model.name!r}; --format=hf writes '
         f'{", ".join(families)} models only.')
+  if config.model.get('num_experts', 0):
+    raise config_lib.ConfigError(
+        f'--workdir={workdir} trained a mixture of experts (model.num_experts='
+        f'{config.model.num_experts}), which --format=hf cannot write yet; use the run with '
+        'engine.generate and engine.evaluate, or export a dense model.')
   params = restore_params(workdir, run.setup.abstract_state()['params'])
   host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
   token_ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id}

@@ -13,6 +13,13 @@ from engine.config import default_config
 from tests.bad_inputs_launchers import LAUNCHER_ROWS
 
 
+def _moe_run() -> str:
+  """A config.json of a run of a mixture-of-experts Llama (byte tokenizer)."""
+  saved = json.loads(default_config().to_json())
+  saved['model'].update(name='llama', num_experts=4)
+  return json.dumps(saved)
+
+
 def _kept_run(sha256: str) -> str:
   """A run's config.json whose record of the kept tokenizer (engine/run_tokenizer.py) has
   `sha256`."""
@@ -34,6 +41,7 @@ COMMAND_SCRATCH = {
     'lost_tokenizer_run/config.json': _kept_run('0' * 64),
     'damaged_tokenizer_run/config.json': _kept_run('0' * 64),
     'damaged_tokenizer_run/tokenizer/tokenizer.json': '{}',
+    'moe_run/config.json': _moe_run(),
     'hf_export/config.json': '{}',  # What an earlier export left: replaced whole, not refused.
     'not_executable.sh': 'echo hi\n',
     'hello.txt': 'hello world\n',
@@ -131,11 +139,15 @@ COMMAND_ROWS = {
     'engine.export': [
         ([RUN], 2, '--out is required: Directory to write.'),
         (['--out=$T/export'], 2, '--workdir is required: The training run to export.'),
+        (['--workdir=$T/moe_run', '--out=$T/export'], 2,
+         '--workdir=$T/moe_run trained a mixture of experts (model.num_experts=4), which '
+         '--format=hf cannot write yet; use the run with engine.generate and engine.evaluate, '
+         'or export a dense model.'),
         ([RUN, '--out='], 2, '--out is empty; pass the directory to write, e.g. '
          '--out=/tmp/hf_export.'),
         ([RUN, '--out=$T/notes.txt'], 2, '--out=$T/notes.txt is a file; pass a directory to '
          'write.'),
-        ([RUN, '--out=$T'], 2, "--out=$T holds 15 entries that are not a Hugging Face "
+        ([RUN, '--out=$T'], 2, "--out=$T holds 16 entries that are not a Hugging Face "
          "checkpoint's, e.g. 'damaged_tokenizer_run'; pass a new or empty directory (an earlier "
          'export there is replaced whole).'),
         ([RUN, '--out=$T/notes.txt/export'], 2, '--out=$T/notes.txt/export: $T/notes.txt is not '
