@@ -365,4 +365,3 @@ def _cast_to_varying(param, axes):
 
 def _psum_if(x, axes):
   return jax.lax.psum(x, axes) if axes else x
-
