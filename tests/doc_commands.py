@@ -24,6 +24,7 @@ PROGRAM_LINE = re.compile(r'^\s*(XLA_FLAGS=\S+\s+)?python -m ')
 # on the 2-core machine the docs name (later XLA flags override earlier ones).
 ALLOWED_ENV = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
 ONE_DEVICE = ' --xla_force_host_platform_device_count=1'
+SHARED_TEXT = '../shared/data/tinyshakespeare.txt'  # The docs' data file (write_stand_ins).
 
 # Reductions a user could type: a few steps, one eval batch.
 SHORT_TRAIN = ('--config.train.num_steps=2', '--config.train.eval_every=2',
@@ -241,4 +242,17 @@ def reduced(words: list[str], check: Run, scratch: str) -> tuple[dict, list[str]
 
 
 def move_tmp(text: str, scratch: str) -> str:
+  """/tmp/ paths into the scratch, and the docs' data file (../shared/data/, beside this
+  checkout on the machine the docs were written on, not in a clean checkout) to its stand-in
+  there (write_stand_ins)."""
+  text = text.replace(SHARED_TEXT, f'{scratch}/{os.path.basename(SHARED_TEXT)}')
   return re.sub(r'(?<![\w.])/tmp/', f'{scratch}/', text)
+
+
+def write_stand_ins(scratch: str) -> None:
+  """The stand-in for the docs' data file: the same in every checkout (the embedded corpus's
+  first 256 KB, with the names the examples prompt with), so runs on it are reproducible."""
+  from engine.data.sources import embedded_corpus  # The engine, only where a test runs it.
+  text = 'ROMEO:\nJULIET:\nFirst Citizen:\n' + embedded_corpus(256 * 1024)
+  with open(os.path.join(scratch, os.path.basename(SHARED_TEXT)), 'w') as f:
+    f.write(text)
