@@ -245,8 +245,8 @@ def move_tmp(text: str, scratch: str) -> str:
   """/tmp/ paths into the scratch, and the docs' data file (../shared/data/, beside this
   checkout on the machine the docs were written on, not in a clean checkout) to its stand-in
   there (write_stand_ins)."""
-  text = text.replace(SHARED_TEXT, f'{scratch}/{os.path.basename(SHARED_TEXT)}')
-  return re.sub(r'(?<![\w.])/tmp/', f'{scratch}/', text)
+  text = re.sub(r'(?<![\w.])/tmp/', f'{scratch}/', text)
+  return text.replace(SHARED_TEXT, f'{scratch}/{os.path.basename(SHARED_TEXT)}')
 
 
 def write_stand_ins(scratch: str) -> None:
