@@ -100,9 +100,10 @@ def _nan_loss_where_poisoned(monkeypatch) -> None:
   SENTINEL; in manual mode the other devices learn of it only through the collectives."""
   from engine.parallel import auto, manual
   for module in (auto, manual):
-    def loss(params, graphdef, tokens_BL1, ops, original=module.next_token_loss):
+    def loss(params, graphdef, tokens_BL1, ops, with_aux=True, original=module.next_token_loss):
       poisoned = jnp.any(tokens_BL1 == SENTINEL)
-      return original(params, graphdef, tokens_BL1, ops) * jnp.where(poisoned, jnp.nan, 1.0)
+      return (original(params, graphdef, tokens_BL1, ops, with_aux=with_aux)
+              * jnp.where(poisoned, jnp.nan, 1.0))
     monkeypatch.setattr(module, 'next_token_loss', loss)
 
 
