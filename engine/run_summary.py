@@ -68,9 +68,16 @@ def mesh_string(shape: dict[str, int]) -> str:
 
 
 def read_records(path: epath.Path) -> list[dict]:
+  """metrics.jsonl's records (none if missing); a line cut short by a crash is skipped."""
   if not path.exists():
     return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records
 
 
 def _series(records: list[dict], name: str) -> tuple[list[int], list[float]]:
@@ -83,24 +90,29 @@ def _median(values: list[float]) -> float | None:
   return float(np.median(values)) if values else None
 
 
-def summarize(records: list[dict], *, status: str, final_step: int, num_steps: int,
-              peak_memory: tuple[int | None, str], wall_s: float, mode: str, mesh: str,
-              model: str) -> dict:
-  """summary.json's contents from metrics.jsonl's records and the run's facts."""
+def figures(records: list[dict]) -> dict:
+  """The losses and speed of metrics.jsonl's records (None where there is no number): what
+  summary.json and engine.sweep's table report."""
   _, train_losses = _series(records, 'train/loss')
   eval_steps, eval_losses = _series(records, 'eval/loss')
   _, perplexities = _series(records, 'eval/perplexity')
   best = int(np.argmin(eval_losses)) if eval_losses else None
-  final_eval = eval_losses[-1] if eval_losses else None
   return {
-      'status': status, 'final_step': final_step, 'num_steps': num_steps,
       'final_train_loss': train_losses[-1] if train_losses else None,
-      'final_eval_loss': final_eval,
+      'final_eval_loss': eval_losses[-1] if eval_losses else None,
       'best_eval_loss': eval_losses[best] if best is not None else None,
       'best_eval_step': eval_steps[best] if best is not None else None,
       'eval_perplexity': perplexities[-1] if perplexities else None,
       'tokens_per_s': _median(_series(records, 'train/tokens_per_s')[1]),
-      'mfu': _median(_series(records, 'train/mfu')[1]),
+      'mfu': _median(_series(records, 'train/mfu')[1])}
+
+
+def summarize(records: list[dict], *, status: str, final_step: int, num_steps: int,
+              peak_memory: tuple[int | None, str], wall_s: float, mode: str, mesh: str,
+              model: str) -> dict:
+  """summary.json's contents from metrics.jsonl's records and the run's facts."""
+  return {
+      'status': status, 'final_step': final_step, 'num_steps': num_steps, **figures(records),
       'peak_memory_bytes': peak_memory[0], 'peak_memory_source': peak_memory[1],
       'wall_s': wall_s, 'mode': mode, 'mesh': mesh, 'model': model}
 

@@ -7,30 +7,21 @@ from __future__ import annotations
 import csv
 import json
 import os
-import statistics
 
 import matplotlib
+from etils import epath
 
 matplotlib.use('Agg')  # Files only; no display on training machines.
 import matplotlib.pyplot as plt  # noqa: E402
+
+from engine import run_summary  # noqa: E402
 
 COLUMNS = ('variant', 'status', 'final eval loss', 'best eval loss', 'tokens/s', 'MFU',
            'peak memory MiB')
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """metrics.jsonl's records (none if missing); a line cut short by a crash is skipped."""
-  path = os.path.join(workdir, 'metrics.jsonl')
-  if not os.path.exists(path):
-    return []
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return records
+  return run_summary.read_records(epath.Path(workdir) / 'metrics.jsonl')
 
 
 def _summary(workdir: str) -> dict:
@@ -42,17 +33,14 @@ def _summary(workdir: str) -> dict:
 
 
 def results(workdir: str, status: str) -> dict:
-  """One row: final and best eval loss, median tokens/s (from metrics.jsonl), peak memory (from
-  summary.json, when the run wrote one); None where there is no number."""
-  records = read_metrics(workdir)
-  evals = [r['eval/loss'] for r in records if 'eval/loss' in r]
-  speeds = [r['train/tokens_per_s'] for r in records if 'train/tokens_per_s' in r]
-  summary = _summary(workdir)
-  peak, mfu = summary.get('peak_memory_bytes'), summary.get('mfu')
-  return {'status': status, 'final_eval_loss': evals[-1] if evals else None,
-          'best_eval_loss': min(evals) if evals else None,
-          'tokens_per_s': statistics.median(speeds) if speeds else None,
-          'mfu': mfu if isinstance(mfu, (int, float)) else None,
+  """One row: final and best eval loss, median tokens/s and MFU (from metrics.jsonl, as the
+  run's summary.json has them), peak memory (from summary.json, when the run wrote one); None
+  where there is no number."""
+  figures = run_summary.figures(read_metrics(workdir))
+  peak = _summary(workdir).get('peak_memory_bytes')
+  return {'status': status, 'final_eval_loss': figures['final_eval_loss'],
+          'best_eval_loss': figures['best_eval_loss'], 'tokens_per_s': figures['tokens_per_s'],
+          'mfu': figures['mfu'],
           'peak_memory_mib': peak / 2**20 if isinstance(peak, (int, float)) else None}
 
 
