@@ -96,7 +96,9 @@ class MoeMlp(nnx.Module):
   def __init__(self, embed_dim: int, cfg: MoeConfig, init_std: float, rngs: nnx.Rngs):
     D, E, F, S = embed_dim, cfg.num_experts, cfg.mlp_dim, cfg.shared_expert_dim
     self.cfg = cfg
-    self.w_router_DE = param(rngs, (D, E), ('embed', 'experts'), init_std)
+    # The router's expert dimension is unnamed: every device scores every expert, even where the
+    # experts themselves are split over the `expert` mesh axis.
+    self.w_router_DE = param(rngs, (D, E), ('embed', None), init_std)
     self.w_gate_EDF = param(rngs, (E, D, F), ('experts', 'embed', 'mlp'), init_std)
     self.w_up_EDF = param(rngs, (E, D, F), ('experts', 'embed', 'mlp'), init_std)
     self.w_down_EFD = param(rngs, (E, F, D), ('experts', 'mlp', 'embed'), init_std)
