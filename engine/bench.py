@@ -40,8 +40,8 @@ from engine.cli import check_out_prefix, run_command
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=False)
 _MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to run, in order.')
-_MESHES = flags.DEFINE_list('meshes', [], 'Meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]] (e.g. '
-                            '8x1x1,2x2x2,1x1x1x8); default: the config\'s own.')
+_MESHES = flags.DEFINE_list('meshes', [], 'Meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]] '
+                            '(e.g. 8x1x1,2x2x2,1x1x1x8); default: the config\'s own.')
 _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps per variant.')
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps per variant.')
 _PEAK = flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s of one device for the MFU column '

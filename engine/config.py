@@ -15,7 +15,7 @@ from ml_collections import ConfigDict
 
 SOURCES = ('embedded', 'file', 'synthetic', 'shards')
 TOKENIZERS = ('byte', 'char', 'hf', 'sentencepiece')
-MESH_AXES = ('data', 'fsdp', 'tensor', 'context', 'stage')
+MESH_AXES = ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert')
 DTYPES = ('float32', 'bfloat16')
 
 
@@ -136,6 +136,9 @@ def default_config() -> ml_collections.ConfigDict:
   # Pipeline parallelism: the stacked layers split into this many stages, fed train.microbatches
   # micro-batches on a GPipe schedule (engine/parallel/pipeline.py).
   c.mesh.stage = 1
+  # Expert parallelism: a mixture of experts' experts split over this many devices, tokens sent
+  # to them by all-to-all; it also splits the batch, like data (docs/parallelism.md).
+  c.mesh.expert = 1
   # How many hosts (or TPU slices) the data / fsdp axes span: those axes are laid out across the
   # slow inter-host network and everything else within a host. 1 = no preference.
   c.mesh.dcn_data = 1
@@ -215,7 +218,7 @@ def parse_arg(arg: str | None, **defaults):
 
 
 def parse_run_arg(arg: str | None, steps: int, **extra):
-  """The experiment arguments every experiment takes: mode=, mesh=DxFxT[xC[xS]] (parse_mesh),
+  """The experiment arguments every experiment takes: mode=, mesh=DxFxT[xC[xS[xE]]] (parse_mesh),
   steps=N (+ extra)."""
   return parse_arg(arg, mode='auto', mesh='', steps=steps, **extra)
 
@@ -229,24 +232,26 @@ def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.Co
   return config
 
 
-MESH_FORMAT = 'DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]]'
+MESH_FORMAT = 'DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]]'
 
 
 def parse_mesh(text: str, where: str = 'mesh') -> dict[str, int]:
-  """Every flag or argument that takes a mesh reads it here: 'DxFxT', 'DxFxTxC' or 'DxFxTxCxS'
-  (data x fsdp x tensor [x context [x stage]]) -> the sizes of all five axes, those not given 1.
-  The sizes themselves (positive, or one -1) are checked with the devices (resolve_mesh_shape)."""
+  """Every flag or argument that takes a mesh reads it here: 'DxFxT' up to 'DxFxTxCxSxE'
+  (data x fsdp x tensor [x context [x stage [x expert]]]) -> the sizes of all six axes, those not
+  given 1. The sizes themselves (positive, or one -1) are checked with the devices
+  (resolve_mesh_shape)."""
   sizes = text.split('x')
-  if len(sizes) not in (3, 4, 5) or not all(re.fullmatch(r'-?[0-9]+', size) for size in sizes):
-    raise ConfigError(f'{where}={text}: a mesh is {MESH_FORMAT}, 3 to 5 integers joined by x '
-                      '(axes not given are 1); e.g. 2x2x2, or 2x1x1x2x2 for context 2 and stage 2 '
-                      '(-1: the devices the other axes leave, e.g. -1x1x2).')
+  if len(sizes) not in (3, 4, 5, 6) or not all(re.fullmatch(r'-?[0-9]+', size) for size in sizes):
+    raise ConfigError(f'{where}={text}: a mesh is {MESH_FORMAT}, 3 to 6 integers joined by x '
+                      '(axes not given are 1); e.g. 2x2x2, 2x1x1x2x2 for context 2 and stage 2, or '
+                      '1x1x1x1x1x4 for expert 4 (-1: the devices the other axes leave, e.g. '
+                      '-1x1x2).')
   given = dict(zip(MESH_AXES, (int(size) for size in sizes)))
   return {axis: given.get(axis, 1) for axis in MESH_AXES}
 
 
 def set_mesh_shape(config: ml_collections.ConfigDict, shape: str, where: str = 'mesh') -> None:
-  """Sets all five mesh axes from a mesh string (parse_mesh): an axis the string leaves out is
+  """Sets all six mesh axes from a mesh string (parse_mesh): an axis the string leaves out is
   1, whatever the config held before."""
   for axis, size in parse_mesh(shape, where).items():
     config.mesh[axis] = size
@@ -286,7 +291,7 @@ def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
           f'{num_devices}.')
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
-    shown = [a for a in MESH_AXES if a not in ('context', 'stage') or sizes[a] != 1]
+    shown = [a for a in MESH_AXES if a not in ('context', 'stage', 'expert') or sizes[a] != 1]
     raise ConfigError(
         f'mesh: {"*".join(shown)} = {"*".join(str(sizes[a]) for a in shown)} = {fixed}, '
         f'but there are {num_devices} devices; make the product {num_devices} or set one axis '

@@ -1,4 +1,4 @@
-"""The named device mesh (data, fsdp, tensor, context, stage) built from the mesh config."""
+"""The named device mesh (data, fsdp, tensor, context, stage, expert) built from the mesh config."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from engine.config import MESH_AXES, resolve_mesh_shape
 
 
 def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
-  """A mesh with axes ('data', 'fsdp', 'tensor', 'context', 'stage') and Auto axis types (jit
-  mode inserts the collectives; shard_map mode makes every axis manual inside its body).
+  """A mesh with axes ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert') and Auto axis
+  types (jit mode inserts the collectives; shard_map mode makes every axis manual inside its
+  body). `expert` is last: jax.make_mesh makes the last axis the device-contiguous one (the
+  closest neighbours), which suits the experts' all-to-all.
 
   With mesh.dcn_data / mesh.dcn_fsdp > 1 the mesh is hybrid: those axes are split into groups
   across hosts (TPU slices where there are several, else processes) and every other axis stays

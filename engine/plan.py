@@ -349,8 +349,8 @@ def main():
   num_slices = flags.DEFINE_integer('num_slices', 1, 'Slices joined by the data-centre network '
                                     '(mesh.dcn_data x mesh.dcn_fsdp must equal it when > 1).')
   modes = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compile.')
-  meshes = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]]; '
-                             'default: the config\'s own.')
+  meshes = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE'
+                             '[xEXPERT]]]; default: the config\'s own.')
   dcn_gb_per_s = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
                                     'Bandwidth between slices, GB/s (gigabytes) per chip.')
   out = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')

@@ -60,7 +60,8 @@ class PeakMemory:
 
 
 def mesh_string(shape: dict[str, int]) -> str:
-  """A mesh's sizes as the flags take them: '2x2x2', context and stage only where not 1."""
+  """A mesh's sizes as the flags take them: '2x2x2', context, stage and expert only where
+  not 1."""
   sizes = list(shape.values())
   while len(sizes) > 3 and sizes[-1] == 1:
     sizes.pop()

@@ -70,25 +70,39 @@ class Rules:
     return Rules(keep(self.params), keep(self.activations))
 
 
-# The combined layout: batch over data and fsdp; parameters' embed over fsdp (ZeRO-3);
+# The combined layout: batch over data, fsdp and expert; parameters' embed over fsdp (ZeRO-3);
 # heads / MLP hidden / vocabulary over tensor (Megatron); the sequence (activations' `length`)
-# over context; stacked layers over stage (pipeline). Other presets are its restrictions.
-# `experts` (the leading axis of a mixture of experts' stacked weights) is in no preset yet: every
-# device holds every expert, each expert's `mlp` split like the dense MLP's.
+# over context; stacked layers over stage (pipeline); a mixture of experts' `experts` over expert.
+# Other presets are its restrictions. `experts` is in both tables, so it is stored and computed
+# split (gather_axes never gathers it, unlike FSDP's embed); the router's expert dimension is
+# unnamed, so the router stays whole on every device. Expert parallelism borrows data-parallel
+# ranks: `expert` ends every `batch`, so the dense layers see it as more data parallelism, and
+# `expert_groups` (the group dimension of tokens dispatched to experts, [E, G, C, D]) is the batch
+# without it, as a PartitionSpec may name `expert` only once.
 _TENSOR_NAMES = ('heads', 'kv_heads', 'mlp', 'vocab')
 _CONTEXT = {'length': ('context',)}
 _STAGE = {'layers': ('stage',)}  # Stacked layers split into pipeline stages.
+_EXPERT = {'experts': ('expert',)}
+
+
+def _batch(*axes: str) -> dict[str, MeshAxes]:
+  """The activations' batch over `axes` and expert; expert_groups over `axes` alone."""
+  return {'batch': (*axes, 'expert'), 'expert_groups': axes}
+
+
 RULE_PRESETS: dict[str, Rules] = {
-    'data_parallel': Rules(params={**_STAGE}, activations={'batch': ('data',), **_CONTEXT}),
-    'fsdp': Rules(params={'embed': ('fsdp',), **_STAGE},
-                  activations={'batch': ('data', 'fsdp'), **_CONTEXT}),
-    'tensor': Rules(params={**{n: ('tensor',) for n in _TENSOR_NAMES}, **_STAGE},
-                    activations={'batch': ('data',), **{n: ('tensor',) for n in _TENSOR_NAMES},
-                                 **_CONTEXT}),
+    'data_parallel': Rules(params={**_STAGE, **_EXPERT},
+                           activations={**_batch('data'), **_CONTEXT, **_EXPERT}),
+    'fsdp': Rules(params={'embed': ('fsdp',), **_STAGE, **_EXPERT},
+                  activations={**_batch('data', 'fsdp'), **_CONTEXT, **_EXPERT}),
+    'tensor': Rules(params={**{n: ('tensor',) for n in _TENSOR_NAMES}, **_STAGE, **_EXPERT},
+                    activations={**_batch('data'), **{n: ('tensor',) for n in _TENSOR_NAMES},
+                                 **_CONTEXT, **_EXPERT}),
     'fsdp_tensor': Rules(
-        params={'embed': ('fsdp',), **{n: ('tensor',) for n in _TENSOR_NAMES}, **_STAGE},
-        activations={'batch': ('data', 'fsdp'), **{n: ('tensor',) for n in _TENSOR_NAMES},
-                     **_CONTEXT}),
+        params={'embed': ('fsdp',), **{n: ('tensor',) for n in _TENSOR_NAMES}, **_STAGE,
+                **_EXPERT},
+        activations={**_batch('data', 'fsdp'), **{n: ('tensor',) for n in _TENSOR_NAMES},
+                     **_CONTEXT, **_EXPERT}),
 }
 
 

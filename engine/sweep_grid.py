@@ -1,7 +1,7 @@
 """engine.sweep's grid: the --grid flags parsed, every combination named, each variant's config
 built and its command line written; bad input is a ConfigError naming the flag or the variant.
 
-`mode` is short for parallelism.mode and `mesh` for the five mesh axes (engine.config.parse_mesh);
+`mode` is short for parallelism.mode and `mesh` for the six mesh axes (engine.config.parse_mesh);
 any other key is a config key (engine/config.py, default_config()).
 """
 
@@ -21,7 +21,7 @@ from engine import config as config_lib
 from engine.config import ConfigError
 from engine.config_help import did_you_mean
 
-SHORT_KEYS = {'mode': 'parallelism.mode'}  # And 'mesh': all five mesh axes.
+SHORT_KEYS = {'mode': 'parallelism.mode'}  # And 'mesh': all six mesh axes.
 _UNSAFE = re.compile(r'[^A-Za-z0-9._=,+-]')  # Kept out of variant names (directory names).
 
 

@@ -271,7 +271,8 @@ def _check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rul
         f'parallelism.rules={parallelism.rules!r} does not use mesh axes {unused} of size '
         '> 1, so they would only duplicate work; set them to 1 or pick rules that use them.')
   named = sharding.RULE_PRESETS.get(parallelism.rules, rules).params
-  splits = {a for axes in named.values() for a in axes if a != 'stage'}
+  # Stages and experts are optional splits of any preset (experts exist only in a MoE model).
+  splits = {a for axes in named.values() for a in axes if a not in ('stage', 'expert')}
   if splits and math.prod(mesh.values()) > 1 and not any(mesh[a] > 1 for a in splits):
     raise ConfigError(
         f'parallelism.rules={parallelism.rules!r} splits parameters over mesh '

@@ -1,5 +1,6 @@
-"""The mixture-of-experts keys (model.num_experts and model.moe_*; engine/models/moe.py), and
-the layouts the layer does not support yet. engine.validation.validate calls `check_moe`."""
+"""The mixture-of-experts keys (model.num_experts and model.moe_*; engine/models/moe.py), the
+expert mesh axis, and the layouts the layer does not support yet. engine.validation.validate
+calls `check_moe`."""
 
 from __future__ import annotations
 
@@ -12,17 +13,28 @@ from engine.models import moe
 
 
 def check_moe(config: ConfigDict, mesh: dict[str, int]) -> None:
-  """The MoE keys' values; then the meshes the layer's batch statistics are exact on."""
+  """The MoE keys' values and the expert axis' split of them; then the meshes the layer's batch
+  statistics are exact on."""
   model = config.model
   if model.num_experts < 0:
     raise ConfigError(f'model.num_experts={model.num_experts} must be >= 0; give 0 for the '
                       'dense MLP, or the number of experts.')
   if not model.num_experts:
+    if mesh['expert'] > 1:  # `expert` splits the batch too, so no unused-axis check sees it.
+      raise ConfigError(
+          f"mesh.expert={mesh['expert']} splits a mixture of experts, but model "
+          f'{model.name!r} is dense (model.num_experts=0); set mesh.expert=1 (mesh.data splits '
+          'the batch), or give the llama model experts.')
     return
   if not 1 <= model.experts_per_token <= model.num_experts:
     raise ConfigError(
         f'model.experts_per_token={model.experts_per_token} must lie in [1, model.num_experts='
         f'{model.num_experts}]; route each token to at least one and at most every expert.')
+  if model.num_experts % mesh['expert']:
+    raise ConfigError(
+        f"model.num_experts={model.num_experts} does not split over mesh.expert={mesh['expert']} "
+        'devices; make mesh.expert a divisor of it (each device holds num_experts / expert '
+        'experts).')
   for key, choices in (('moe_router', moe.ROUTERS), ('moe_dispatch', moe.DISPATCHES)):
     if model[key] not in choices:
       raise ConfigError(f'model.{key}={model[key]!r} is unknown; choose one of {choices}.')

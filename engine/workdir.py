@@ -128,6 +128,7 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
   config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)
   config.optim.schedule = config.optim.get('schedule', 'cosine')
   config.optim.decay_fraction = config.optim.get('decay_fraction', 0.2)
+  config.mesh.expert = config.mesh.get('expert', 1)
   return config
 
 

@@ -28,7 +28,8 @@ Defaults: sequence 512, global batch 16, AdamW lr 2e-5 (warmup 20, cosine to 2e-
 more accelerators. Not yet measured on an accelerator: no memory, loss or tokens/s are claimed
 here.
 
-Arguments (comma separated): hf=DIR (required), mode=auto|manual, mesh=DxFxT[xC[xS]], steps=N.
+Arguments (comma separated): hf=DIR (required), mode=auto|manual, mesh=DxFxT[xC[xS[xE]]],
+steps=N.
 """
 
 import os

@@ -32,7 +32,7 @@ tensor axes when memory needs it). Not yet measured on an accelerator: no loss o
 tokens/s are claimed here. On the 2-core CPU machine it compiles and trains but at a few hundred
 tokens/s (use experiments/shakespeare_char.py there).
 
-Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS]], steps=N.
+Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS[xE]]], steps=N.
 """
 
 from engine.config import apply_run_args, default_config, parse_run_arg

@@ -9,8 +9,8 @@ them in the blocks. Sequence 8192, global batch 128 (1M tokens per step), bfloat
 float32 parameters and AdamW state, full remat. Synthetic tokens: the shapes are the point (a
 real run brings its own data, --config.data.source=file).
 
-Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS]], steps=N, batch=128,
-seq=8192, layers=32, microbatches=1.
+Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS[xE]]], steps=N,
+batch=128, seq=8192, layers=32, microbatches=1.
 """
 
 from engine.config import apply_run_args, default_config, parse_run_arg

@@ -8,8 +8,8 @@ MLP 1024, vocabulary 1024, sequence 128, global batch 8, float32, AdamW, full re
 tokens (a seeded Markov text; only the byte ids it uses occur). These are the shapes the speed
 comparisons use (python -m engine.bench); the run itself is only a smoke test.
 
-Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS]], steps=N, layers=2, seq=128,
-batch=8, remat=full, dtype=float32, microbatches=1.
+Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS[xE]]], steps=N, layers=2,
+seq=128, batch=8, remat=full, dtype=float32, microbatches=1.
 """
 
 from engine.config import apply_run_args, default_config, parse_run_arg

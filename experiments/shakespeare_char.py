@@ -8,9 +8,9 @@ Hardware: 1 CPU device (2 cores): about 3 minutes (around 11 steps/s). 4 layers,
 beta2 0.99, weight decay 0.1, clipping at 1.0, no dropout. Expect a validation loss of about
 1.91 after 2000 steps (measured: 1.907; nanoGPT's CPU run of this configuration reports 1.88).
 
-Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS]] (data x fsdp x tensor [x
-context [x stage]], axes not given are 1; e.g. mesh=2x2x2 with 8 devices), steps=2000. Example on
-8 simulated CPU devices:
+Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS[xE]]] (data x fsdp x tensor
+[x context [x stage [x expert]]], axes not given are 1; e.g. mesh=2x2x2 with 8 devices),
+steps=2000. Example on 8 simulated CPU devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.main \
       --config=experiments/shakespeare_char.py:mesh=2x2x2 \

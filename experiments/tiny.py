@@ -6,8 +6,8 @@ Hardware: 1 CPU device (2 cores), about 45 seconds (18 steps/s). Byte-level, 4 l
 context 64, batch 16, 600 steps. Expect the train loss to fall from ln(256) = 5.5 to about 2.2
 and the eval loss to reach about 2.31 (measured: 2.309 at step 600).
 
-Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS]] (axes not given are 1; e.g.
-mesh=2x2x2 on 8 devices), steps=N. Any key can be overridden: --config.train.num_steps=50.
+Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS[xE]]] (axes not given are 1;
+e.g. mesh=2x2x2 on 8 devices), steps=N. Any key can be overridden: --config.train.num_steps=50.
 """
 
 from engine.config import apply_run_args, default_config, parse_run_arg

@@ -58,7 +58,8 @@ def check_job_fits_mesh(command: list[str], processes: int, devices_per_process:
     return
   mesh, given = found
   devices = processes * devices_per_process
-  sizes = [mesh[a] for a in ('data', 'fsdp', 'tensor', 'context', 'stage')]
+  axes = ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert')  # engine.config.MESH_AXES
+  sizes = [mesh.get(a, 1) for a in axes]
   fixed = math.prod(s for s in sizes if s != -1)
   shape = 'x'.join(str(s) for s in sizes)
   if (-1 in sizes and devices % fixed) or (-1 not in sizes and devices != fixed):

@@ -56,9 +56,9 @@ SWEEP = '--workdir=$T/sweep'
 PIPELINE = '--config=experiments/tiny.py:mesh=2x1x1x1x4'
 V5P = '--topology=v5p:2x2x2'
 HF_CHECK = '--torch_python=/bin/true'  # Never run: the rows fail first.
-MESH_FORMAT = ('a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], 3 to 5 integers joined by x (axes '
-               'not given are 1); e.g. 2x2x2, or 2x1x1x2x2 for context 2 and stage 2 (-1: the '
-               'devices the other axes leave, e.g. -1x1x2).')
+MESH_FORMAT = ('a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]], 3 to 6 integers joined by '
+               'x (axes not given are 1); e.g. 2x2x2, 2x1x1x2x2 for context 2 and stage 2, or '
+               '1x1x1x1x1x4 for expert 4 (-1: the devices the other axes leave, e.g. -1x1x2).')
 NOT_A_RUN = ('$T/not_a_run: config.json has no data section; it is not a config a training run '
              'wrote: restore it, or pass the --workdir of a training run.')
 UTF8 = ('is not UTF-8 text: byte 3 (0xe9, line 1, column 4) is not valid UTF-8; convert the file '
@@ -237,7 +237,7 @@ COMMAND_ROWS = {
          "--modes='bogus' is unknown; choose one of ['auto', 'manual']."),
         ([TINY, V5P, '--dcn_gb_per_s=0'], 2, '--dcn_gb_per_s=0 must be a positive number.'),
         ([TINY, V5P, '--meshes=3x1x1'], 2, 'no candidate can run on v5p:2x2x2; the first, mesh '
-         '3x1x1x1x1: mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 8 devices; make the '
+         '3x1x1x1x1x1: mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 8 devices; make the '
          'product 8 or set one axis to -1.'),
         ([TINY, V5P, '--out=$T/no_such_dir/plan'], 2, '--out=$T/no_such_dir/plan: '
          '$T/no_such_dir is not a directory; create it, or pass a prefix in one.'),

@@ -43,7 +43,7 @@ LAUNCHER_ROWS = {
         (['--nodes=2', '--gpus_per_node=8', '--dry_run', '--', 'python', '-m', 'engine.main',
           '--config=experiments/tiny.py:mesh=2x2x2', '--workdir=$T/run'], 2, 'the job has 16 '
          'processes x 1 devices = 16 devices (--nodes=2 x --gpus_per_node=8, --tasks=per_gpu), '
-         'but the mesh of --config=experiments/tiny.py:mesh=2x2x2 is 2x2x2x1x1, which needs 8; '
+         'but the mesh of --config=experiments/tiny.py:mesh=2x2x2 is 2x2x2x1x1x1, which needs 8; '
          'change the flags to give 8 devices, or the mesh (e.g. one axis -1).'),
         (['--nodes=2', '--gpus_per_node=8', '--dry_run', '--', 'python', '-m', 'engine.main',
           '--config=experiments/tiny.py:mesh=2x8x1', '--config.mesh.dcn_data=2',

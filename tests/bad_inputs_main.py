@@ -116,9 +116,9 @@ BAD_INPUTS = [
      '--config=experiments/tiny.py:steps=abc: experiment argument steps=abc is not an integer; '
      'give one, e.g. steps=600.'),
     (['--config=experiments/tiny.py:mesh=2x2', RUN], 2, '--config=experiments/tiny.py:mesh=2x2: '
-     'mesh=2x2: a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE]], 3 to 5 integers joined by x (axes '
-     'not given are 1); e.g. 2x2x2, or 2x1x1x2x2 for context 2 and stage 2 (-1: the devices the '
-     'other axes leave, e.g. -1x1x2).'),
+     'mesh=2x2: a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]], 3 to 6 integers joined by '
+     'x (axes not given are 1); e.g. 2x2x2, 2x1x1x2x2 for context 2 and stage 2, or 1x1x1x1x1x4 '
+     'for expert 4 (-1: the devices the other axes leave, e.g. -1x1x2).'),
     # Overrides: keys and types.
     ([TINY, RUN, '--config.model.num_layerz=3'], 2, '--config.model.num_layerz=3: the config has '
      'no key model.num_layerz (did you mean model.num_layers?); the keys and their defaults are in '
@@ -359,4 +359,11 @@ BAD_INPUTS = [
      "model.moe_dispatch='dropless'."),
     (['--config=experiments/tiny.py:mesh=4x1x1x1x2', RUN, *MOE], 2, 'model.num_experts=4 with '
      'mesh.stage=2: pipeline stages are not supported with experts yet; set mesh.stage=1.'),
+    # The expert mesh axis.
+    (['--config=experiments/tiny.py:mesh=2x1x1x1x1x4', RUN, LLAMA, '--config.model.num_experts=6'],
+     2, 'model.num_experts=6 does not split over mesh.expert=4 devices; make mesh.expert a divisor '
+     'of it (each device holds num_experts / expert experts).'),
+    (['--config=experiments/tiny.py:mesh=2x1x1x1x1x4', RUN], 2, "mesh.expert=4 splits a mixture "
+     "of experts, but model 'gpt' is dense (model.num_experts=0); set mesh.expert=1 (mesh.data "
+     'splits the batch), or give the llama model experts.'),
 ]

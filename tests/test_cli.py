@@ -80,9 +80,10 @@ def test_show_layout_prints_every_parameter_and_draws_the_layout():
   assert "blocks/w_up_DF" in out and "P(None, 'fsdp', 'tensor')" in out
   assert 'parameters per device:' in out and 'input batch (16, 65)' in out
   # Where each block should be, from the mesh's own device array (the engine's mesh is
-  # jax.make_mesh over ('data', 'fsdp', 'tensor', 'context', 'stage')), not from the printer.
+  # jax.make_mesh over ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert')), not from the
+  # printer. ids: [data, fsdp, tensor].
   ids = np.vectorize(lambda d: d.id)(
-      jax.make_mesh((2, 2, 2, 1, 1), MESH_AXES).devices)[:, :, :, 0, 0]  # [data, fsdp, tensor]
+      jax.make_mesh((2, 2, 2, 1, 1, 1), MESH_AXES).devices)[:, :, :, 0, 0, 0]
   # w_up_DF [layers, D, F] under P(None, 'fsdp', 'tensor'): the picture shows (D, F); picture
   # row f, column t is block (f, t), held by the devices at fsdp f, tensor t: one per data index
   # (replicated over `data`), drawn together in one cell, e.g. 'CPU 0,4'.

@@ -101,10 +101,12 @@ def test_mesh_strings_fill_unnamed_axes_with_one():
   config_lib.set_mesh_shape(config, '1x1x1x1x8')
   assert config.mesh.stage == 8
   config_lib.set_mesh_shape(config, '8x1x1')  # engine.bench --meshes=1x1x1x1x8,8x1x1
-  assert [config.mesh[a] for a in config_lib.MESH_AXES] == [8, 1, 1, 1, 1]
+  assert [config.mesh[a] for a in config_lib.MESH_AXES] == [8, 1, 1, 1, 1, 1]
   assert config_lib.parse_mesh('-1x2x1x2') == {'data': -1, 'fsdp': 2, 'tensor': 1, 'context': 2,
-                                               'stage': 1}
-  for bad in ('2x', '2x2', '1x1x1x1x1x1', 'axbxc', '2x2x2 ', ''):
+                                               'stage': 1, 'expert': 1}
+  config_lib.set_mesh_shape(config, '2x1x1x1x1x4')
+  assert [config.mesh[a] for a in config_lib.MESH_AXES] == [2, 1, 1, 1, 1, 4]
+  for bad in ('2x', '2x2', '1x1x1x1x1x1x1', 'axbxc', '2x2x2 ', ''):
     with pytest.raises(ConfigError, match='a mesh is DATAxFSDPxTENSOR'):
       config_lib.parse_mesh(bad)
 

@@ -46,7 +46,8 @@ def test_report_agrees_counts_collectives_and_writes_plots(tmp_path):
   text = open(tmp_path / 'report.md').read()
   assert '## Communication per step and device' in text and 'AGREES' in text
   assert json.load(open(tmp_path / 'report.json'))['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 2,
-                                                               'context': 1, 'stage': 1}
+                                                               'context': 1, 'stage': 1,
+                                                               'expert': 1}
 
 
 def test_summed_instead_of_averaged_gradients_are_reported_as_diverging(tmp_path, monkeypatch):

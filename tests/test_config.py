@@ -1,7 +1,10 @@
 """Config validation: every bad value is refused early with a message naming the key and fix."""
 
+import json
+
 import pytest
 
+from engine import workdir
 from engine.config import ConfigError, default_config, parse_arg, resolve_mesh_shape
 from engine.validation import validate
 from tests.helpers import tiny_config
@@ -34,12 +37,26 @@ def test_mesh_product_must_equal_device_count():
 
 def test_mesh_minus_one_fills_the_rest():
   assert resolve_mesh_shape({'data': -1, 'fsdp': 2, 'tensor': 1}, 8) == {
-      'data': 4, 'fsdp': 2, 'tensor': 1, 'context': 1, 'stage': 1}
+      'data': 4, 'fsdp': 2, 'tensor': 1, 'context': 1, 'stage': 1, 'expert': 1}
   assert resolve_mesh_shape({'data': 2, 'fsdp': 1, 'tensor': 1, 'context': -1}, 8) == {
-      'data': 2, 'fsdp': 1, 'tensor': 1, 'context': 4, 'stage': 1}
+      'data': 2, 'fsdp': 1, 'tensor': 1, 'context': 4, 'stage': 1, 'expert': 1}
   _expect(tiny_config(mesh=(-1, 3, 1)), 'does not divide', 'mesh.data=-1')
   _expect(tiny_config(mesh=(-1, -1, 1)), 'only one axis may be -1')
   _expect(tiny_config(mesh=(0, 8, 1)), 'mesh.data=0')
+
+
+def test_an_older_runs_config_gains_the_keys_added_since(tmp_path):
+  """generate / evaluate / export read config.json of runs older than mesh.expert (and the
+  other keys read_run_config fills): the missing keys get the values those runs used."""
+  saved = json.loads(default_config().to_json())
+  for section, key in (('mesh', 'expert'), ('optim', 'schedule'), ('train', 'pipeline_repeats')):
+    del saved[section][key]
+  (tmp_path / workdir.CONFIG_FILE).write_text(json.dumps(saved))
+  config = workdir.read_run_config(str(tmp_path))
+  assert (config.mesh.expert, config.optim.schedule, config.train.pipeline_repeats) == (
+      1, 'cosine', 1)
+  assert resolve_mesh_shape(config.mesh, 8) == {'data': 8, 'fsdp': 1, 'tensor': 1, 'context': 1,
+                                                'stage': 1, 'expert': 1}
 
 
 def test_global_batch_must_split_over_batch_axes():

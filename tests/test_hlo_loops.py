@@ -286,7 +286,7 @@ def test_plan_report_marks_lower_bounds():
   config = {'model': {'name': 'gpt', 'num_layers': 2, 'embed_dim': 32, 'dtype': 'float32',
                       'remat': 'none'},
             'data': {'seq_len': 16, 'global_batch_size': 16},
-            'mesh': {'data': 8, 'fsdp': 1, 'tensor': 1, 'context': 1, 'stage': 1,
+            'mesh': {'data': 8, 'fsdp': 1, 'tensor': 1, 'context': 1, 'stage': 1, 'expert': 1,
                      'dcn_data': 1, 'dcn_fsdp': 1}}
   candidates = []
   for rank, run in enumerate(runs, 1):

@@ -5,17 +5,20 @@ both routers and both dispatches (capacity with so few slots that assignments dr
 load-balancing and z-losses; the model's loss and gradients against its single-device run (as
 tests/test_llama.py) in auto mode on 2x2x2 and in manual mode on 2x2x2 and data x context
 (dropless: the routing statistics averaged over the batch shards) and on a tensor-only mesh
-(capacity), and the refusal of the layouts it does not support yet.
+(capacity), and the refusal of the layouts it does not support yet; the expert mesh axis' layout
+(its exchange is checked where it is written).
 """
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from engine.analysis.reference import ReferenceRun
 from engine.config import ConfigError
 from engine import models
+from engine.assemble import lay_out
 from engine.models import moe
 from engine.models.ops import LocalOps
 from engine.validation import validate
@@ -140,3 +143,35 @@ def test_unsupported_layouts_are_refused(dispatch, mode, mesh, message):
     return
   with pytest.raises(ConfigError, match=message):
     validate(config, 8)
+
+
+def test_the_expert_axis_splits_the_experts_and_the_batch():
+  """mesh.expert splits the experts' weights (stacked layers lead) and never gathers them, keeps
+  the router whole, and splits the batch like data; a dense model on it is refused. Layout only:
+  nothing compiles (the all-to-all dispatch is tested with its code)."""
+  dense = tiny_config(mesh=(2, 1, 1))
+  dense.mesh.expert = 4
+  with pytest.raises(ConfigError, match="mesh.expert=4 splits a mixture of experts, but model "
+                     "'gpt' is dense"):
+    validate(dense, 8)
+  # mesh (data, fsdp, tensor) with expert = the other devices -> expected specs.
+  for mesh, expert, gate_spec, down_spec, router_spec, batch in [
+      ((2, 1, 1), 4, P(None, 'expert', None, None), P(None, 'expert', None, None),
+       P(None, None, None),
+       ('data', 'expert')),
+      ((1, 2, 2), 2, P(None, 'expert', 'fsdp', 'tensor'), P(None, 'expert', 'tensor', 'fsdp'),
+       P(None, 'fsdp', None), ('fsdp', 'expert'))]:
+    config = moe_config(mesh)
+    config.mesh.expert = expert
+    validate(config, 8)
+    setup = lay_out(config, 256)
+    params = {p.path: p for p in setup.parameters()}
+    assert params['blocks/moe/w_gate_EDF'].spec == params['blocks/moe/w_up_EDF'].spec == gate_spec
+    down = params['blocks/moe/w_down_EFD']
+    assert down.spec == down_spec
+    assert down.shard_shape[:2] == (2, 4 // expert)  # Both layers; only this device's experts.
+    assert params['blocks/moe/w_router_DE'].spec == router_spec  # Every expert's logits.
+    assert setup.rules.gather_axes('experts') == ()  # Computed where stored, unlike FSDP.
+    assert setup.rules.spec(('batch', None), activation=True) == P(batch, None)
+    assert setup.rules.spec(('experts', 'expert_groups'), activation=True) == P(
+        'expert', batch[0])

@@ -118,7 +118,9 @@ def test_mfu_uses_the_chips_peak_times_the_devices():
   assert run_summary.mesh_string({'data': 2, 'fsdp': 2, 'tensor': 2, 'context': 1,
                                   'stage': 1}) == '2x2x2'
   assert run_summary.mesh_string({'data': 2, 'fsdp': 1, 'tensor': 1, 'context': 1,
-                                  'stage': 2}) == '2x1x1x1x2'
+                                  'stage': 2, 'expert': 1}) == '2x1x1x1x2'
+  assert run_summary.mesh_string({'data': 2, 'fsdp': 1, 'tensor': 1, 'context': 1, 'stage': 1,
+                                  'expert': 4}) == '2x1x1x1x1x4'
 
 
 class _Writer:

@@ -23,8 +23,9 @@ def _setup(config):
 def test_make_mesh_named_axes_and_minus_one():
   config = tiny_config(mesh=(-1, 2, 2))
   mesh = make_mesh(config.mesh)
-  assert mesh.axis_names == ('data', 'fsdp', 'tensor', 'context', 'stage')
-  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'tensor': 2, 'context': 1, 'stage': 1}
+  assert mesh.axis_names == ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert')
+  assert dict(mesh.shape) == {'data': 2, 'fsdp': 2, 'tensor': 2, 'context': 1, 'stage': 1,
+                              'expert': 1}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   assert mesh.devices.size == 8
 

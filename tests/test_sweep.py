@@ -105,10 +105,11 @@ def test_print_commands_prints_every_variant_and_runs_nothing(tmp_path):
       f'{sys.executable} -m engine.main --config=experiments/tiny.py:steps=10 '
       '--config.train.log_every=5 --config.parallelism.mode=auto --config.mesh.data=8 '
       '--config.mesh.fsdp=1 --config.mesh.tensor=1 --config.mesh.context=1 --config.mesh.stage=1 '
-      f'--workdir={directory}/mode=auto,mesh=8x1x1')
+      f'--config.mesh.expert=1 --workdir={directory}/mode=auto,mesh=8x1x1')
   assert lines[3].endswith('--config.parallelism.mode=manual --config.mesh.data=2 '
                            '--config.mesh.fsdp=2 --config.mesh.tensor=2 --config.mesh.context=1 '
-                           f'--config.mesh.stage=1 --workdir={directory}/mode=manual,mesh=2x2x2')
+                           '--config.mesh.stage=1 --config.mesh.expert=1 '
+                           f'--workdir={directory}/mode=manual,mesh=2x2x2')
 
 
 def test_a_finished_variant_runs_again_when_its_command_changed():
