@@ -7,7 +7,8 @@ Reads WORKDIR/config.json, restores the newest intact checkpoint's parameters on
 machine's devices (any mesh it was trained on), and writes a directory that transformers'
 `AutoModelForCausalLM` and `AutoTokenizer` load:
 
-  config.json              the family's Hugging Face config (Llama: head untied), with the run's
+  config.json              the family's Hugging Face config (Llama: head untied; a mixture of
+                           experts as Mixtral, or Qwen3-MoE with model.qk_norm), with the run's
                            tokenizer's bos / eos ids (null where it has none) and the dtype;
   generation_config.json   the same bos / eos ids;
   model.safetensors        the parameters, in --dtype (float32, bfloat16 or float16);
@@ -102,16 +103,17 @@ def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
   # tokenizer that decodes (for shards, the file their meta.json names).
   run = assemble_finished_run(workdir, '-1x1x1', reads=TOKENIZER)
   config, tokenizer = run.config, run.tokenizer
-  if models.hf_format_for(config.model) is None:
+  fmt = models.hf_format_for(config.model)
+  if fmt is None:
     families = sorted({fmt.model for fmt in models.HF_FORMATS.values()})
     raise config_lib.ConfigError(
         f'--workdir={workdir} trained model.name={config.model.name!r}; --format=hf writes '
         f'{", ".join(families)} models only.')
-  if config.model.get('num_experts', 0):
+  why = models.unwritable(fmt, config.model)
+  if why:  # A mixture of experts no Hugging Face architecture computes the same way.
     raise config_lib.ConfigError(
-        f'--workdir={workdir} trained a mixture of experts (model.num_experts='
-        f'{config.model.num_experts}), which --format=hf cannot write yet; use the run with '
-        'engine.generate and engine.evaluate, or export a dense model.')
+        f'--workdir={workdir} trained {why}, which --format=hf cannot write as '
+        f'{fmt.architecture}; use the run with engine.generate and engine.evaluate.')
   params = restore_params(workdir, run.setup.abstract_state()['params'])
   host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
   token_ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id}

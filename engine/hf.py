@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from engine import models, paths
 from engine.config import ConfigError
-from engine.models.hf_format import LAYER_NDIM, HFFormat, UnsupportedCheckpoint
+from engine.models.hf_format import LAYER_NDIM, HFFormat, UnsupportedCheckpoint, tensor_name
 
 PREFIX = 'hf:'
 
@@ -183,15 +183,16 @@ FLOAT_DTYPES = ('F32', 'BF16', 'F16', 'F64')
 class _Read:
   """One parameter and the checkpoint tensor(s) it is read from."""
   path: str  # Engine path.
-  name: str  # Hugging Face name, '{i}' for the layer of a stacked parameter.
+  name: str  # Hugging Face name, '{i}' for the layer of a stacked parameter, '{e}' the expert.
   layout: str
-  lead: tuple[int, ...]  # The stacked dimensions ([L], or [R, L / R]); () if not stacked.
-  inner: tuple[int, ...]  # One layer's engine shape.
+  # The stacked dimensions ([L], or [R, L / R]; then [E] with '{e}'); () if not stacked.
+  lead: tuple[int, ...]
+  inner: tuple[int, ...]  # One layer's (one expert's) engine shape.
 
   def names(self) -> list[str]:
     if not self.lead:
       return [self.name]
-    return [self.name.format(i=i) for i in range(math.prod(self.lead))]
+    return [tensor_name(self.name, self.lead, at) for at in np.ndindex(*self.lead)]
 
 
 def _reads(fmt: HFFormat, files: _Files, flat: dict, tie: bool) -> list[_Read]:
@@ -246,9 +247,10 @@ def _check_names(fmt: HFFormat, hf_config: dict, files: _Files, reads: list[_Rea
   missing = [n for n in expected if n not in stored]
   extra = sorted(stored - set(expected) - ignored, key=_natural)
   # The layers: how many the model has (config.json), which the files hold.
-  layers = max((math.prod(r.lead) for r in reads if r.lead), default=0)
-  patterns = [re.compile(re.escape(t.name).replace(re.escape('{i}'), r'(\d+)') + '$')
-              for t in fmt.tensors if '{i}' in t.name]
+  layers = max((math.prod(r.lead[:-1] if '{e}' in r.name else r.lead) for r in reads if r.lead),
+               default=0)
+  patterns = [re.compile(re.escape(t.name).replace(re.escape('{i}'), r'(\d+)').replace(
+      re.escape('{e}'), r'\d+') + '$') for t in fmt.tensors if '{i}' in t.name]
   layer_of = {n: int(m.group(1)) for n in stored for p in patterns for m in [p.match(n)] if m}
   held = sorted(set(layer_of.values()))
   extra.sort(key=lambda n: layer_of.get(n, -1) < layers)  # Layers past the model's first.
@@ -342,10 +344,9 @@ def load_params(path: str, abstract_params):
       name, layout, lead, inner = read.name, read.layout, read.lead, read.inner
       if not lead:
         return _read_block(files, name, layout, index, inner).astype(dtype)
-      # The stacked dimensions: [L], or [R, L / R] grouped; layer = their row-major position.
+      # The stacked dimensions ([L], or [R, L / R] grouped; then [E]): one tensor each.
       ranges = [range(*s.indices(n)) for s, n in zip(index[:len(lead)], lead)]
-      layers = [_read_block(files, name.format(i=int(np.ravel_multi_index(at, lead))), layout,
-                            index[len(lead):], inner)
+      layers = [_read_block(files, tensor_name(name, lead, at), layout, index[len(lead):], inner)
                 for at in itertools.product(*ranges)]
       return np.stack(layers).reshape(*map(len, ranges), *layers[0].shape).astype(dtype)
 

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from engine import models
 from engine.config import ConfigError
-from engine.models.hf_format import LAYER_NDIM
+from engine.models.hf_format import LAYER_NDIM, tensor_name
 
 
 def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
@@ -41,10 +41,11 @@ def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
          dtype: str = 'float32', token_ids: dict[str, int | None] | None = None) -> list[str]:
   """Writes `config.json` and `model.safetensors` of the model family's Hugging Face format
   (params: engine '/'-paths -> host arrays; stacked parameters [L, ...], or grouped
-  [R, L / R, ...]), its tensors in `dtype` (a key of DTYPES). `token_ids` ({'bos_token_id',
-  'eos_token_id'}: the tokenizer's, None where it has none) go into config.json and
-  generation_config.json: a null overrides the architecture's default ids (Llama's 1 and 2),
-  which are other tokens of another vocabulary. Returns the tensor names written."""
+  [R, L / R, ...], then [E, ...] for experts), its tensors in `dtype` (a key of DTYPES).
+  `token_ids` ({'bos_token_id', 'eos_token_id'}: the tokenizer's, None where it has none) go
+  into config.json and generation_config.json: a null overrides the architecture's default ids
+  (Llama's 1 and 2), which are other tokens of another vocabulary. Returns the tensor names
+  written."""
   fmt = models.hf_format_for(model_config)
   config = fmt.to_hf_config(model_config, vocab_size)
   tensors = {}
@@ -55,9 +56,10 @@ def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
     if '{i}' not in tensor.name:
       tensors[tensor.name] = to_hf(tensor.layout, array)
       continue
-    per_layer = array.reshape(-1, *array.shape[array.ndim - LAYER_NDIM[tensor.layout]:])
-    for i, layer in enumerate(per_layer):
-      tensors[tensor.name.format(i=i)] = np.ascontiguousarray(to_hf(tensor.layout, layer))
+    lead = array.shape[:array.ndim - LAYER_NDIM[tensor.layout]]  # Layers (then experts).
+    for at in np.ndindex(*lead):
+      tensors[tensor_name(tensor.name, lead, at)] = np.ascontiguousarray(
+          to_hf(tensor.layout, array[at]))
   tensors = {name: _cast(name, value, dtype) for name, value in tensors.items()}
   # transformers 5 reads `dtype`; earlier versions `torch_dtype`.
   config.update(dtype=dtype, torch_dtype=dtype, **(token_ids or {}))

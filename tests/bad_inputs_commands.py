@@ -14,9 +14,10 @@ from tests.bad_inputs_launchers import LAUNCHER_ROWS
 
 
 def _moe_run() -> str:
-  """A config.json of a run of a mixture-of-experts Llama (byte tokenizer)."""
+  """A config.json of a run of a mixture-of-experts Llama (byte tokenizer) whose router no
+  Hugging Face architecture has."""
   saved = json.loads(default_config().to_json())
-  saved['model'].update(name='llama', num_experts=4)
+  saved['model'].update(name='llama', num_experts=4, moe_router='topk_softmax')
   return json.dumps(saved)
 
 
@@ -140,9 +141,10 @@ COMMAND_ROWS = {
         ([RUN], 2, '--out is required: Directory to write.'),
         (['--out=$T/export'], 2, '--workdir is required: The training run to export.'),
         (['--workdir=$T/moe_run', '--out=$T/export'], 2,
-         '--workdir=$T/moe_run trained a mixture of experts (model.num_experts=4), which '
-         '--format=hf cannot write yet; use the run with engine.generate and engine.evaluate, '
-         'or export a dense model.'),
+         "--workdir=$T/moe_run trained model.moe_router='topk_softmax' (MixtralForCausalLM "
+         'routes softmax_topk: a softmax over every expert, the top k renormalised), which '
+         '--format=hf cannot write as MixtralForCausalLM; use the run with engine.generate and '
+         'engine.evaluate.'),
         ([RUN, '--out='], 2, '--out is empty; pass the directory to write, e.g. '
          '--out=/tmp/hf_export.'),
         ([RUN, '--out=$T/notes.txt'], 2, '--out=$T/notes.txt is a file; pass a directory to '
@@ -278,7 +280,8 @@ COMMAND_ROWS = {
         (['--torch_python=$T/no_such_python'], 2, '--torch_python=$T/no_such_python: cannot run '
          'it (No such file or directory); pass a Python that has torch and transformers >= 5.'),
         ([HF_CHECK, '--families=gpt9'], 2,
-         "--families: 'gpt9' is unknown; choose from llama2,llama3,mistral,qwen2,qwen3."),
+         "--families: 'gpt9' is unknown; choose from llama2,llama3,mistral,qwen2,qwen3,mixtral,"
+         'qwen3_moe.'),
         ([HF_CHECK, '--formats=x'], 2, "--formats: 'x' is unknown; choose from v5,legacy."),
         ([HF_CHECK, '--mesh=2x'], 2, f'--mesh=2x: {MESH_FORMAT}'),
     ],

@@ -25,6 +25,13 @@ HF_LLAMA = {'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidde
             'max_position_embeddings': 64, 'hidden_act': 'silu',
             'rope_parameters': {'rope_type': 'default', 'rope_theta': 1e4}}
 
+# Tiny mixture-of-experts config.json files (4 experts, 2 per token).
+HF_MIXTRAL = dict(HF_LLAMA, architectures=['MixtralForCausalLM'], model_type='mixtral',
+                  num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
+HF_QWEN3_MOE = dict(HF_LLAMA, architectures=['Qwen3MoeForCausalLM'], model_type='qwen3_moe',
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
 
 def _one_layer_of_two() -> bytes:
   """HF_LLAMA's weights with layer 1 missing."""
@@ -55,6 +62,9 @@ SCRATCH = {
         HF_LLAMA, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e4})),
     'hf_window/config.json': json.dumps(dict(
         HF_LLAMA, architectures=['MistralForCausalLM'], model_type='mistral', sliding_window=8)),
+    'hf_jitter/config.json': json.dumps(dict(HF_MIXTRAL, router_jitter_noise=0.01)),
+    'hf_unnormalised/config.json': json.dumps(dict(HF_QWEN3_MOE, norm_topk_prob=False)),
+    'hf_dense_layers/config.json': json.dumps(dict(HF_QWEN3_MOE, decoder_sparse_step=2)),
     # Shard sets whose meta.json is damaged.
     'garbled_set/meta.json': '{"format": \n',
     'keyless_set/meta.json': '{"format": "engine-token-shards/1"}',
@@ -326,6 +336,18 @@ BAD_INPUTS = [
      "$T/hf_missing: 9 tensors are missing, e.g. 'model.layers.1.input_layernorm.weight' "
      '(config.json says num_hidden_layers=2; the files hold layers 0..0); the checkpoint is '
      'incomplete or its config.json names more layers than it holds.'),
+    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_jitter'], 2, 'train.init_from=hf:'
+     "$T/hf_jitter: router_jitter_noise=0.01 is not supported (Mixtral multiplies the router's "
+     'input by random noise while training; the engine does not); set it to 0.0 in config.json '
+     'to fine-tune without it.'),
+    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_unnormalised'], 2, 'train.init_from=hf:'
+     '$T/hf_unnormalised: norm_topk_prob=False is not supported (the top-k router weights used '
+     "as they are); the engine's router renormalises them to sum to 1 "
+     '(model.moe_router=softmax_topk): load a checkpoint with norm_topk_prob=true.'),
+    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_dense_layers'], 2, 'train.init_from=hf:'
+     '$T/hf_dense_layers: decoder_sparse_step=2, mlp_only_layers=[], num_experts=4 make some '
+     'layers dense; the engine stacks alike layers, every one a mixture of experts: load a '
+     'checkpoint with decoder_sparse_step=1, mlp_only_layers=[].'),
     # Keys of the Llama family.
     ([TINY, RUN, '--config.model.name=llama', '--config.model.rope_type=yarn'], 2,
      "model.rope_type='yarn' is unknown; choose one of ('default', 'linear', 'llama3')."),

@@ -43,7 +43,21 @@ FAMILIES = {
                   rope_parameters={'rope_type': 'default', 'rope_theta': 1e6}),
     'qwen3': dict(BASE, architectures=['Qwen3ForCausalLM'], model_type='qwen3', head_dim=32,
                   rope_parameters={'rope_type': 'default', 'rope_theta': 1e6}),
+    # Mixtures of experts: 4 experts, 2 per token (Qwen3-MoE's experts narrower than its
+    # unused dense intermediate_size; its older files name the count num_experts).
+    'mixtral': dict(BASE, architectures=['MixtralForCausalLM'], model_type='mixtral',
+                    num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+                    sliding_window=None, rope_parameters={'rope_type': 'default',
+                                                          'rope_theta': 1e6}),
+    'qwen3_moe': dict(BASE, architectures=['Qwen3MoeForCausalLM'], model_type='qwen3_moe',
+                      head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      use_sliding_window=False, sliding_window=4096,
+                      rope_parameters={'rope_type': 'default', 'rope_theta': 1e6}),
 }
+# Each mixture-of-experts architecture's names: (block, gate, up, down).
+MOE_NAMES = {'mixtral': ('block_sparse_moe', 'w1', 'w3', 'w2'),
+             'qwen3_moe': ('mlp', 'gate_proj', 'up_proj', 'down_proj')}
 
 
 def legacy(config: dict) -> dict:
@@ -64,15 +78,25 @@ def _checkpoint(directory, config: dict, seed=0) -> dict:
   w = lambda *shape: (0.1 * rng.standard_normal(shape)).astype(np.float32)
   tensors = {'model.embed_tokens.weight': w(V, D), 'model.norm.weight': 1 + w(D),
              'lm_head.weight': w(V, D)}
-  qwen2, qwen3 = config['model_type'] == 'qwen2', config['model_type'] == 'qwen3'
+  kind = config['model_type']
+  qwen2, qwen3 = kind == 'qwen2', kind in ('qwen3', 'qwen3_moe')
   for i in range(config['num_hidden_layers']):
     p = f'model.layers.{i}.'
     tensors.update({
         p + 'input_layernorm.weight': 1 + w(D), p + 'post_attention_layernorm.weight': 1 + w(D),
         p + 'self_attn.q_proj.weight': w(H * K, D), p + 'self_attn.k_proj.weight': w(N * K, D),
-        p + 'self_attn.v_proj.weight': w(N * K, D), p + 'self_attn.o_proj.weight': w(D, H * K),
-        p + 'mlp.gate_proj.weight': w(F, D), p + 'mlp.up_proj.weight': w(F, D),
-        p + 'mlp.down_proj.weight': w(D, F)})
+        p + 'self_attn.v_proj.weight': w(N * K, D), p + 'self_attn.o_proj.weight': w(D, H * K)})
+    if kind in MOE_NAMES:
+      block, gate, up, down = MOE_NAMES[kind]
+      Fe = config.get('moe_intermediate_size', F)
+      tensors[p + f'{block}.gate.weight'] = 10 * w(_experts(config), D)  # Decisive routing.
+      for e in range(_experts(config)):
+        q = p + f'{block}.experts.{e}.'
+        tensors.update({q + f'{gate}.weight': w(Fe, D), q + f'{up}.weight': w(Fe, D),
+                        q + f'{down}.weight': w(D, Fe)})
+    else:
+      tensors.update({p + 'mlp.gate_proj.weight': w(F, D), p + 'mlp.up_proj.weight': w(F, D),
+                      p + 'mlp.down_proj.weight': w(D, F)})
     if qwen2:
       tensors.update({p + f'self_attn.{x}_proj.bias': w(n * K)
                       for x, n in (('q', H), ('k', N), ('v', N))})
@@ -83,6 +107,34 @@ def _checkpoint(directory, config: dict, seed=0) -> dict:
   save_file(tensors, str(directory / 'model.safetensors'))
   (directory / 'config.json').write_text(json.dumps(config))
   return tensors
+
+
+def _experts(config: dict) -> int:
+  return config.get('num_local_experts') or config['num_experts']
+
+
+def _mlp(t: dict, config: dict, i: int, h: np.ndarray) -> np.ndarray:
+  """The block's SwiGLU MLP, or its mixture of experts as modeling_mixtral /
+  modeling_qwen3_moe compute it: softmax over the router logits, the top k renormalised
+  (norm_topk_prob), their experts' outputs weighed and summed."""
+  g = lambda name: t[f'model.layers.{i}.{name}'].astype(np.float64)
+  swiglu = lambda x, a, b, c: (lambda gate: gate / (1 + np.exp(-gate)) * (x @ g(b).T))(
+      x @ g(a).T) @ g(c).T
+  if config['model_type'] not in MOE_NAMES:
+    return swiglu(h, 'mlp.gate_proj.weight', 'mlp.up_proj.weight', 'mlp.down_proj.weight')
+  block, gate, up, down = MOE_NAMES[config['model_type']]
+  logits = h @ g(f'{block}.gate.weight').T
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  top = np.argsort(-probs, axis=-1)[..., :config['num_experts_per_tok']]
+  weights = np.take_along_axis(probs, top, -1)
+  weights /= weights.sum(-1, keepdims=True)
+  out = np.zeros_like(h)
+  for e in range(_experts(config)):
+    chosen = (weights * (top == e)).sum(-1, keepdims=True)  # 0 where e is not among the top k.
+    q = f'{block}.experts.{e}.'
+    out += chosen * swiglu(h, q + f'{gate}.weight', q + f'{up}.weight', q + f'{down}.weight')
+  return out
 
 
 def _inverse_frequencies(config: dict, K: int) -> np.ndarray:
@@ -109,7 +161,7 @@ def _inverse_frequencies(config: dict, K: int) -> np.ndarray:
 def reference_logits(t: dict, config: dict, tokens: np.ndarray, scale=None) -> np.ndarray:
   """The family's ForCausalLM forward in NumPy (float64): RMSNorm, q/k/v biases (Qwen2), per-head
   q/k RMSNorm before rotary (Qwen3), rotate-half rotary, grouped-query causal attention with
-  logits times head_dim^-0.5 (or `scale`), SwiGLU."""
+  logits times head_dim^-0.5 (or `scale`), SwiGLU (or a mixture of SwiGLU experts, _mlp)."""
   D, H, N = config['hidden_size'], config['num_attention_heads'], config['num_key_value_heads']
   K, eps = config.get('head_dim') or D // H, config['rms_norm_eps']
   B, L = tokens.shape
@@ -139,10 +191,7 @@ def reference_logits(t: dict, config: dict, tokens: np.ndarray, scale=None) -> n
     probs /= probs.sum(-1, keepdims=True)
     out = (probs @ v).transpose(0, 2, 1, 3).reshape(B, L, H * K)
     x = x + out @ g(p + 'o_proj.weight').T
-    h = norm(x, g(f'model.layers.{i}.post_attention_layernorm.weight'))
-    gate = h @ g(f'model.layers.{i}.mlp.gate_proj.weight').T
-    up = h @ g(f'model.layers.{i}.mlp.up_proj.weight').T
-    x = x + (gate / (1 + np.exp(-gate)) * up) @ g(f'model.layers.{i}.mlp.down_proj.weight').T
+    x = x + _mlp(t, config, i, norm(x, g(f'model.layers.{i}.post_attention_layernorm.weight')))
   return norm(x, g('model.norm.weight')) @ g('lm_head.weight').T
 
 
@@ -172,6 +221,7 @@ def test_family_loads_with_the_reference_logits(tmp_path, family, fmt):
   hf.apply_model_config(config)
   model = config.model
   assert (model.name, model.hf_architecture) == ('llama', hf_config['architectures'][0])
+  assert model.num_experts == (_experts(hf_config) if family in MOE_NAMES else 0)
   assert model.rope_base == FAMILIES[family]['rope_parameters']['rope_theta']
   assert model.rope_type == FAMILIES[family]['rope_parameters']['rope_type']
   setup = lay_out(config, 256, jax.devices()[:1])
@@ -202,10 +252,11 @@ def test_the_reference_sees_what_the_families_change(tmp_path):
 
 @pytest.fixture(scope='module')
 def qwen_runs(tmp_path_factory):
-  """Qwen2 (biases) and Qwen3 (q/k norms, head_dim 32 != 64 / 4, llama3 rotary) on 2x2x2."""
+  """Qwen2 (biases), Qwen3 (q/k norms, head_dim 32 != 64 / 4, llama3 rotary) and Qwen3-MoE
+  (experts, dropless) on 2x2x2."""
   runs = {}
   for family, extra in (('qwen2', {}), ('qwen3', {'rope_parameters': dict(
-      LLAMA3_ROPE, rope_theta=1e6)})):
+      LLAMA3_ROPE, rope_theta=1e6)}), ('qwen3_moe', {})):
     directory = tmp_path_factory.mktemp(family)
     hf_config = dict(FAMILIES[family], **extra)
     runs[family] = (directory, hf_config, _checkpoint(directory, hf_config, seed=3))
@@ -274,7 +325,8 @@ def test_attention_scale_sets_the_logit_scale(tmp_path):
     ({'mlp_bias': True}, 'mlp_bias=true is not supported'),
     ({'hidden_act': 'gelu'}, "hidden_act='gelu' is not supported"),
     ({'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2'},
-     'the engine loads LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM'),
+     'the engine loads LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, '
+     'Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM'),
 ])
 def test_what_the_engine_does_not_compute_is_refused(change, message):
   with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace('[', r'\[')):

@@ -1,7 +1,7 @@
 """The engine's Hugging Face Llama-family support checked against transformers itself.
 
   python -m engine.analysis.hf_check --torch_python=/path/to/python-with-torch \
-      [--families=llama2,llama3,mistral,qwen2,qwen3] [--formats=v5,legacy] \
+      [--families=llama2,llama3,mistral,qwen2,qwen3,mixtral,qwen3_moe] [--formats=v5,legacy] \
       [--modes=auto,manual] [--mesh=2x2x2] [--out=/tmp/hf_check] [--dir=KEEP_FILES_HERE]
 
 For every family and config format, a child process run by --torch_python (a Python with torch
@@ -10,7 +10,8 @@ builds a tiny random model of the family with transformers, saves it with save_p
 transformers 5's `rope_parameters` config format, "v5", or rewritten into the older top-level
 `rope_theta` / `rope_scaling` one, "legacy"), and writes transformers' logits on fixed token ids
 (the models: hf_reference.py's docstring; Llama 3 rotary, Qwen2 biases, Qwen3 q/k norms, head_dim
-and a tied head, every norm and bias random). Then, in each mode, this process:
+and a tied head, Mixtral's and Qwen3-MoE's experts (the engine's dropless dispatch), every norm
+and bias random). Then, in each mode, this process:
 
   1. loads the directory as `train.init_from=hf:DIR` does (engine.assemble, engine.hf.load_params)
      on a DATAxFSDPxTENSOR mesh (default 2x2x2: 8 devices; run directly, this command asks XLA
@@ -67,7 +68,7 @@ from engine.analysis.hf_compare import (LOGITS_RTOL, LOSS_RTOL, ROWS, SEED, SEQ_
 from engine.cli import run_command
 from engine.config import ConfigError
 
-FAMILIES = ('llama2', 'llama3', 'mistral', 'qwen2', 'qwen3')
+FAMILIES = ('llama2', 'llama3', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe')
 FORMATS = ('v5', 'legacy')
 REFERENCE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hf_reference.py')
 

@@ -74,6 +74,9 @@ def engine_config(path: str, mode: str, mesh: str, rows: int, seq_len: int):
   config.optim.warmup_steps = 0
   config.optim.learning_rate = config.optim.end_learning_rate = LEARNING_RATE
   config.seed = SEED
+  # A mixture of experts' step loss is the cross-entropy alone, as transformers' (which adds its
+  # router loss only with output_router_logits).
+  config.model.moe_aux_loss_coef = config.model.moe_z_loss_coef = 0.0
   return config
 
 

@@ -21,6 +21,9 @@ initialises to one and zero, so that a norm or a bias the engine dropped would s
   qwen2    Qwen2ForCausalLM, biases on q / k / v
   qwen3    Qwen3ForCausalLM, RMSNorm on each query and key head, head_dim 32 (not 64 / 4),
            the output head tied to the embedding (as the small Qwen3 checkpoints are)
+  mixtral  MixtralForCausalLM, 4 experts of hidden 128, 2 per token (per-expert tensors on disk)
+  qwen3_moe  Qwen3MoeForCausalLM, 4 experts of hidden 32 (moe_intermediate_size), 2 per token,
+           norm_topk_prob, q / k norms, head_dim 32
 
 Config formats: `v5` is what transformers 5's save_pretrained writes (`rope_parameters`);
 `legacy` is the same checkpoint with config.json rewritten in the older format: a top-level
@@ -61,8 +64,8 @@ import warnings
 import numpy as np
 import torch
 import transformers
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig,
+                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
@@ -84,6 +87,15 @@ FAMILIES = {
                                  use_sliding_window=False,
                                  rope_parameters={'rope_type': 'default',
                                                   'rope_theta': 1000000.0}),
+    'mixtral': lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=None,
+                                     rope_parameters={'rope_type': 'default',
+                                                      'rope_theta': 1000000.0}),
+    'qwen3_moe': lambda: Qwen3MoeConfig(**COMMON, head_dim=32, num_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=32,
+                                        norm_topk_prob=True, use_sliding_window=False,
+                                        rope_parameters={'rope_type': 'default',
+                                                         'rope_theta': 1000000.0}),
 }
 FORMATS = ('v5', 'legacy')
 _ANSI = re.compile(r'\x1b\[[0-9;]*m')  # transformers' load report is in bold.
@@ -91,13 +103,15 @@ _ANSI = re.compile(r'\x1b\[[0-9;]*m')  # transformers' load report is in bold.
 
 def randomize(model, seed):
   """Every parameter random and large enough to matter: matrices N(0, 1 / fan_in) (the
-  embedding N(0, 1)), RMSNorm scales (q / k norms included) uniform in [0.5, 1.5], biases
-  N(0, 0.5^2)."""
+  embedding N(0, 1), the fused experts' [E, out, in] too; routers N(0, 1), so that no two
+  experts come near a tie), RMSNorm scales (q / k norms included) uniform in [0.5, 1.5],
+  biases N(0, 0.5^2)."""
   generator = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if p.dim() >= 2:
-        std = 1.0 if 'embed_tokens' in name else p.shape[1] ** -0.5
+        std = 1.0 if 'embed_tokens' in name or name.endswith('mlp.gate.weight') else (
+            p.shape[-1] ** -0.5)
         p.copy_(torch.randn(p.shape, generator=generator) * std)
       elif name.endswith('norm.weight'):
         p.copy_(0.5 + torch.rand(p.shape, generator=generator))

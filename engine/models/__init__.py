@@ -6,13 +6,13 @@ its `HFFormat` (engine/models/hf_format.py) in HF_FORMATS. Tests and experiments
 entries to `MODELS` at run time.
 """
 
-from engine.models import gpt, llama, llama_hf
+from engine.models import gpt, llama, llama_hf, llama_moe_hf
 from engine.models.hf_format import HFFormat
 from engine.models.spec import ModelSpec
 
 MODELS = {'gpt': gpt.build, 'llama': llama.build}
 # Hugging Face architecture -> its format; the first of a model's is what it exports by default.
-HF_FORMATS = {fmt.architecture: fmt for fmt in llama_hf.FORMATS}
+HF_FORMATS = {fmt.architecture: fmt for fmt in llama_hf.FORMATS + llama_moe_hf.FORMATS}
 
 
 def build(model_config, vocab_size: int) -> ModelSpec:
@@ -26,7 +26,16 @@ def hf_format_of_architectures(architectures) -> HFFormat | None:
 
 def hf_format_for(model_config) -> HFFormat | None:
   """The format a model exports as: the architecture it was loaded from (model.hf_architecture),
-  else its family's first; None for a model with no Hugging Face format."""
+  else the first of its family's (dense, or mixture-of-experts formats as the model is) that
+  writes it (`HFFormat.unwritable`), else the first of them; None for a model with no Hugging
+  Face format."""
   if model_config.get('hf_architecture'):
     return HF_FORMATS.get(model_config.hf_architecture)
-  return next((fmt for fmt in HF_FORMATS.values() if fmt.model == model_config.name), None)
+  moe = bool(model_config.get('num_experts', 0))
+  own = [fmt for fmt in HF_FORMATS.values() if fmt.model == model_config.name and fmt.moe == moe]
+  return next((fmt for fmt in own if not unwritable(fmt, model_config)), own[0] if own else None)
+
+
+def unwritable(fmt: HFFormat, model_config) -> str:
+  """What of the model `fmt` cannot write; '' if nothing."""
+  return fmt.unwritable(model_config) if fmt.unwritable else ''

@@ -12,6 +12,9 @@ split out and stacked layers along leading axes):
   heads_out  [H K, D] -> [D, H, K] (a projection into heads);
   heads_in   [D, H K] -> [H, K, D] (a projection out of heads);
   heads_bias [H K] -> [H, K] (a bias on a projection into heads).
+A stacked parameter's name has '{i}' for its layer; a parameter stacked over experts too (a
+mixture of experts' [L, E, ...] weights, one tensor per layer and expert) also has '{e}', the
+expert: the last of its leading dimensions (`tensor_name`).
 A format lists every tensor any of its models may have; a model that lacks a parameter (no
 biases, no q/k norms) reads none of that entry's tensors, and a checkpoint tensor that no
 parameter of the model reads is an error.
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+
+import numpy as np
 
 LAYOUTS = ('same', 'linear', 'heads_out', 'heads_in', 'heads_bias')
 # Dimensions of one layer's engine array, by layout (stacked parameters have more in front).
@@ -36,7 +41,8 @@ class UnsupportedCheckpoint(ValueError):
 class HFTensor:
   """One engine parameter and the Hugging Face tensor(s) it holds."""
   path: str  # '/'-joined engine path.
-  name: str  # Hugging Face name; '{i}' stands for the layer of a stacked parameter.
+  # Hugging Face name; '{i}' stands for the layer of a stacked parameter, '{e}' for the expert.
+  name: str
   layout: str  # One of LAYOUTS.
   # A tied checkpoint has no `name`: the parameter is read from this tensor instead, transposed
   # (an output head tied to the embedding).
@@ -54,3 +60,16 @@ class HFFormat:
   to_model_config: Callable[[dict, str], dict]
   # (the engine's `model` config, vocabulary size) -> config.json.
   to_hf_config: Callable[[object, int], dict]
+  moe: bool = False  # Its models are mixtures of experts (model.num_experts > 0).
+  # (the engine's `model` config) -> '' if this architecture writes the model exactly, else what
+  # it cannot write (engine.export refuses it); None: every model of `model`.
+  unwritable: Callable[[object], str] | None = None
+
+
+def tensor_name(name: str, lead: tuple[int, ...], at: tuple[int, ...]) -> str:
+  """The Hugging Face name of the stacked parameter's slice at position `at` of its leading
+  dimensions `lead` ([L], or [R, L / R] grouped; then [E] if the name has '{e}'): the layer is
+  the row-major position of the layer dimensions."""
+  if '{e}' in name:
+    return name.format(i=int(np.ravel_multi_index(at[:-1], lead[:-1])), e=int(at[-1]))
+  return name.format(i=int(np.ravel_multi_index(at, lead)))

@@ -86,8 +86,9 @@ def _sliding_window(hf: dict) -> int:
   return int(hf.get('sliding_window') or 0)
 
 
-def _common(hf: dict, where: str, architecture: str) -> dict:
-  """What every architecture of the family shares: sizes, norms, rotary, activation."""
+def common(hf: dict, where: str, architecture: str) -> dict:
+  """What every architecture of the family shares: sizes, norms, rotary, activation (a dense
+  MLP: llama_moe_hf.py overrides the experts)."""
   heads, width = hf['num_attention_heads'], hf['hidden_size']
   if hf.get('hidden_act', 'silu') != 'silu':
     raise UnsupportedCheckpoint(f'{where}: hidden_act={hf.get("hidden_act")!r} is not supported '
@@ -95,7 +96,7 @@ def _common(hf: dict, where: str, architecture: str) -> dict:
   if hf.get('mlp_bias'):
     raise UnsupportedCheckpoint(f'{where}: mlp_bias=true is not supported (the engine\'s MLP has '
                                 'no biases).')
-  return {'name': 'llama', 'hf_architecture': architecture,
+  return {'name': 'llama', 'hf_architecture': architecture, 'num_experts': 0,
           'num_layers': hf['num_hidden_layers'], 'embed_dim': width, 'num_heads': heads,
           'num_kv_heads': hf.get('num_key_value_heads') or heads,
           'head_dim': hf.get('head_dim') or width // heads,
@@ -105,27 +106,27 @@ def _common(hf: dict, where: str, architecture: str) -> dict:
           **_rope(hf, where)}
 
 
-def _no_attention_bias(hf: dict, where: str) -> None:
+def no_attention_bias(hf: dict, where: str) -> None:
   if hf.get('attention_bias'):
     raise UnsupportedCheckpoint(f'{where}: attention_bias=true is not supported (a bias on the '
                                 'output projection; the engine has q/k/v biases only, as Qwen2).')
 
 
 def _llama(hf: dict, where: str, architecture: str = 'LlamaForCausalLM') -> dict:
-  _no_attention_bias(hf, where)
-  return _common(hf, where, architecture)
+  no_attention_bias(hf, where)
+  return common(hf, where, architecture)
 
 
 def _qwen2(hf: dict, where: str) -> dict:
-  return {**_common(hf, where, 'Qwen2ForCausalLM'), 'qkv_bias': True}
+  return {**common(hf, where, 'Qwen2ForCausalLM'), 'qkv_bias': True}
 
 
 def _qwen3(hf: dict, where: str) -> dict:
-  _no_attention_bias(hf, where)
-  return {**_common(hf, where, 'Qwen3ForCausalLM'), 'qk_norm': True}
+  no_attention_bias(hf, where)
+  return {**common(hf, where, 'Qwen3ForCausalLM'), 'qk_norm': True}
 
 
-def _to_hf_config(architecture: str, model_type: str):
+def to_hf_config(architecture: str, model_type: str):
   def to_hf_config(model_config, vocab_size: int) -> dict:
     """config.json for the engine's Llama `model` settings, in transformers 5's format (plus the
     top-level rope_theta older versions read)."""
@@ -149,7 +150,7 @@ def _to_hf_config(architecture: str, model_type: str):
         'max_position_embeddings': model_config.max_len, 'hidden_act': 'silu',
         'tie_word_embeddings': False, 'rope_parameters': rope,
         'rope_theta': model_config.rope_base, 'mlp_bias': False}
-    if architecture in ('LlamaForCausalLM', 'Qwen3ForCausalLM'):
+    if architecture in ('LlamaForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'):
       config['attention_bias'] = False
     window = model_config.sliding_window or None
     if architecture == 'MistralForCausalLM':
@@ -162,12 +163,12 @@ def _to_hf_config(architecture: str, model_type: str):
 
 FORMATS = (
     HFFormat('LlamaForCausalLM', 'llama', TENSORS, _llama,
-             _to_hf_config('LlamaForCausalLM', 'llama')),
+             to_hf_config('LlamaForCausalLM', 'llama')),
     HFFormat('MistralForCausalLM', 'llama', TENSORS,
              lambda hf, where: _llama(hf, where, 'MistralForCausalLM'),
-             _to_hf_config('MistralForCausalLM', 'mistral')),
+             to_hf_config('MistralForCausalLM', 'mistral')),
     HFFormat('Qwen2ForCausalLM', 'llama', TENSORS, _qwen2,
-             _to_hf_config('Qwen2ForCausalLM', 'qwen2')),
+             to_hf_config('Qwen2ForCausalLM', 'qwen2')),
     HFFormat('Qwen3ForCausalLM', 'llama', TENSORS, _qwen3,
-             _to_hf_config('Qwen3ForCausalLM', 'qwen3')),
+             to_hf_config('Qwen3ForCausalLM', 'qwen3')),
 )
