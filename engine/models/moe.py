@@ -53,14 +53,27 @@ class MoeConfig:
   z_loss_coef: float = 0.0
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """jax.lax.top_k over the last axis (largest first, the lower index on ties) as k argmaxes:
+  XLA's SPMD partitioner gathers a top_k's whole input onto every device, but splits a
+  reduction along the batch like any other."""
+  values, indices = [], []
+  for _ in range(k):
+    index = jnp.argmax(x, axis=-1)
+    values.append(jnp.take_along_axis(x, index[..., None], axis=-1)[..., 0])
+    indices.append(index)
+    x = jnp.where(jax.nn.one_hot(index, x.shape[-1], dtype=bool), -jnp.inf, x)
+  return jnp.stack(values, -1), jnp.stack(indices, -1)
+
+
 def route(logits_TE: jax.Array, k: int, router: str):
   """(weights [T, K], experts [T, K] int32, probabilities [T, E]) of float32 router logits."""
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
   if router == 'softmax_topk':
-    top_TK, experts_TK = jax.lax.top_k(probs_TE, k)
+    top_TK, experts_TK = top_k(probs_TE, k)
     weights_TK = top_TK / top_TK.sum(-1, keepdims=True)
   else:
-    top_TK, experts_TK = jax.lax.top_k(logits_TE, k)
+    top_TK, experts_TK = top_k(logits_TE, k)
     weights_TK = jax.nn.softmax(top_TK, axis=-1)
   return weights_TK, experts_TK.astype(jnp.int32), probs_TE
 
@@ -99,9 +112,12 @@ class MoeMlp(nnx.Module):
     cfg = self.cfg
     B, L, D = x_BLD.shape
     # The router reads x before column_parallel_input: its input gradient is whole already.
-    logits_TE = dense(x_BLD.reshape(B * L, D), self.w_router_DE[...],
-                      preferred_element_type=jnp.float32).astype(jnp.float32)
-    weights_TK, experts_TK, probs_TE = route(logits_TE, cfg.experts_per_token, cfg.router)
+    logits_BLE = ops.constrain(dense(x_BLD, self.w_router_DE[...],
+                                     preferred_element_type=jnp.float32).astype(jnp.float32),
+                               ('batch', 'length', None))
+    weights_BLK, experts_BLK, probs_BLE = route(logits_BLE, cfg.experts_per_token, cfg.router)
+    logits_TE, probs_TE = logits_BLE.reshape(B * L, -1), probs_BLE.reshape(B * L, -1)
+    weights_TK, experts_TK = weights_BLK.reshape(B * L, -1), experts_BLK.reshape(B * L, -1)
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')
     ffn = ExpertFFN(self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
                     lambda y: ops.finish_contraction(y, 'mlp'))
