@@ -75,7 +75,8 @@ def default_config() -> ml_collections.ConfigDict:
   # Llama MoE: hidden size of a shared SwiGLU expert every token also goes through; 0: none.
   c.model.moe_shared_expert = 0
   # Llama MoE: dropless (grouped matmuls over tokens sorted by expert) | capacity (each expert
-  # takes at most moe_capacity_factor * tokens * k / experts assignments; later ones dropped).
+  # takes at most moe_capacity_factor * length * k / experts assignments of each sequence;
+  # later ones are dropped).
   c.model.moe_dispatch = 'dropless'
   c.model.moe_capacity_factor = 1.25  # Llama MoE, capacity dispatch: see moe_dispatch.
   # Llama MoE: weight of Switch's load-balancing loss (experts * sum_e f_e * P_e), per layer.

@@ -41,7 +41,8 @@ def check_moe(config: ConfigDict, mesh: dict[str, int]) -> None:
   factor = model.moe_capacity_factor
   if not (math.isfinite(factor) and factor > 0):
     raise ConfigError(f'model.moe_capacity_factor={factor} must be a positive number; each '
-                      'expert takes ceil(tokens * k / experts * factor) assignments (e.g. 1.25).')
+                      'expert takes ceil(length * k / experts * factor) assignments of each sequence '
+                      '(e.g. 1.25).')
   for key in ('moe_mlp_dim', 'moe_shared_expert', 'moe_aux_loss_coef', 'moe_z_loss_coef'):
     if not (math.isfinite(model[key]) and model[key] >= 0):
       raise ConfigError(f'model.{key}={model[key]} must be a number >= 0; give 0 or more.')
@@ -50,16 +51,16 @@ def check_moe(config: ConfigDict, mesh: dict[str, int]) -> None:
 
 def _check_layout(config: ConfigDict, mesh: dict[str, int]) -> None:
   """The layouts that would compute something else than the one-device model: a pipeline stage
-  sees one micro-batch's tokens, and manual mode's capacity would count only this device's
-  (the router's statistics are averaged over the batch shards: ops.batch_mean)."""
+  sees one micro-batch's tokens, and manual mode's capacity with context parallelism would
+  count only this device's part of each sequence."""
   experts = config.model.num_experts
   if mesh['stage'] > 1:
     raise ConfigError(f'model.num_experts={experts} with mesh.stage={mesh["stage"]}: pipeline '
                       'stages are not supported with experts yet; set mesh.stage=1.')
-  split = mesh['data'] * mesh['fsdp'] * mesh['context']
-  if (config.parallelism.mode == 'manual' and split > 1 and
+  # Capacity is counted per sequence; a device holding part of every sequence cannot count it.
+  if (config.parallelism.mode == 'manual' and mesh['context'] > 1 and
       config.model.moe_dispatch == 'capacity'):
     raise ConfigError(
-        f"model.moe_dispatch='capacity' in manual mode on a mesh that splits the tokens "
-        f'(data*fsdp*context={split}) is not supported yet; use parallelism.mode=auto, or '
-        "model.moe_dispatch='dropless'.")
+        f"model.moe_dispatch='capacity' in manual mode with mesh.context={mesh['context']} is "
+        "not supported yet; use model.moe_dispatch='dropless', parallelism.mode=auto, or "
+        'mesh.context=1.')

@@ -371,14 +371,14 @@ BAD_INPUTS = [
     ([TINY, RUN, *MOE, '--config.model.moe_dispatch=dense'], 2, "model.moe_dispatch='dense' "
      "is unknown; choose one of ('dropless', 'capacity')."),
     ([TINY, RUN, *MOE, '--config.model.moe_capacity_factor=0'], 2,
-     'model.moe_capacity_factor=0.0 must be a positive number; each expert takes ceil(tokens * k '
-     '/ experts * factor) assignments (e.g. 1.25).'),
+     'model.moe_capacity_factor=0.0 must be a positive number; each expert takes ceil(length * k '
+     '/ experts * factor) assignments of each sequence (e.g. 1.25).'),
     ([TINY, RUN, *MOE, '--config.model.moe_aux_loss_coef=-0.1'], 2,
      'model.moe_aux_loss_coef=-0.1 must be a number >= 0; give 0 or more.'),
-    (['--config=experiments/tiny.py:mode=manual', RUN, *MOE, '--config.model.moe_dispatch='
-      'capacity'], 2, "model.moe_dispatch='capacity' in manual mode on a mesh that splits the "
-     'tokens (data*fsdp*context=8) is not supported yet; use parallelism.mode=auto, or '
-     "model.moe_dispatch='dropless'."),
+    (['--config=experiments/tiny.py:mode=manual,mesh=4x1x1x2', RUN, *MOE,
+      '--config.model.moe_dispatch=capacity'], 2, "model.moe_dispatch='capacity' in manual mode "
+     "with mesh.context=2 is not supported yet; use model.moe_dispatch='dropless', "
+     'parallelism.mode=auto, or mesh.context=1.'),
     (['--config=experiments/tiny.py:mesh=4x1x1x1x2', RUN, *MOE], 2, 'model.num_experts=4 with '
      'mesh.stage=2: pipeline stages are not supported with experts yet; set mesh.stage=1.'),
     # The expert mesh axis.

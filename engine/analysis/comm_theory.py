@@ -32,7 +32,15 @@ its executions in one step. Keys are (kind, mesh axes).
   stage 0 (another). Stacked layers' gradients are split over `stage`, so each stage reduces
   only its own, once per step; under FSDP each weight is gathered once per step, as with
   micro-batches.
-Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
+- Expert parallel (engine/parallel/expert_exchange.py): per layer, the experts' buffer goes to
+  the devices holding the experts and back (one all-to-all each way) in every forward pass (two
+  under remat) and once each way in the backward pass. The buffer is the capacity dispatch's
+  [E, local batch, C, embed] slots, or manual dropless' n blocks of (local tokens x min(k, E / n))
+  rows, whose int32 local expert ids travel too (forward only). Auto mode's dropless dispatch
+  pads to C = length instead (E / k times the capacity-1 buffer): the theory is manual mode's.
+  With tensor parallelism the experts' down projection all-reduces the routed rows (forward)
+  instead of [batch, length, embed], and the backward pass all-reduces the layer's input once.
+Scalar reductions (loss, gradient norms, routing statistics) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
 `parallelism.grad_reduce_dtype`, activations in the compute dtype, the loss terms in float32.
@@ -45,6 +53,7 @@ import math
 
 import numpy as np
 
+from engine.models.moe_dispatch import capacity
 from engine.models.ops import LAYERS
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
@@ -104,8 +113,41 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
     expected[('collective-permute', stage_axes)] += (
         2 * (repeats * microbatches + stages - 2) * activation // microbatches)
     expected[('all-reduce', stage_axes)] += 2 * activation
+  if model.experts is not None:
+    _add_expert_exchange(setup, expected, local_batch, seq_len, activation_bytes)
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
   if vocab_parallel:
     expected[('all-reduce', vocab_parallel)] += (
         2 * activation + 3 * local_batch * seq_len * FLOAT32_BYTES)
   return dict(expected)
+
+
+def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len: int,
+                         activation_bytes: int) -> None:
+  """The all-to-alls of the experts' exchange, and the tensor axis' reductions of routed rows."""
+  mesh_shape, rules, model = dict(setup.mesh.shape), setup.rules, setup.model
+  names, experts = tuple(mesh_shape), model.experts
+  E, K = experts.num_experts, experts.experts_per_token
+  expert_axes = _ordered(rules.mesh_axes('experts', activation=True), names)
+  n = math.prod(mesh_shape[a] for a in expert_axes)
+  if experts.capacity_factor:
+    rows = E * local_batch * capacity(seq_len, K, E, experts.capacity_factor)
+    id_bytes = 0
+  else:
+    rows = n * local_batch * seq_len * min(K, E // n)
+    id_bytes = rows * 4 if expert_axes else 0
+  forward_passes = 1 if setup.options.remat == 'none' else 2
+  # Pipeline stages: each runs its layers on every iteration, bubbles included.
+  stage_axes = rules.mesh_axes(LAYERS)
+  stages = math.prod(mesh_shape[a] for a in stage_axes)
+  items = model.layer_groups * setup.options.microbatches if stages > 1 else 1
+  layers = model.num_layers / stages * (items + stages - 1) / items
+  row_bytes = rows * model.embed_dim * activation_bytes
+  if expert_axes:
+    expected[('all-to-all', expert_axes)] += round(
+        layers * ((2 * forward_passes + 2) * row_bytes + forward_passes * id_bytes))
+  tensor_axes = _ordered(rules.mesh_axes('mlp', activation=True), names)
+  if tensor_axes:
+    activation = local_batch * seq_len * model.embed_dim * activation_bytes
+    expected[('all-reduce', tensor_axes)] += round(
+        layers * (row_bytes + (0 if experts.shared_expert else activation)))

@@ -24,7 +24,7 @@ from flax import nnx
 from engine.models.layers import apply_layers, dense, param, stack_layers
 from engine.models.moe import MoeConfig, MoeMlp
 from engine.models.ops import LocalOps
-from engine.models.spec import ModelSpec
+from engine.models.spec import ExpertsSpec, ModelSpec
 
 
 ROPE_TYPES = ('default', 'linear', 'llama3')
@@ -264,6 +264,18 @@ def build(model_config, vocab_size: int) -> ModelSpec:
 
   return ModelSpec(
       name='llama', factory=lambda rngs: Llama(cfg, rngs), vocab_size=vocab_size,
-      embed_dim=D, num_layers=cfg.num_layers, row_parallel_per_layer=('heads', 'mlp'),
+      embed_dim=D, num_layers=cfg.num_layers,
+      # The routed experts' down projection finishes on the routed rows, not on [B, L, D]
+      # (engine.analysis.comm_theory counts it with the experts' exchange).
+      row_parallel_per_layer=('heads', 'mlp') if not cfg.moe or cfg.moe.shared_expert_dim else (
+          ('heads',)),
       flops_per_token=flops_per_token, split_where_divisible=('kv_heads',),
-      context_parallel=True)
+      context_parallel=True, experts=_experts_spec(cfg.moe))
+
+
+def _experts_spec(moe: MoeConfig | None) -> ExpertsSpec | None:
+  if moe is None:
+    return None
+  return ExpertsSpec(moe.num_experts, moe.experts_per_token,
+                     moe.capacity_factor if moe.dispatch == 'capacity' else 0.0,
+                     bool(moe.shared_expert_dim))

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from engine.models.attention import causal_attention
+from engine.models import moe_dispatch
 from engine.models.layers import LAYERS, layer_group, num_groups  # noqa: F401 (LAYERS: re-export)
 
 
@@ -88,6 +89,18 @@ class LocalOps:
     routing fractions), as the mean over the whole batch: a layout that splits the tokens
     averages it over its devices (which hold equal token counts)."""
     return x
+
+  def experts(self, x_BLD: jax.Array, experts_BLK: jax.Array, ffn: moe_dispatch.ExpertFFN,
+              num_experts: int, slots: int | None) -> tuple[jax.Array, jax.Array]:
+    """A mixture of experts' dispatch (engine/models/moe_dispatch.py): ([B, L, K, D] the output
+    of each token's K chosen experts, zero where dropped; the fraction dropped). `slots`: the
+    capacity per expert and sequence, or None for the dropless dispatch. A layout that splits
+    the experts over devices moves the tokens to them and back."""
+    if slots is not None:
+      return moe_dispatch.with_capacity(x_BLD, experts_BLK, ffn, num_experts, slots)
+    B, L, K = experts_BLK.shape
+    y_TKD = moe_dispatch.dropless(x_BLD.reshape(B * L, -1), experts_BLK.reshape(B * L, K), ffn)
+    return y_TKD.reshape(B, L, K, -1), jnp.zeros((), jnp.float32)
 
   def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     return jnp.take(table_VD, tokens_BL, axis=0)

@@ -36,6 +36,16 @@ from engine.models.layers import group_layers
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+  """A mixture of experts in place of every layer's MLP (engine/models/moe.py), as the
+  communication theory and the planner need it."""
+  num_experts: int
+  experts_per_token: int
+  capacity_factor: float  # Slots per expert and sequence: ceil(L * k / E * factor); 0: dropless.
+  shared_expert: bool  # A dense shared expert beside the routed ones.
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """A built model: how to create it, and the facts about it the engine's tools need."""
   name: str
@@ -59,6 +69,8 @@ class ModelSpec:
   # Set by the engine, not the model (train.pipeline_repeats): the stacked layers' parameters
   # in this many consecutive groups, [groups, layers / groups, ...], for a circular pipeline.
   layer_groups: int = 1
+  # The mixture of experts of every layer, or None for a dense model.
+  experts: ExpertsSpec | None = None
 
   def create(self, rngs: nnx.Rngs) -> nnx.Module:
     """The model, unplaced. The engine places parameters itself (a jit with out_shardings from

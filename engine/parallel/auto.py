@@ -9,6 +9,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from engine.models import moe_dispatch
 from engine.models.ops import LocalOps
 from engine.parallel import pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
@@ -51,6 +52,24 @@ class AutoOps(LocalOps):
     by_stage = lambda a: jax.lax.with_sharding_constraint(
         a, NamedSharding(self.mesh, P('stage', *([None] * (a.ndim - 1)))))
     return pipeline.auto_pipeline(run, layers, x, stages, self.microbatches, by_stage)
+
+  def experts(self, x_BLD, experts_BLK, ffn, num_experts, slots):
+    if not self.rules.mesh_axes('experts', activation=True):
+      return super().experts(x_BLD, experts_BLK, ffn, num_experts, slots)
+    # Grouped matmuls over expert-split weights compile with the experts all-gathered; the slot
+    # buffer laid out by expert lets the compiler move the tokens instead (all-to-all). Dropless
+    # is the capacity dispatch with a slot for every position: nothing can drop, at E / K times
+    # the useful expert FLOPs.
+    # Both layouts are pinned: left to itself, the compiler gathers the tokens to the experts.
+    by_batch = lambda x_EBCD: self.constrain(x_EBCD, (None, 'batch', None, None))
+    by_expert = lambda x_EBCD: self.constrain(x_EBCD, ('experts', 'expert_groups', None, None))
+    y_BLKD, dropped = moe_dispatch.with_capacity(
+        x_BLD, experts_BLK, ffn, num_experts, slots or experts_BLK.shape[1],
+        lambda x_EBCD, through_experts: by_batch(by_expert(through_experts(
+            by_expert(by_batch(x_EBCD))))))
+    if slots is None:
+      dropped = jnp.zeros((), jnp.float32)
+    return y_BLKD, dropped
 
   def embed_lookup(self, table_VD, tokens_BL):
     # XLA partitions a gather from a table split only along the vocabulary as a masked local

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from engine.models import moe_dispatch
 from engine.models.ops import LocalOps
-from engine.parallel import context, pipeline
+from engine.parallel import context, expert_exchange, pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
                                    map_params, next_token_loss)
 from engine.sharding import named, spec_axes
@@ -193,6 +194,19 @@ class ManualOps(LocalOps):
     mine_BL = (local_BL >= 0) & (local_BL < table_VD.shape[0])
     rows_BLD = jnp.take(table_VD, jnp.where(mine_BL, local_BL, 0), axis=0)
     return jax.lax.psum(jnp.where(mine_BL[..., None], rows_BLD, 0), axes)
+
+  def experts(self, x_BLD, experts_BLK, ffn, num_experts, slots):
+    axes = self.rules.mesh_axes('experts', activation=True)
+    if not axes:  # Every device holds every expert.
+      return super().experts(x_BLD, experts_BLK, ffn, num_experts, slots)
+    axis = axes[0]
+    if slots is not None:
+      return moe_dispatch.with_capacity(x_BLD, experts_BLK, ffn, num_experts, slots,
+                                        expert_exchange.capacity_exchange(axis))
+    B, L, K = experts_BLK.shape
+    y_TKD = expert_exchange.dropless(x_BLD.reshape(B * L, -1), experts_BLK.reshape(B * L, K),
+                                     ffn, num_experts, axis, self.mesh_shape[axis])
+    return y_TKD.reshape(B, L, K, -1), jnp.zeros((), jnp.float32)
 
   def batch_mean(self, x):
     # Every device's loss then holds the same shared term; pmean's transpose gives each device
