@@ -40,7 +40,9 @@ its executions in one step. Keys are (kind, mesh axes).
   pads to C = length instead (E / k times the capacity-1 buffer): the theory is manual mode's.
   With tensor parallelism the experts' down projection all-reduces the routed rows (forward)
   instead of [batch, length, embed], and the backward pass all-reduces the layer's input once.
-Scalar reductions (loss, gradient norms, routing statistics) are left out: they are a few bytes.
+  The router's batch statistics (the load-balancing loss' two [E] means) are averaged over the
+  batch axes in every forward pass, float32.
+Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
 `parallelism.grad_reduce_dtype`, activations in the compute dtype, the loss terms in float32.
@@ -60,6 +62,8 @@ from engine.state import TrainSetup
 
 Key = tuple[str, tuple[str, ...]]
 FLOAT32_BYTES = 4
+# The [E] vectors a mixture of experts' layer averages over the batch (engine/models/moe.py).
+ROUTER_STATISTICS = 2
 
 
 def _ordered(axes, mesh_axes) -> tuple[str, ...]:
@@ -143,6 +147,11 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
   items = model.layer_groups * setup.options.microbatches if stages > 1 else 1
   layers = model.num_layers / stages * (items + stages - 1) / items
   row_bytes = rows * model.embed_dim * activation_bytes
+  batch_axes = _ordered(rules.mesh_axes('batch', activation=True) +
+                        rules.mesh_axes('length', activation=True), names)
+  if batch_axes:
+    expected[('all-reduce', batch_axes)] += round(
+        layers * forward_passes * ROUTER_STATISTICS * E * FLOAT32_BYTES)
   if expert_axes:
     expected[('all-to-all', expert_axes)] += round(
         layers * ((2 * forward_passes + 2) * row_bytes + forward_passes * id_bytes))
