@@ -37,13 +37,10 @@ def check_moe(config: ConfigDict, mesh: dict[str, int]) -> None:
 
 
 def _check_layout(config: ConfigDict, mesh: dict[str, int]) -> None:
-  """The layouts that would compute something else than the one-device model: a pipeline stage
-  sees one micro-batch's tokens, and manual mode's capacity would count only this device's
-  (the router's statistics are averaged over the batch shards: ops.batch_mean)."""
-  experts = config.model.num_experts
-  if mesh['stage'] > 1:
-    raise ConfigError(f'model.num_experts={experts} with mesh.stage={mesh["stage"]}: pipeline '
-                      'stages are not supported with experts yet; set mesh.stage=1.')
+  """The layouts that would compute something else than the one-device model: manual mode's
+  capacity would count only this device's tokens (the router's statistics are averaged over the
+  batch shards: ops.batch_mean). Pipeline stages are fine: like micro-batches, they compute the
+  balance loss per micro-batch (docs/configuration.md)."""
   split = mesh['data'] * mesh['fsdp'] * mesh['context']
   if (config.parallelism.mode == 'manual' and split > 1 and
       config.model.moe_dispatch == 'capacity'):

@@ -357,6 +357,4 @@ BAD_INPUTS = [
       'capacity'], 2, "model.moe_dispatch='capacity' in manual mode on a mesh that splits the "
      'tokens (data*fsdp*context=8) is not supported yet; use parallelism.mode=auto, or '
      "model.moe_dispatch='dropless'."),
-    (['--config=experiments/tiny.py:mesh=4x1x1x1x2', RUN, *MOE], 2, 'model.num_experts=4 with '
-     'mesh.stage=2: pipeline stages are not supported with experts yet; set mesh.stage=1.'),
 ]

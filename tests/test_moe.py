@@ -5,7 +5,8 @@ both routers and both dispatches (capacity with so few slots that assignments dr
 load-balancing and z-losses; the model's loss and gradients against its single-device run (as
 tests/test_llama.py) in auto mode on 2x2x2 and in manual mode on 2x2x2 and data x context
 (dropless: the routing statistics averaged over the batch shards) and on a tensor-only mesh
-(capacity), and the refusal of the layouts it does not support yet.
+(capacity), and the refusal of the layouts it does not support yet (router statistics and
+pipeline stages: tests/test_moe_stats.py).
 """
 
 import jax
@@ -131,10 +132,10 @@ def test_the_auxiliary_losses_are_in_the_training_loss():
      'that splits the tokens'),
     ('capacity', 'manual', (1, 1, 8), None),
     ('dropless', 'manual', (2, 2, 2), None),
-    ('dropless', 'auto', (2, 2, 1, 1, 2), 'pipeline stages are not supported with experts')])
+    ('dropless', 'auto', (2, 2, 1, 1, 2), None)])  # Pipeline stages: tests/test_moe_stats.py.
 def test_unsupported_layouts_are_refused(dispatch, mode, mesh, message):
   config = moe_config(mesh[:4], dispatch, mode)
-  config.mesh.stage = mesh[4] if len(mesh) > 4 else 1
+  config.mesh.stage = config.train.microbatches = mesh[4] if len(mesh) > 4 else 1
   if message is None:
     validate(config, 8)
     return
