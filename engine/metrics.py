@@ -87,8 +87,8 @@ class MetricsWriter:
       mfu = f' | mfu {scalars["train/mfu"]:.1%}' if 'train/mfu' in scalars else ''
       eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s{mfu} | eta {time_left}'
     self._last_time, self._last_step, self._paused_s = now, step, 0.0
-    logging.info('step %d/%d | loss %.4f | lr %.2e | grad norm %.3f%s', step, self.num_steps,
-                 loss, learning_rate, grad_norm, eta)
+    logging.info('step %d/%d | loss %.4f | lr %.2e | grad norm %.3f%s%s', step, self.num_steps,
+                 loss, learning_rate, grad_norm, router_health(scalars), eta)
     self.write(step, scalars)
 
   def log_eval(self, step: int, loss: float) -> None:
@@ -149,6 +149,16 @@ class JsonLines:
       self._file.close()
     else:
       self._rewrite()
+
+
+def router_health(scalars: dict[str, float]) -> str:
+  """The log line's part for a mixture of experts (engine.parallel.steps.model_metrics): the
+  least and most loaded expert and the coefficient of variation of the load (as multiples of
+  the mean load: all 1.0 when balanced), and the assignments dropped; '' for a dense model."""
+  if 'moe/load_min' not in scalars:
+    return ''
+  return (f' | load {scalars["moe/load_min"]:.2f}-{scalars["moe/load_max"]:.2f} '
+          f'cv {scalars["moe/load_cv"]:.2f} dropped {scalars["moe/dropped_fraction"]:.1%}')
 
 
 def perplexity_of(loss: float) -> float:

@@ -117,7 +117,8 @@ class DeferredMetrics:
     loss, grad_norm = float(metrics['loss']), float(metrics['grad_norm'])
     finite = [float(l) for l in losses if np.isfinite(l)]  # Skipped steps' are not.
     mean_loss = float(np.mean(finite)) if finite else loss
-    extra = {}
+    # A mixture of experts' router health (steps.model_metrics): this step's, not a mean.
+    extra = {name: float(value) for name, value in metrics.items() if name.startswith('moe/')}
     peak_bytes, _ = self.peak_memory.read()
     if peak_bytes is not None:
       extra['train/peak_memory_bytes'] = peak_bytes

@@ -50,13 +50,10 @@ def check_moe(config: ConfigDict, mesh: dict[str, int]) -> None:
 
 
 def _check_layout(config: ConfigDict, mesh: dict[str, int]) -> None:
-  """The layouts that would compute something else than the one-device model: a pipeline stage
-  sees one micro-batch's tokens, and manual mode's capacity with context parallelism would
-  count only this device's part of each sequence."""
-  experts = config.model.num_experts
-  if mesh['stage'] > 1:
-    raise ConfigError(f'model.num_experts={experts} with mesh.stage={mesh["stage"]}: pipeline '
-                      'stages are not supported with experts yet; set mesh.stage=1.')
+  """The layouts that would compute something else than the one-device model: manual mode's
+  capacity with context parallelism would count only this device's part of each sequence.
+  Pipeline stages are fine: like micro-batches, they compute the balance loss per micro-batch
+  (docs/configuration.md)."""
   # Capacity is counted per sequence; a device holding part of every sequence cannot count it.
   if (config.parallelism.mode == 'manual' and mesh['context'] > 1 and
       config.model.moe_dispatch == 'capacity'):

@@ -379,8 +379,6 @@ BAD_INPUTS = [
       '--config.model.moe_dispatch=capacity'], 2, "model.moe_dispatch='capacity' in manual mode "
      "with mesh.context=2 is not supported yet; use model.moe_dispatch='dropless', "
      'parallelism.mode=auto, or mesh.context=1.'),
-    (['--config=experiments/tiny.py:mesh=4x1x1x1x2', RUN, *MOE], 2, 'model.num_experts=4 with '
-     'mesh.stage=2: pipeline stages are not supported with experts yet; set mesh.stage=1.'),
     # The expert mesh axis.
     (['--config=experiments/tiny.py:mesh=2x1x1x1x1x4', RUN, LLAMA, '--config.model.num_experts=6'],
      2, 'model.num_experts=6 does not split over mesh.expert=4 devices; make mesh.expert a divisor '

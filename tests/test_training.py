@@ -100,10 +100,11 @@ def _nan_loss_where_poisoned(monkeypatch) -> None:
   SENTINEL; in manual mode the other devices learn of it only through the collectives."""
   from engine.parallel import auto, manual
   for module in (auto, manual):
-    def loss(params, graphdef, tokens_BL1, ops, with_aux=True, original=module.next_token_loss):
-      poisoned = jnp.any(tokens_BL1 == SENTINEL)
-      return (original(params, graphdef, tokens_BL1, ops, with_aux=with_aux)
-              * jnp.where(poisoned, jnp.nan, 1.0))
+    def loss(params, graphdef, tokens_BL1, ops, original=module.next_token_loss, **options):
+      poison = jnp.where(jnp.any(tokens_BL1 == SENTINEL), jnp.nan, 1.0)
+      value = original(params, graphdef, tokens_BL1, ops, **options)
+      # The train step's is (loss, statistics): with_stats.
+      return (value[0] * poison, value[1]) if isinstance(value, tuple) else value * poison
     monkeypatch.setattr(module, 'next_token_loss', loss)
 
 

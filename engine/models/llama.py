@@ -174,17 +174,28 @@ class Block(nnx.Module):
     return ops.finish_contraction(y_BLD, 'mlp')
 
   def __call__(self, carry, ops):
-    """x [B, L, D] -> x; or, for the training loss, (x, auxiliary loss so far) -> the same with
-    this block's mixture-of-experts loss added."""
+    """x [B, L, D] -> x; or, for the training loss, (x, {'loss': auxiliary loss so far, and the
+    router statistics summed so far}) -> the same with this block's mixture of experts' added."""
     x_BLD, aux = carry if isinstance(carry, tuple) else (carry, None)
     x_BLD = x_BLD + self.attention(self.attn_norm(x_BLD), ops)
     x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
     if self.cfg.moe:
-      y_BLD, layer_aux, _ = self.moe(self.mlp_norm(x_BLD), ops)
+      y_BLD, layer_loss, stats = self.moe(self.mlp_norm(x_BLD), ops)
+      aux = aux if aux is None else _add_layer(aux, layer_loss, stats)
     else:
-      y_BLD, layer_aux = self.mlp(self.mlp_norm(x_BLD), ops), 0.0
+      y_BLD = self.mlp(self.mlp_norm(x_BLD), ops)
     x_BLD = ops.constrain(x_BLD + y_BLD, ('batch', 'length', 'embed'))
-    return x_BLD if aux is None else (x_BLD, aux + layer_aux)
+    return x_BLD if aux is None else (x_BLD, aux)
+
+
+def _add_layer(aux: dict, layer_loss, stats: dict) -> dict:
+  """The carry's running sums with one MoE layer's loss and statistics added; its load [E]
+  goes to row aux['layer'] (the layers so far: the carry counts them, so a pipeline stage
+  needs no index of its own) of the [layers, E] load."""
+  sums = {name: aux[name] + value for name, value in stats.items() if name != 'load'}
+  row = aux['layer']
+  return {**sums, 'loss': aux['loss'] + layer_loss, 'layer': row + 1,
+          'load': aux['load'].at[row].add(stats['load'])}
 
 
 class Llama(nnx.Module):
@@ -205,17 +216,32 @@ class Llama(nnx.Module):
   def logits_and_aux_loss(self, tokens_BL: jax.Array, ops=LocalOps(), with_aux: bool = True):
     """(logits, the mixture-of-experts layers' auxiliary losses summed, to add to the training
     loss: 0.0 for a dense model)."""
+    logits_BLV, aux, _ = self.logits_aux_loss_and_stats(tokens_BL, ops, with_aux)
+    return logits_BLV, aux
+
+  def logits_aux_loss_and_stats(self, tokens_BL: jax.Array, ops=LocalOps(),
+                                with_aux: bool = True):
+    """(logits, auxiliary loss, router statistics): MoeMlp's balance and z-losses and dropped
+    fraction averaged over the layers, its load per layer [layers, E] ({} for a dense model, or
+    without `with_aux`)."""
     x_BLD = ops.constrain(ops.embed_lookup(self.tok_embed_VD[...], tokens_BL),
                           ('batch', 'length', 'embed'))
     unroll = 1 if self.cfg.scan_layers else self.cfg.num_layers
-    aux = 0.0
-    if with_aux and self.cfg.moe:  # The loss rides along the layers' carry.
-      x_BLD, aux = apply_layers(self.blocks, (x_BLD, jnp.zeros((), jnp.float32)), ops, unroll)
+    aux, stats = 0.0, {}
+    if with_aux and self.cfg.moe:  # The loss and statistics ride along the layers' carry.
+      L, E = self.cfg.num_layers, self.cfg.moe.num_experts
+      zero = jnp.zeros((), jnp.float32)
+      carry = {'loss': zero, 'balance': zero, 'z': zero, 'dropped': zero,
+               'layer': jnp.zeros((), jnp.int32), 'load': jnp.zeros((L, E), jnp.float32)}
+      x_BLD, sums = apply_layers(self.blocks, (x_BLD, carry), ops, unroll)
+      aux, load_LE = sums['loss'], sums['load']
+      stats = {name: sums[name] / L for name in ('balance', 'z', 'dropped')}
+      stats['load'] = load_LE
     else:
       x_BLD = apply_layers(self.blocks, x_BLD, ops, unroll)
     logits_BLV = dense(self.final_norm(x_BLD), self.head_DV[...],
                        preferred_element_type=jnp.float32)
-    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab')), aux
+    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab')), aux, stats
 
 
 def moe_config(model_config) -> MoeConfig | None:

@@ -79,15 +79,16 @@ def route(logits_TE: jax.Array, k: int, router: str):
 
 
 def router_losses(logits_TE, probs_TE, experts_TK, ops):
-  """(Switch load-balancing loss, router z-loss), unweighted, over the whole batch: the balance
-  loss multiplies two batch means, so each is averaged over the devices (`ops.batch_mean`)
-  before the product, not the product after it."""
+  """(Switch load-balancing loss, router z-loss, load [E]), unweighted, over the whole batch:
+  the balance loss multiplies two batch means, so each is averaged over the devices
+  (`ops.batch_mean`) before the product, not the product after it. load [E]: the fraction of
+  the assignments routed to each expert (sums to 1)."""
   E = logits_TE.shape[-1]
   assigned_E = jax.nn.one_hot(experts_TK, E, dtype=jnp.float32).sum((0, 1))
   fraction_E = ops.batch_mean(assigned_E / experts_TK.size)
   balance = E * jnp.sum(fraction_E * ops.batch_mean(probs_TE.mean(0)))
   z = ops.batch_mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))))
-  return balance, z
+  return balance, z, fraction_E
 
 
 class MoeMlp(nnx.Module):
@@ -108,7 +109,9 @@ class MoeMlp(nnx.Module):
       self.w_shared_down_SD = param(rngs, (S, D), ('mlp', 'embed'), init_std)
 
   def __call__(self, x_BLD: jax.Array, ops):
-    """(y [B, L, D], auxiliary loss scalar, {'balance', 'z', 'dropped'} statistics)."""
+    """(y [B, L, D], auxiliary loss scalar, router statistics {'balance', 'z' (unweighted
+    losses), 'dropped' (the fraction of assignments dropped), 'load' [E] (the fraction routed
+    to each expert)}, each over the whole batch)."""
     cfg = self.cfg
     B, L, D = x_BLD.shape
     # The router reads x before column_parallel_input: its input gradient is whole already.
@@ -132,6 +135,11 @@ class MoeMlp(nnx.Module):
       h_TS = jax.nn.silu(dense(x_TD, self.w_shared_gate_DS[...])) * dense(
           x_TD, self.w_shared_up_DS[...])
       y_TD = y_TD + ops.finish_contraction(dense(h_TS, self.w_shared_down_SD[...]), 'mlp')
-    balance, z = router_losses(logits_TE, probs_TE, experts_TK, ops)
+    balance, z, load_E = router_losses(logits_TE, probs_TE, experts_TK, ops)
     aux = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
-    return y_TD.reshape(B, L, D), aux, {'balance': balance, 'z': z, 'dropped': dropped}
+    if cfg.dispatch != 'dropless':  # Dropless drops nothing: no collective for its zero.
+      dropped = ops.batch_mean(dropped)
+    # The statistics are for the metrics only: no gradient flows through them.
+    stats = jax.lax.stop_gradient({'balance': balance, 'z': z, 'load': load_E,
+                                   'dropped': dropped})
+    return y_TD.reshape(B, L, D), aux, stats

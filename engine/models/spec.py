@@ -19,7 +19,8 @@ The module that `ModelSpec.create` returns must:
     around the application of each layer stacked along the `LAYERS` axis;
   - optionally, define `logits_and_aux_loss(tokens_BL, ops) -> (logits_BLV, scalar)`: the
     scalar (e.g. a mixture of experts' load-balancing loss) is added to the training loss
-    (`logits_and_aux_loss` below);
+    (`logits_and_aux_loss` below); and `logits_aux_loss_and_stats(tokens_BL, ops)`, the same
+    and a dict of scalars / vectors for the train step's metrics (steps.model_metrics);
   - for context (sequence) parallelism (`context_parallel=True`), take positions from
     `ops.positions` and compute attention with `ops.attention`: a device then holds only part of
     each sequence.
@@ -85,3 +86,12 @@ def logits_and_aux_loss(model: nnx.Module, tokens_BL, ops=None):
   if hasattr(model, 'logits_and_aux_loss'):
     return model.logits_and_aux_loss(tokens_BL, *([ops] if ops is not None else []))
   return (model(tokens_BL) if ops is None else model(tokens_BL, ops)), 0.0
+
+
+def logits_aux_loss_and_stats(model: nnx.Module, tokens_BL, ops=None):
+  """(logits, auxiliary loss, a dict of statistics for the train step's metrics): the model's
+  own `logits_aux_loss_and_stats` where it has one (a mixture of experts' router statistics),
+  else `logits_and_aux_loss` and {}."""
+  if hasattr(model, 'logits_aux_loss_and_stats'):
+    return model.logits_aux_loss_and_stats(tokens_BL, *([ops] if ops is not None else []))
+  return (*logits_and_aux_loss(model, tokens_BL, ops), {})

@@ -88,20 +88,24 @@ def build_steps(setup: TrainSetup) -> Steps:
   replicated = NamedSharding(setup.mesh, P())
   micro_batches = NamedSharding(setup.mesh, P(None, *batch.spec))
 
-  def loss_fn(params, tokens_BL1):
-    return next_token_loss(params, setup.graphdef, tokens_BL1, ops)
+  def loss_fn(params, tokens_BL1):  # (loss, the model's statistics for the metrics)
+    return next_token_loss(params, setup.graphdef, tokens_BL1, ops, with_stats=True)
 
   # With pipeline stages the micro-batches feed the schedule (ops.stack) instead.
   accumulated = 1 if setup.rules.mesh_axes('layers') else setup.options.microbatches
 
-  def gradients(params, tokens_BL1):
-    return accumulate_gradients(
-        jax.value_and_grad(loss_fn), params, tokens_BL1, accumulated,
+  def gradients_and_stats(params, tokens_BL1):
+    (loss, stats), grads = accumulate_gradients(
+        jax.value_and_grad(loss_fn, has_aux=True), params, tokens_BL1, accumulated,
         lambda micro: jax.lax.with_sharding_constraint(micro, micro_batches))
+    return loss, grads, stats
+
+  def gradients(params, tokens_BL1):
+    return gradients_and_stats(params, tokens_BL1)[:2]
 
   def train_step(state, tokens_BL1):
-    loss, grads = gradients(state['params'], tokens_BL1)
-    return apply_update(setup, state, loss, grads, optax.tree.norm(grads))
+    loss, grads, stats = gradients_and_stats(state['params'], tokens_BL1)
+    return apply_update(setup, state, loss, grads, optax.tree.norm(grads), stats)
 
   return Steps(
       train=jax.jit(train_step, in_shardings=(state_shardings, batch),

@@ -260,20 +260,22 @@ class _Gradients:
         g, *self.ops.batch_reduction(axes), self.reduce_dtype))
 
   def local_loss(self, params, tokens_BL1, ops=None):
-    return next_token_loss(params, self.setup.graphdef, tokens_BL1, ops or self.ops)
+    """(loss, the model's statistics for the metrics), on this device's tokens."""
+    return next_token_loss(params, self.setup.graphdef, tokens_BL1, ops or self.ops,
+                           with_stats=True)
 
   def local_gradients(self, params, tokens_BL1):
     """One micro-batch: `ops` averages each gradient inside the backward pass."""
-    return jax.value_and_grad(self.local_loss)(params, tokens_BL1)
+    return jax.value_and_grad(self.local_loss, has_aux=True)(params, tokens_BL1)
 
   def accumulated_gradients(self, params, tokens_BL1):
     """Gradients w.r.t. a local copy of each parameter (gathered ones arrive reduce-scattered
     by the gathers' transposes, once per micro-batch), then one pmean over the batch axes."""
     local_params = self.map_param_values(params, lambda p, axes: _cast_to_varying(
         p, self.ops.batch_reduction(axes)[0]))
-    loss, grads = accumulate_gradients(jax.value_and_grad(self.local_loss), local_params,
-                                       tokens_BL1, self.microbatches)
-    return loss, self.average(grads)
+    value, grads = accumulate_gradients(jax.value_and_grad(self.local_loss, has_aux=True),
+                                        local_params, tokens_BL1, self.microbatches)
+    return value, self.average(grads)
 
   def gradients_gathered_once(self, params, tokens_BL1):
     """Micro-batches under FSDP: every split weight is gathered once for the whole step and the
@@ -286,19 +288,25 @@ class _Gradients:
     whole = self.map_param_values(whole, lambda w, axes: _cast_to_varying(
         w, self.ops.batch_reduction(axes)[0]))
     pregathered = ManualOps(self.setup, gather=False)
-    loss, grads = accumulate_gradients(
-        jax.value_and_grad(lambda p, t: self.local_loss(p, t, pregathered)), whole, tokens_BL1,
-        self.microbatches)
-    return loss, self.average(self.map_param_values(grads, self.ops.scattered))
+    value, grads = accumulate_gradients(
+        jax.value_and_grad(lambda p, t: self.local_loss(p, t, pregathered), has_aux=True),
+        whole, tokens_BL1, self.microbatches)
+    return value, self.average(self.map_param_values(grads, self.ops.scattered))
 
   def __call__(self, params, tokens_BL1):
     """(mean loss over the global batch, synchronised gradients)."""
+    return self.with_stats(params, tokens_BL1)[:2]
+
+  def with_stats(self, params, tokens_BL1):
+    """(mean loss, synchronised gradients, the model's statistics over the global batch)."""
     if not self.sync_after:
       grads_fn = self.local_gradients
     else:
       grads_fn = self.gradients_gathered_once if self.gathers else self.accumulated_gradients
-    loss, grads = grads_fn(params, tokens_BL1)
-    return self.batch_mean(loss), grads
+    # The statistics are already the same on every device: token means averaged over the batch
+    # shards in the layer (ops.batch_mean), broadcast from the last pipeline stage.
+    (loss, stats), grads = grads_fn(params, tokens_BL1)
+    return self.batch_mean(loss), grads, stats
 
   def batch_mean(self, loss):
     batch_axes = self.ops.batch_axes
@@ -327,8 +335,8 @@ def build_steps(setup: TrainSetup) -> Steps:
   batch_spec = setup.batch_sharding().spec
 
   def train_step(state, tokens_BL1):
-    loss, grads = gradients(state['params'], tokens_BL1)
-    return apply_update(setup, state, loss, grads, gradients.global_norm(grads))
+    loss, grads, stats = gradients.with_stats(state['params'], tokens_BL1)
+    return apply_update(setup, state, loss, grads, gradients.global_norm(grads), stats)
 
   def eval_step(params, tokens_BL1):
     return gradients.batch_mean(next_token_loss(params, setup.graphdef, tokens_BL1,

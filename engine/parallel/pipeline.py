@@ -15,6 +15,10 @@ s works on item k = t - s, micro-batch k mod M of group k // M; R M + S - 1 iter
 L / (S R) layers each: the bubble, (S - 1) / (R M + S - 1) of the step, shrinks R-fold in
 time, for R times the permutes.
 
+A carry (x, extras) (the training loss's auxiliary terms and router statistics, which every
+layer adds to) flows with its micro-batch: each micro-batch starts from `extras`, the bubble's
+iterations never reach the output, and the finished micro-batches' extras are averaged.
+
 The backward pass runs the schedule in reverse (JAX's transpose of the forward loop). Only the
 stacked layers are pipelined. The embedding before them and the head and loss after them run on
 every stage (their parameters are replicated over `stage`), on the last stage's output, which
@@ -78,38 +82,59 @@ def _whole_batch(x_MbLD: jax.Array) -> jax.Array:
   return x_MbLD.swapaxes(0, 1).reshape(-1, *x_MbLD.shape[2:])
 
 
-def manual_pipeline(run: Callable, layers: nnx.Module, x_BLD: jax.Array, axis: str, stages: int,
-                    microbatches: int) -> jax.Array:
+def _microbatch_items(carry, microbatches: int) -> list:
+  """The schedule's inputs, one per micro-batch: x's slice, or for a carry (x, extras) (the
+  training loss's auxiliary terms: engine.models.llama.Block) (x's slice, extras): each
+  micro-batch starts from `extras` and gathers its own layers' terms on its way through."""
+  x_BLD, extras = carry if isinstance(carry, tuple) else (carry, None)
+  x_MbLD = split_microbatches(x_BLD, microbatches)
+  return [x_MbLD[m] if extras is None else (x_MbLD[m], extras) for m in range(microbatches)]
+
+
+def _outputs(items: list, dtype):
+  """The inverse of _microbatch_items on the finished micro-batches: x whole again; the extras
+  averaged over the micro-batches (each counted once, the bubble's never)."""
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *items)
+  if not isinstance(stacked, tuple):
+    return _whole_batch(stacked).astype(dtype)
+  return (_whole_batch(stacked[0]).astype(dtype),
+          jax.tree.map(lambda a: a.mean(0), stacked[1]))
+
+
+def manual_pipeline(run: Callable, layers: nnx.Module, carry, axis: str, stages: int,
+                    microbatches: int):
   """Inside shard_map: this device's stage of `layers` (its share of the stack) on the GPipe
-  schedule; returns the last stage's output for the whole local batch, on every stage."""
+  schedule; returns the last stage's output for the whole local batch, on every stage. `carry`:
+  x [B, L, D], or (x, extras) (_microbatch_items)."""
   stage = jax.lax.axis_index(axis)
   schedule = _Schedule(stages, microbatches, num_groups(layers))
-  x_MbLD = split_microbatches(x_BLD, microbatches)
+  items = _microbatch_items(carry, microbatches)
+  dtype = items[0][0].dtype if isinstance(items[0], tuple) else items[0].dtype
   # The circular schedule sends the last stage's output round to stage 0 as well.
   circular = schedule.repeats > 1
   to_next = [(i, (i + 1) % stages) for i in range(stages if circular else stages - 1)]
-  state_bLD = jnp.zeros_like(x_MbLD[0])
+  state = jax.tree.map(jnp.zeros_like, items[0])
   returning, outputs = {}, []
   for t in range(schedule.iterations):
-    first = x_MbLD[t] if t < microbatches else returning.pop(t, None)
+    first = items[t] if t < microbatches else returning.pop(t, None)
     if first is not None:
-      state_bLD = jnp.where(stage == 0, first, state_bLD)
+      state = jax.tree.map(lambda f, s: jnp.where(stage == 0, f, s), first, state)
     group = layer_group(layers, schedule.group(t, stage)) if circular else layers
-    state_bLD = run(group, state_bLD)
+    state = run(group, state)
     if schedule.is_output(t):
-      outputs.append(state_bLD)
+      outputs.append(state)
     if t < schedule.iterations - 1:
-      state_bLD = jax.lax.ppermute(state_bLD, axis, to_next)
+      state = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, to_next), state)
     if (back := schedule.returns_at(t)) is not None:
-      returning[back] = state_bLD  # On stage 0 now: the last stage's output.
-  y_MbLD = jnp.stack(outputs)
+      returning[back] = state  # On stage 0 now: the last stage's output.
   # Only the last stage holds the result: broadcast it (the transpose sends the gradient back).
-  y_MbLD = jax.lax.psum(jnp.where(stage == stages - 1, y_MbLD, 0), axis)
-  return _whole_batch(y_MbLD).astype(x_BLD.dtype)
+  outputs = jax.tree.map(lambda a: jax.lax.psum(jnp.where(stage == stages - 1, a, 0), axis),
+                         outputs)
+  return _outputs(outputs, dtype)
 
 
-def auto_pipeline(run: Callable, layers: nnx.Module, x_BLD: jax.Array, stages: int,
-                  microbatches: int, constrain_stages: Callable) -> jax.Array:
+def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microbatches: int,
+                  constrain_stages: Callable):
   """Under jit: the same schedule with a leading stage dimension. `constrain_stages(a)` lays
   `a`'s first dimension out over the `stage` axis."""
   schedule = _Schedule(stages, microbatches, num_groups(layers))
@@ -125,24 +150,29 @@ def auto_pipeline(run: Callable, layers: nnx.Module, x_BLD: jax.Array, stages: i
 
   staged = [by_stage(group) for group in groups]
 
-  def one_stage(stage_params, x_bLD):
-    return run(nnx.merge(graphdef, stage_params), x_bLD)
+  def one_stage(stage_params, state):
+    return run(nnx.merge(graphdef, stage_params), state)
 
   each_stage = jax.vmap(one_stage, spmd_axis_name='stage')
-  x_MbLD = split_microbatches(x_BLD, microbatches)
-  state_SbLD = constrain_stages(jnp.zeros((stages, *x_MbLD.shape[1:]), x_BLD.dtype))
+  items = _microbatch_items(carry, microbatches)
+  dtype = items[0][0].dtype if isinstance(items[0], tuple) else items[0].dtype
+  constrain = lambda tree: jax.tree.map(constrain_stages, tree)
+  state_S = constrain(jax.tree.map(lambda a: jnp.zeros((stages, *a.shape), a.dtype), items[0]))
   returning, outputs = {}, []
   for t in range(schedule.iterations):
     # The shift: stage s takes what stage s - 1 produced; stage 0 the next micro-batch (or one
     # back for its next group).
-    first = x_MbLD[t] if t < microbatches else returning.pop(t, jnp.zeros_like(x_MbLD[0]))
-    state_SbLD = constrain_stages(jnp.concatenate([first[None], state_SbLD[:-1]]))
-    state_SbLD = constrain_stages(each_stage(_stage_groups(staged, schedule, t), state_SbLD))
+    first = items[t] if t < microbatches else returning.pop(
+        t, jax.tree.map(jnp.zeros_like, items[0]))
+    state_S = constrain(jax.tree.map(lambda f, s: jnp.concatenate([f[None], s[:-1]]), first,
+                                     state_S))
+    state_S = constrain(each_stage(_stage_groups(staged, schedule, t), state_S))
+    last = jax.tree.map(lambda a: a[-1], state_S)
     if schedule.is_output(t):
-      outputs.append(state_SbLD[-1])
+      outputs.append(last)
     if (back := schedule.returns_at(t)) is not None:
-      returning[back] = state_SbLD[-1]
-  return _whole_batch(jnp.stack(outputs)).astype(x_BLD.dtype)
+      returning[back] = last
+  return _outputs(outputs, dtype)
 
 
 def _stage_groups(staged: list, schedule: _Schedule, t: int):

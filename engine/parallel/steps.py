@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from engine.models.ops import LAYERS
-from engine.models.spec import logits_and_aux_loss
+from engine.models.spec import logits_aux_loss_and_stats
 from engine.optimizer import clip_by_global_norm
 from engine.sharding import logical_axes_of
 from engine.state import TrainSetup
@@ -25,8 +25,9 @@ from engine.state import TrainSetup
 class Steps:
   """Jitted (or jit-wrapped shard_map) functions on the sharded train state.
 
-  train(state, tokens_BL1) -> (new state, {'loss', 'grad_norm', 'learning_rate'}); the state is
-    donated. The loss is the one before the update, the gradient norm the one before clipping.
+  train(state, tokens_BL1) -> (new state, {'loss', 'grad_norm', 'learning_rate'} and, for a
+    mixture of experts, its router health: model_metrics); the state is donated. The loss is
+    the one before the update, the gradient norm the one before clipping.
   eval(params, tokens_BL1) -> mean cross-entropy (without a model's auxiliary loss).
   gradients(params, tokens_BL1) -> (mean loss, gradients of the mean loss, sharded like params):
     what `train` computes before it clips and updates, for checking a layout against a
@@ -49,16 +50,37 @@ REMAT_POLICIES = {
 
 
 def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
-                    with_aux: bool = True) -> jax.Array:
+                    with_aux: bool = True, with_stats: bool = False):
   """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], plus (`with_aux`: the
   training loss, not evaluation's) the model's auxiliary loss (a mixture of experts' router
-  losses; engine.models.spec)."""
+  losses; engine.models.spec). `with_stats`: (that loss, the model's statistics for the
+  metrics: {} for a dense model)."""
   model = ops.prepare_params(nnx.merge(graphdef, params))
   inputs_BL, targets_BL = ops.inputs_and_targets(tokens_BL1)
   if not with_aux:
     return ops.cross_entropy(model(inputs_BL, ops), targets_BL)
-  logits_BLV, aux_loss = logits_and_aux_loss(model, inputs_BL, ops)
-  return ops.cross_entropy(logits_BLV, targets_BL) + aux_loss
+  logits_BLV, aux_loss, stats = logits_aux_loss_and_stats(model, inputs_BL, ops)
+  loss = ops.cross_entropy(logits_BLV, targets_BL) + aux_loss
+  return (loss, stats) if with_stats else loss
+
+
+def model_metrics(stats: dict) -> dict:
+  """The train step's metrics of the model's statistics (next_token_loss's `with_stats`): a
+  mixture of experts' router health (averaged over micro-batches).
+
+  Each expert's load is its share of its layer's token-assignments as a multiple of the mean
+  share (a perfectly balanced router: all 1.0). moe/load_min, moe/load_max: over every layer's
+  experts; moe/load_cv: the coefficient of variation (standard deviation over the experts /
+  mean) of each layer's load, averaged over layers; moe/dropped_fraction: assignments the
+  capacity dropped; moe/balance_loss, moe/z_loss: the router losses before their coefficients
+  (these three averaged over layers)."""
+  if 'load' not in stats:
+    return {}
+  load_LE = stats['load'] * stats['load'].shape[-1]  # Each layer's mean is 1.
+  return {'moe/balance_loss': stats['balance'], 'moe/z_loss': stats['z'],
+          'moe/dropped_fraction': stats['dropped'], 'moe/load_min': load_LE.min(),
+          'moe/load_max': load_LE.max(),
+          'moe/load_cv': (load_LE.std(-1) / load_LE.mean(-1)).mean()}
 
 
 def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
@@ -69,7 +91,8 @@ def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
 
 def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbatches: int,
                          constrain=lambda micro_KBL1: micro_KBL1):
-  """Mean loss and gradients over `microbatches` slices of the batch, summed in a scan.
+  """Mean loss and gradients over `microbatches` slices of the batch, summed in a scan: every
+  leaf of what `value_and_grad` returns is averaged (a loss's statistics too, with has_aux).
 
   Micro-batch i holds rows i, i + k, i + 2k, ... of the batch (k = microbatches), so every
   device holds an equal share of each when the batch rows are split over devices; `constrain`
@@ -88,11 +111,11 @@ def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbat
   return jax.tree.map(lambda x: x / microbatches, total)
 
 
-def apply_update(setup: TrainSetup, state, loss, grads, grad_norm):
+def apply_update(setup: TrainSetup, state, loss, grads, grad_norm, stats=None):
   """The end of every train step: clip to the global norm, apply the optimizer, count the step.
 
   `grads` are the mean-loss gradients laid out like the parameters and `grad_norm` their global
-  norm, however the mode computed them."""
+  norm, however the mode computed them; `stats` the model's statistics (model_metrics)."""
   optimizer = setup.optimizer
   grads = clip_by_global_norm(grads, grad_norm, optimizer.clip_norm)
   updates, opt_state = optimizer.tx.update(grads, state['opt_state'], state['params'])
@@ -102,7 +125,7 @@ def apply_update(setup: TrainSetup, state, loss, grads, grad_norm):
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     params, opt_state = keep(params, state['params']), keep(opt_state, state['opt_state'])
   metrics = {'loss': loss, 'grad_norm': grad_norm,
-             'learning_rate': optimizer.schedule(state['step'])}
+             'learning_rate': optimizer.schedule(state['step']), **model_metrics(stats or {})}
   return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
 
 
