@@ -108,25 +108,42 @@ def moe_config(mesh=(1, 1, 1), dispatch='dropless', mode='auto'):
   return config
 
 
-# The issue's expert meshes: expert 4 x data 2, expert 2 x fsdp 2 x tensor 2.
-EXPERT_MESHES = [(2, 1, 1, 1, 1, 4), (1, 2, 2, 1, 1, 2)]
+# The issue's expert meshes: expert 4 x data 2, expert 2 x fsdp 2 x tensor 2, and expert 2 x
+# stage 2 x data 2 (with 2 micro-batches: a pipeline computes the balance loss per micro-batch,
+# the reference over the whole batch, so that layout is compared with its coefficient at 0).
+EXPERT_MESHES = [(2, 1, 1, 1, 1, 4), (1, 2, 2, 1, 1, 2), (2, 1, 1, 1, 2, 2)]
+
+
+def layout_config(mesh, dispatch, mode):
+  config = moe_config(mesh, dispatch, mode)
+  if config.mesh.stage > 1:
+    config.train.microbatches = 2
+    config.model.moe_aux_loss_coef = 0.0
+  return config
 
 
 @pytest.fixture(scope='module')
 def references():
-  return {dispatch: single_device_run(moe_config(dispatch=dispatch), 2)
-          for dispatch in moe.DISPATCHES}
+  """Single-device runs by (dispatch, whether the balance loss is on)."""
+  runs = {}
+  for dispatch in moe.DISPATCHES:
+    for balance in (True, False):
+      config = moe_config(dispatch=dispatch)
+      config.model.moe_aux_loss_coef = 0.1 if balance else 0.0
+      runs[dispatch, balance] = single_device_run(config, 2)
+  return runs
 
 
 @pytest.mark.parametrize('dispatch', moe.DISPATCHES)
 def test_model_matches_single_device(dispatch, references):
-  """Both modes on both expert meshes; dropless also on data x context in manual mode (the
-  routing statistics averaged over the sequence's devices) and tensor-only capacity."""
+  """Both modes on the three expert meshes; dropless also on data x context in manual mode (the
+  routing statistics averaged over the sequence's devices), capacity on tensor 8."""
   layouts = [(mode, mesh) for mesh in EXPERT_MESHES for mode in ('auto', 'manual')]
   layouts.append(('manual', (4, 1, 1, 2)) if dispatch == 'dropless' else ('manual', (1, 1, 8)))
   for mode, mesh in layouts:
-    run = engine_run(moe_config(mesh, dispatch, mode), mode, 2)
-    assert_same_run(run, references[dispatch])
+    config = layout_config(mesh, dispatch, mode)
+    run = engine_run(config, mode, 2)
+    assert_same_run(run, references[dispatch, config.model.moe_aux_loss_coef > 0])
 
 
 def test_an_expert_gradient_averaged_over_the_expert_axis_is_caught(references, monkeypatch):
@@ -142,7 +159,7 @@ def test_an_expert_gradient_averaged_over_the_expert_axis_is_caught(references, 
 
   monkeypatch.setattr(manual, '_average_over_batch', averaged_over_expert)
   run = engine_run(moe_config(EXPERT_MESHES[0], 'dropless', 'manual'), 'manual', 2)
-  reference = references['dropless']
+  reference = references['dropless', True]
   for path, expected in reference.first_gradients.items():
     scale = np.abs(expected).max()
     error = np.abs(run.first_gradients[path] - expected).max() / scale

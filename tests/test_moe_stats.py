@@ -2,7 +2,7 @@
 pipeline stages (engine.parallel.steps.model_metrics), in metrics.jsonl and the log line.
 
 The metrics of one compiled step are checked against NumPy's routing of the same tokens (each
-layer's router logits from its input, top-k, capacity slots in (token, choice) order). With
+layer's router logits from its input, top-k, capacity slots per sequence in (position, choice) order). With
 pipeline stages, each micro-batch's statistics count once: the token means (z-loss, load) equal
 the whole batch's, and the balance loss is the mean of the micro-batches' own (a product of
 micro-batch means); the losses and gradients match the single-device run with the balance loss
@@ -77,13 +77,16 @@ def _forward(model, inputs_BL):
           np.asarray(out_BLV, np.float64))
 
 
-def _routing(logits_TE, k, slots=None):
-  """(load [E] as multiples of the mean, dropped fraction, balance loss, z-loss) of one layer."""
+def _routing(logits_TE, k, slots=None, length=None):
+  """(load [E] as multiples of the mean, dropped fraction, balance loss, z-loss) of one layer;
+  each expert takes at most `slots` assignments of each sequence of `length` tokens."""
   T, E = logits_TE.shape
   chosen_A = np.argsort(-logits_TE, axis=-1, kind='stable')[:, :k].ravel()  # (token, choice)
   fraction_E = np.bincount(chosen_A, minlength=E) / chosen_A.size
   used, dropped = np.zeros(E, int), 0
-  for e in chosen_A:
+  for a, e in enumerate(chosen_A):
+    if length and a % (length * k) == 0:
+      used[:] = 0  # A new sequence: every expert's slots are free again.
     used[e] += 1
     dropped += slots is not None and used[e] > slots
   probs_TE = np.exp(logits_TE - logits_TE.max(-1, keepdims=True))
@@ -94,9 +97,9 @@ def _routing(logits_TE, k, slots=None):
           np.mean(lse_T ** 2))
 
 
-def _expected(logits, k, slots=None):
+def _expected(logits, k, slots=None, length=None):
   """The metrics of NumPy's routing, layer by layer."""
-  loads, dropped, balance, z = zip(*[_routing(l, k, slots) for l in logits])
+  loads, dropped, balance, z = zip(*[_routing(l, k, slots, length) for l in logits])
   loads = np.stack(loads)
   return {'moe/load_min': loads.min(), 'moe/load_max': loads.max(),
           'moe/load_cv': np.mean(loads.std(-1) / loads.mean(-1)),
@@ -112,9 +115,9 @@ def test_router_health_matches_numpy_routing():
   assert set(metrics) == {'loss', 'grad_norm', 'learning_rate'} | KEYS
   moe = model.cfg.moe
   logits, out_BLV = _forward(model, tokens_BL1[:, :-1])
-  T = logits[0].shape[0]
-  slots = math.ceil(T * moe.experts_per_token / moe.num_experts * moe.capacity_factor)
-  expected = _expected(logits, moe.experts_per_token, slots)
+  L = tokens_BL1.shape[1] - 1
+  slots = math.ceil(L * moe.experts_per_token / moe.num_experts * moe.capacity_factor)
+  expected = _expected(logits, moe.experts_per_token, slots, L)
   for name, value in expected.items():
     np.testing.assert_allclose(metrics[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
   assert 0.3 < metrics['moe/dropped_fraction'] < 0.7  # Half the slots: about half dropped.
