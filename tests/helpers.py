@@ -68,8 +68,22 @@ def train_batches(config):
                               config.seed, 0, 1)
 
 
+_REFERENCE_RUNS = {}
+
+
 def single_device_run(config, num_steps) -> Run:
-  """`num_steps` steps of engine.analysis.reference on the engine's batch stream."""
+  """`num_steps` steps of engine.analysis.reference on the engine's batch stream.
+
+  Computed once per session for each (model, optimizer, data, seed, steps): several test files
+  compare against the same run. It reads nothing else of the config (the mesh, the mode)."""
+  key = (config.model.to_json(), config.optim.to_json(), config.data.to_json(), config.seed,
+         config.train.num_steps, num_steps)
+  if key not in _REFERENCE_RUNS:
+    _REFERENCE_RUNS[key] = _single_device_run(config, num_steps)
+  return _REFERENCE_RUNS[key]
+
+
+def _single_device_run(config, num_steps) -> Run:
   corpus, batches = train_batches(config)
   vocab = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
   run = ReferenceRun(models.build(config.model, vocab), config.optim, config.train.num_steps,
