@@ -1,5 +1,6 @@
 """Tiny configs, and runs of the engine and of the single-device reference that must agree."""
 
+from concurrent import futures
 import dataclasses
 
 import jax
@@ -67,8 +68,22 @@ def train_batches(config):
                               config.seed, 0, 1)
 
 
+_REFERENCE_RUNS = {}
+
+
 def single_device_run(config, num_steps) -> Run:
-  """`num_steps` steps of engine.analysis.reference on the engine's batch stream."""
+  """`num_steps` steps of engine.analysis.reference on the engine's batch stream.
+
+  Computed once per session for each (model, optimizer, data, seed, steps): several test files
+  compare against the same run. It reads nothing else of the config (the mesh, the mode)."""
+  key = (config.model.to_json(), config.optim.to_json(), config.data.to_json(), config.seed,
+         config.train.num_steps, num_steps)
+  if key not in _REFERENCE_RUNS:
+    _REFERENCE_RUNS[key] = _single_device_run(config, num_steps)
+  return _REFERENCE_RUNS[key]
+
+
+def _single_device_run(config, num_steps) -> Run:
   corpus, batches = train_batches(config)
   vocab = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
   run = ReferenceRun(models.build(config.model, vocab), config.optim, config.train.num_steps,
@@ -79,21 +94,38 @@ def single_device_run(config, num_steps) -> Run:
              _flat(first_gradients), _flat(run.params))
 
 
-def engine_run(config, mode, num_steps) -> Run:
-  """`num_steps` train steps of the engine's `mode` on the mesh of `config`."""
+def compiled_run(config, mode, num_steps):
+  """`num_steps` train steps of the engine's `mode` on the mesh of `config`: (Run, the layout,
+  the compiled train step, whose HLO tests may also read instead of compiling it again).
+
+  The gradient and train steps are compiled ahead of time for the abstract state and batch (as
+  engine.train does), in threads alongside the state's initialisation: XLA compiles without the
+  GIL, so a second core shortens each run by about half its compile time."""
   corpus, batches = train_batches(config)
   train_setup = lay_out(config, corpus.tokenizer.vocab_size)
   steps = parallel.STEP_BUILDERS[mode](train_setup)
-  state, _ = train_setup.init(config.seed)
+  abstract = train_setup.abstract_state()
+  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
+  lowered = [steps.gradients.lower(abstract['params'], batch), steps.train.lower(abstract, batch)]
+  with futures.ThreadPoolExecutor(3) as pool:
+    compiling = [pool.submit(l.compile) for l in lowered]
+    state, _ = train_setup.init(config.seed)
+    gradients, train = [c.result() for c in compiling]
   sharding = train_setup.batch_sharding()
-  _, first_gradients = steps.gradients(state['params'], jax.device_put(batches[0], sharding))
+  _, first_gradients = gradients(state['params'], jax.device_put(batches[0], sharding))
   losses, grad_norms = [], []
   for i in range(num_steps):
-    state, metrics = steps.train(state, jax.device_put(batches[i], sharding))
+    state, metrics = train(state, jax.device_put(batches[i], sharding))
     losses.append(float(metrics['loss']))
     grad_norms.append(float(metrics['grad_norm']))
-  return Run(np.array(losses), np.array(grad_norms), _flat(first_gradients),
-             _flat(state['params']))
+  run = Run(np.array(losses), np.array(grad_norms), _flat(first_gradients),
+            _flat(state['params']))
+  return run, train_setup, train
+
+
+def engine_run(config, mode, num_steps) -> Run:
+  """`num_steps` train steps of the engine's `mode` on the mesh of `config`."""
+  return compiled_run(config, mode, num_steps)[0]
 
 
 def _ungrouped(value, shape):
