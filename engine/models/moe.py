@@ -17,7 +17,9 @@ move the assignments to them and back:
 The layer also returns its auxiliary loss: Switch's load-balancing loss E * sum_e f_e * P_e (f_e
 the fraction of assignments routed to e, P_e the mean router probability of e) and the router
 z-loss mean(logsumexp(logits)^2), each times its coefficient. Both are statistics of the whole
-token set the layer sees.
+batch the layer sees (`ops.batch_mean` averages them over the devices that split it); so are
+the router-health statistics it returns beside them for the metrics (load per expert, dropped
+fraction), which carry no gradient.
 
 Shape suffixes: B batch, L length, T tokens (B * L), D embed, E experts, K experts per token,
 F expert hidden.
@@ -67,7 +69,8 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def route(logits_TE: jax.Array, k: int, router: str):
-  """(weights [T, K], experts [T, K] int32, probabilities [T, E]) of float32 router logits."""
+  """(weights [..., K], experts [..., K] int32, probabilities [..., E]) of float32 router logits
+  [..., E]."""
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
   if router == 'softmax_topk':
     top_TK, experts_TK = top_k(probs_TE, k)
@@ -126,8 +129,7 @@ class MoeMlp(nnx.Module):
                     lambda y: ops.finish_contraction(y, 'mlp'))
     slots = (None if cfg.dispatch == 'dropless' else
              capacity(L, cfg.experts_per_token, cfg.num_experts, cfg.capacity_factor))
-    y_BLKD, dropped = ops.experts(x_BLD, experts_TK.reshape(B, L, -1), ffn, cfg.num_experts,
-                                  slots)
+    y_BLKD, dropped = ops.experts(x_BLD, experts_BLK, ffn, cfg.num_experts, slots)
     y_TKD = y_BLKD.reshape(B * L, -1, D)
     x_TD = x_BLD.reshape(B * L, D)
     y_TD = jnp.einsum('tkd,tk->td', y_TKD, weights_TK.astype(y_TKD.dtype))
