@@ -41,7 +41,8 @@ its executions in one step. Keys are (kind, mesh axes).
   With tensor parallelism the experts' down projection all-reduces the routed rows (forward)
   instead of [batch, length, embed], and the backward pass all-reduces the layer's input once.
   The router's batch statistics (the load-balancing loss' two [E] means) are averaged over the
-  batch axes in every forward pass, float32.
+  batch axes in every execution of a layer, float32; with pipeline stages each micro-batch's
+  per-layer loads [layers, E] travel with its activations and are broadcast with its output.
 Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
@@ -146,12 +147,20 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
   stages = math.prod(mesh_shape[a] for a in stage_axes)
   items = model.layer_groups * setup.options.microbatches if stages > 1 else 1
   layers = model.num_layers / stages * (items + stages - 1) / items
+  # The statistics are per execution of a layer: once per micro-batch (and pipeline iteration).
+  executions = layers * (items if stages > 1 else setup.options.microbatches)
   row_bytes = rows * model.embed_dim * activation_bytes
   batch_axes = _ordered(rules.mesh_axes('batch', activation=True) +
                         rules.mesh_axes('length', activation=True), names)
   if batch_axes:
     expected[('all-reduce', batch_axes)] += round(
-        layers * forward_passes * ROUTER_STATISTICS * E * FLOAT32_BYTES)
+        executions * forward_passes * ROUTER_STATISTICS * E * FLOAT32_BYTES)
+  if stages > 1:  # Each micro-batch's per-layer loads [L, E] ride the pipeline (forward).
+    load_bytes = model.num_layers * E * FLOAT32_BYTES
+    stage_axes = _ordered(stage_axes, names)
+    microbatches = setup.options.microbatches
+    expected[('collective-permute', stage_axes)] += (items + stages - 2) * load_bytes
+    expected[('all-reduce', stage_axes)] += microbatches * load_bytes
   if expert_axes:
     expected[('all-to-all', expert_axes)] += round(
         layers * ((2 * forward_passes + 2) * row_bytes + forward_passes * id_bytes))
