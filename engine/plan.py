@@ -18,7 +18,9 @@ gets:
     HBM bandwidth, communication = each collective's bytes on the wire / interconnect bandwidth
     (DCN bandwidth for axes split across slices). The step takes at least the largest of the
     three (perfect overlap) and at most their sum (compute or memory, then communication): both
-    are printed, and the MFU the slower one implies;
+    are printed, and the MFU the slower one implies; a mixture of experts' compute also counts
+    the expert rows its dispatch pads (expert_padding_flops), and its row the all-to-all bytes
+    per step and device (the experts' exchange), the theory's and the compiled program's;
   - the config (JSON) and the command line that trains it.
 Candidates are ranked by the slower estimate, those that fit first.
 """
@@ -55,7 +57,7 @@ from engine.cli import check_out_prefix, run_command  # noqa: E402
 from engine.metrics import log_memory  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.models.moe_dispatch import capacity  # noqa: E402
-from engine.plan_report import markdown, train_command  # noqa: E402,F401  (the report)
+from engine.analysis.plan_report import markdown, train_command  # noqa: E402,F401
 
 _TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
 # Default bandwidth between slices (data-centre network), GB/s per chip: an assumption, not a
