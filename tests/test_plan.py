@@ -178,7 +178,7 @@ def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
   config.mesh.dcn_data = 1  # The slices must be joined along some axis: with no other
   # candidate, the plan is refused in one line.
   with pytest.raises(ConfigError, match=r'no candidate can run on v5p:2x2x1; the first, mesh '
-                     r'2x4x1x1x1: .*number of TPU slices \(2\)'):
+                     r'2x4x1x1x1x1: .*number of TPU slices \(2\)'):
     plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
 
 
