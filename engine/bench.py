@@ -19,6 +19,11 @@ DIR/data8-manual: `tensorboard --logdir=DIR` with tensorboard-plugin-profile sho
 --torch_python=PYTHON (a Python that has torch) also runs the PyTorch version of the GPT model
 (engine/analysis/torch_reference.py) in a child process that takes a turn in every round; that
 Python is tried (`import torch`) before anything compiles.
+
+--dense_equivalent (a mixture of experts) also times the dense Llama with the same active
+parameters per token (mlp_dim = experts_per_token x moe_mlp_dim + moe_shared_expert) on each
+mesh with the expert axis folded into data, interleaved with the rest, and prints the two
+models' tokens/s side by side.
 The command lives here, not in engine/analysis/, for its short name; it is an analysis tool.
 """
 
@@ -50,24 +55,38 @@ _OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
 _PROFILE = flags.DEFINE_string('profile', None, 'Also trace a few steps of each variant, after '
                                'the timed ones, into PROFILE/<mesh>-<mode> (TensorBoard\'s '
                                'profile plugin reads PROFILE).')
+_DENSE = flags.DEFINE_bool('dense_equivalent', False, 'Mixture of experts: also time, on each '
+                           'mesh with the expert axis folded into data, the dense model with the '
+                           'same active parameters (mlp_dim = experts_per_token x moe_mlp_dim + '
+                           'moe_shared_expert).')
 _TORCH = flags.DEFINE_string('torch_python', None, 'A Python with torch: also time the PyTorch '
                              'GPT (GPT configs on one device).')
 
 
 def variants(config) -> tuple:
-  """(corpus, [(mode, setup)] for every mesh and mode): all validated and laid out before
-  anything compiles."""
+  """(corpus, [(mode, setup)] for every mesh and mode, then with --dense_equivalent those of the
+  dense equivalent on every distinct folded mesh): all validated and laid out before anything
+  compiles."""
   parallel.check_modes(_MODES.value, '--modes')
   benchmark.check_timing_flags(_STEPS.value, _WARMUP.value)
   for mesh in _MESHES.value:
     config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before any data is read.
-  corpus, setups = None, []
+  if _DENSE.value:
+    benchmark.dense_equivalent(config)  # Refused before anything is laid out.
+  corpus, setups, dense_meshes = None, [], []
   for mesh in _MESHES.value or ['']:
     if mesh:
       config_lib.set_mesh_shape(config, mesh, '--meshes')
-    run = assemble(config, corpus=corpus)  # Reads the data once.
-    corpus = run.corpus
-    setups.append(run.setup)
+    candidates = [config]
+    dense = benchmark.dense_equivalent(config) if _DENSE.value else None
+    if dense and dense.mesh.to_dict() not in dense_meshes:  # Two meshes may fold to one.
+      dense_meshes.append(dense.mesh.to_dict())
+      candidates.append(dense)
+    for candidate in candidates:
+      run = assemble(candidate, corpus=corpus)  # Reads the data once.
+      corpus = run.corpus
+      setups.append(run.setup)
+  setups.sort(key=lambda s: s.model.experts is None)  # The dense ones last.
   return corpus, [(mode, s) for s in setups for mode in _MODES.value]
 
 
@@ -98,13 +117,19 @@ def main(argv):
   runs = benchmark.run_variants(config, corpus, runs_to_make, _STEPS.value, _WARMUP.value,
                                 each_round=torch, profile=_PROFILE.value)
   peak = benchmark.peak_flops_per_device(config.model.dtype, _PEAK.value)
-  rows = [benchmark.measurements(run, tokens, model_flops, peak) for run in runs]
+  seq_len = config.data.seq_len  # Each variant's own model FLOPs (a dense equivalent's differ).
+  rows = [benchmark.measurements(run, tokens, run.setup.model.flops_per_token(seq_len) * tokens,
+                                 peak) for run in runs]
+  for row, run in zip(rows, runs):
+    row['dense_equivalent'] = _DENSE.value and run.setup.model.experts is None
   external = torch.close() if torch else None
   title = (f'{config.model.name}, {config.model.num_layers} layers, width '
            f'{config.model.embed_dim}, sequence {config.data.seq_len}, batch '
            f'{config.data.global_batch_size}, {config.model.dtype}, remat {config.model.remat}; '
            f'{jax.device_count()} x {jax.devices()[0].device_kind}; {_STEPS.value} timed steps')
   report = benchmark.markdown(rows, title, external)
+  if _DENSE.value:
+    report += '\n\n' + benchmark.dense_comparison(rows)
   print(report)
   if _OUT.value:
     with open(_OUT.value + '.md', 'w') as f:

@@ -18,7 +18,9 @@ gets:
     HBM bandwidth, communication = each collective's bytes on the wire / interconnect bandwidth
     (DCN bandwidth for axes split across slices). The step takes at least the largest of the
     three (perfect overlap) and at most their sum (compute or memory, then communication): both
-    are printed, and the MFU the slower one implies;
+    are printed, and the MFU the slower one implies; a mixture of experts' compute also counts
+    the expert rows its dispatch pads (expert_padding_flops), and its row the all-to-all bytes
+    per step and device (the experts' exchange), the theory's and the compiled program's;
   - the config (JSON) and the command line that trains it.
 Candidates are ranked by the slower estimate, those that fit first.
 """
@@ -51,10 +53,11 @@ from engine import hf, parallel, validation  # noqa: E402
 from engine import chips  # noqa: E402
 from engine.analysis import benchmark, collectives, comm_theory  # noqa: E402
 from engine.analysis.compare import communication_table  # noqa: E402
-from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound  # noqa: E402
 from engine.cli import check_out_prefix, run_command  # noqa: E402
 from engine.metrics import log_memory  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
+from engine.models.moe_dispatch import capacity  # noqa: E402
+from engine.analysis.plan_report import markdown, train_command  # noqa: E402,F401
 
 _TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
 # Default bandwidth between slices (data-centre network), GB/s per chip: an assumption, not a
@@ -181,17 +184,28 @@ def executed_flops(model_flops: float, config) -> float:
   return flops
 
 
-def train_command(config_arg: str, overrides: list[str], mesh: dict[str, int], mode: str,
-                  config) -> str:
-  """The command line that trains this candidate: the plan's config file and overrides, its
-  mesh and its mode."""
-  mesh_flags = [f'--config.mesh.{a}={mesh[a]}' for a in config_lib.MESH_AXES]
-  mesh_flags += [f'--config.mesh.dcn_{a}={config.mesh[f"dcn_{a}"]}' for a in ('data', 'fsdp')
-                 if config.mesh[f'dcn_{a}'] > 1]
-  kept = [o for o in overrides
-          if not o.startswith(('--config.mesh.', '--config.parallelism.mode='))]
-  return ' '.join(['python -m engine.main', f'--config={config_arg}', *kept, *mesh_flags,
-                   f'--config.parallelism.mode={mode}', '--workdir=WORKDIR'])
+def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> float:
+  """Training FLOPs a mixture of experts multiplies beyond its k assignments per token (the
+  model's FLOPs count those): the capacity dispatch's E x C slots per sequence (more than L x k
+  when the factor pads, fewer when it drops); on an expert axis of n devices, auto mode's
+  dropless dispatch, the capacity one with C = L (E / k times the useful expert FLOPs), and
+  manual mode's, whose grouped matmuls run over the n exchanged blocks of min(k, E / n) rows per
+  token, padding rows included (XLA:TPU's cost analysis counts them too). Dropless on one
+  device multiplies only the rows routed: none."""
+  experts = train_setup.model.experts
+  if experts is None:
+    return 0.0
+  E, K = experts.num_experts, experts.experts_per_token
+  if experts.capacity_factor:
+    slots = E * capacity(seq_len, K, E, experts.capacity_factor) / (seq_len * K)
+  elif (n := math.prod(train_setup.mesh.shape[a] for a in train_setup.rules.mesh_axes(
+      'experts', activation=True))) > 1:
+    slots = E / K if mode == 'auto' else n * min(K, E // n) / K
+  else:
+    return 0.0
+  # Each token's k experts multiply k / E of the routed weights, 6 FLOPs per weight.
+  routed = sum(math.prod(p.shape) for p in train_setup.parameters() if 'experts' in p.logical_axes)
+  return 6.0 * routed * K / E * tokens * (slots - 1)
 
 
 def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
@@ -228,8 +242,9 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   tokens = global_batch * seq_len
   model_flops = train_setup.model.flops_per_token(seq_len) * tokens
+  padding = expert_padding_flops(train_setup, mode, tokens, seq_len)
   estimate = roofline(cost, table, hardware, config.model.dtype, mesh_shape,
-                      executed_flops(model_flops, config) / hardware.num_devices)
+                      executed_flops(model_flops + padding, config) / hardware.num_devices)
   peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
   fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
   run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
@@ -237,9 +252,14 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
       **row, 'status': 'fits' if fits else 'does not fit', 'compile_s': compile_s,
       'memory': memory, 'hbm_bytes': hardware.hbm_bytes, 'roofline': estimate,
       'tokens_per_step': tokens, 'model_flops_per_step': model_flops,
+      'expert_padding_flops_per_step': padding,
       'mfu': model_flops / (hardware.num_devices * peak * estimate['serial_s']),
       'mfu_overlapped': model_flops / (hardware.num_devices * peak * estimate['overlapped_s']),
       'communication': communication_table([run], theory),
+      # The experts' exchange per step and device, bytes of the results (theory, compiled).
+      'all_to_all_bytes': {'theory': sum(b for (k, _), b in theory.items() if k == 'all-to-all'),
+                           'compiled': sum(r['array_bytes'] for (k, _), r in table.items()
+                                           if k == 'all-to-all')},
   }
 
 
@@ -273,72 +293,6 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
           'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
           'processes': num_processes, 'hbm_bytes_per_device': hardware.hbm_bytes,
           'dcn_gb_per_s': dcn_gb_per_s, 'candidates': rows}
-
-
-def _gib(n) -> str:
-  return '?' if n is None else f'{n / 2**30:.2f}'
-
-
-def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
-  """The plan as Markdown: the ranking, then each candidate's collectives against the theory."""
-  c0 = result['candidates'][0]['config']
-  lines = [
-      f'# Plan: {c0["model"]["name"]}, {c0["model"]["num_layers"]} layers, width '
-      f'{c0["model"]["embed_dim"]}, sequence {c0["data"]["seq_len"]}, batch '
-      f'{c0["data"]["global_batch_size"]}, {c0["model"]["dtype"]}, remat {c0["model"]["remat"]} '
-      f'on {result["topology"]} x {result["num_slices"]} slice(s): {result["devices"]} x '
-      f'{result["chip"]} devices, {_gib(result["hbm_bytes_per_device"])} GiB HBM each', '',
-      '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB | TFLOP / device | compute ms '
-      '| HBM ms | ICI ms | DCN ms | step ms (overlapped - serial) | MFU (serial) | compile s |',
-      '|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|']
-  for r in sorted(result['candidates'], key=lambda r: r.get('rank', 0)):
-    if r['status'] == 'invalid':
-      lines.append(f'| - | {r["mesh"]} | {r["mode"]} | invalid: {r["error"]} |' + ' |' * 11)
-      continue
-    m, e = r['memory'], r.get('roofline')
-    cells = [str(r['rank']), r['mesh'], r['mode'], '**yes**' if r['status'] == 'fits' else 'no',
-             _gib(m.get('peak_estimate_bytes')), _gib(m.get('argument_size_in_bytes')),
-             _gib(m.get('temp_size_in_bytes'))]
-    if e:
-      ms = lambda seconds: f'{seconds * 1e3:.3g}'  # Three digits, from microseconds to hours.
-      cells += [f'{e["flops_per_device"] / 1e12:.3g}', ms(e['compute_s']), ms(e['memory_s']),
-                ms(e['ici_s']), ms(e['dcn_s']), f'{ms(e["overlapped_s"])} - {ms(e["serial_s"])}',
-                f'{100 * r["mfu"]:.1f} %']
-    else:
-      cells += ['-'] * 7
-    cells.append(f'{r["compile_s"]:.0f}')
-    lines.append('| ' + ' | '.join(cells) + ' |')
-  lines += ['', 'Peak: arguments + outputs + temporaries - donated, from the compiled program '
-            '(a compile that ran out of HBM: the HLO temporaries the compiler needed). Step time: '
-            'compute = FLOPs executed / peak (the model\'s 6N + attention, 8N under full remat, '
-            'plus the pipeline bubble; XLA\'s cost analysis counts a scanned layer once), HBM = '
-            'compiled bytes accessed / bandwidth (a lower bound, for the same reason), ICI and '
-            'DCN = bytes on the wire / bandwidth (ring algorithms; every link of the chip for '
-            'ICI: a lower bound); overlapped = the largest, serial = max(compute, HBM) + '
-            'communication. MFU: the model\'s FLOPs per serial step time.', '']
-  lines += [chips.TPU_NOTES, '']
-  for r in result['candidates']:
-    if r['status'] == 'invalid' or 'communication' not in r:
-      continue
-    lines += [f'## {r["mesh"]}, {r["mode"]}: collectives per step and device', '',
-              '| kind | axes | executions | MiB | theory MiB | measured / theory |',
-              '|---|---|---:|---:|---:|---:|']
-    for row in r['communication']:
-      e = row[r['mode']]
-      ratio = lower_bound(e, f'{e["ratio"]:.2f}') if e['ratio'] is not None else (
-          'not in theory' if e['unexpected'] else '-')
-      executions = lower_bound(e, e['executions']) + (
-          " (a loop's trip count unknown)" if e.get('lower_bound') else '')
-      mib = lower_bound(e, f'{e["bytes"] / 2**20:.1f}')
-      lines.append(f'| {row["kind"]} | {row["axes"]} | {executions} | {mib} | '
-                   f'{row["theory_bytes"] / 2**20:.1f} | {ratio} |')
-    if any(row[r['mode']].get('lower_bound') for row in r['communication']):
-      lines += ['', f'**Lower bounds**: {LOWER_BOUND_NOTE} The ICI and DCN times of this '
-                'candidate are lower bounds too.']
-    command = train_command(config_arg, list(overrides), r['mesh_shape'], r['mode'],
-                            ml_collections.ConfigDict(r['config']))
-    lines += ['', f'Train it: `{command}`', '']
-  return '\n'.join(lines)
 
 
 def main():

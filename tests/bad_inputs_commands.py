@@ -193,6 +193,8 @@ COMMAND_ROWS = {
         ([TINY, '--torch_python=$T/no_such_python'], 2, '--torch_python=$T/no_such_python cannot '
          'be run (No such file or directory); give the path of a Python that has torch, e.g. '
          '--torch_python=/opt/torch-venv/bin/python.'),
+        ([TINY, '--dense_equivalent'], 2, '--dense_equivalent: the config is not a mixture of '
+         'experts (model.num_experts=0); set model.num_experts, or drop the flag.'),
         ([TINY, '--config.optim.b2=1.5'], 2, 'optim.b2=1.5 must lie in [0, 1): it is how much of '
          'its running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).'),
     ],

@@ -93,3 +93,33 @@ def test_a_failing_torch_child_shows_the_end_of_its_stderr(tmp_path):
   message = str(raised.value)
   assert 'did not start (status 3)' in message and message.endswith('out of cheese')
   assert 'noise 4\n' in message and 'noise 3\n' not in message  # The last 10 lines.
+
+
+def test_dense_equivalent_has_the_active_parameters_and_folds_the_expert_axis():
+  """--dense_equivalent's model and mesh, and the side-by-side table of tokens/s."""
+  from engine import config as config_lib
+  from engine.analysis import benchmark
+  from engine.assemble import lay_out
+  from tests.helpers import tiny_config
+  config = tiny_config(mesh=(2, 1, 1))
+  config.mesh.expert = 4
+  config.model.name, config.model.num_experts, config.model.experts_per_token = 'llama', 8, 2
+  config.model.moe_mlp_dim, config.model.moe_shared_expert = 48, 16
+  dense = benchmark.dense_equivalent(config)
+  assert dense.model.mlp_dim == 2 * 48 + 16 and dense.model.num_experts == 0
+  assert (dense.mesh.data, dense.mesh.expert) == (8, 1) and config.mesh.expert == 4
+  # Active weights per token: a dense layer's MLP has as many as k experts and the shared one;
+  # the MoE's router (D x E per layer) is the only difference in the model FLOPs.
+  moe_flops = lay_out(config, 256).model.flops_per_token(64)
+  dense_flops = lay_out(dense, 256).model.flops_per_token(64)
+  D, layers = config.model.embed_dim, config.model.num_layers
+  assert moe_flops - dense_flops == pytest.approx(6 * layers * D * 8)
+  config.model.num_experts = 0
+  with pytest.raises(config_lib.ConfigError, match='not a mixture of experts'):
+    benchmark.dense_equivalent(config)
+  row = lambda mesh, shape, tokens, dense: {'mesh': mesh, 'mode': 'manual', 'mesh_shape': shape,
+                                            'tokens_per_s': tokens, 'dense_equivalent': dense}
+  table = benchmark.dense_comparison([
+      row('data 2 x expert 4', {'data': 2, 'expert': 4}, 300.0, False),
+      row('data 8', {'data': 8, 'expert': 1}, 1200.0, True)])
+  assert table.splitlines()[-1] == '| data 2 x expert 4 | manual | 300 | data 8 | 1,200 | 0.25 |'

@@ -10,7 +10,7 @@ import pytest
 
 from engine import parallel
 from engine import plan as plan_lib
-from engine.analysis import collectives
+from engine.analysis import collectives, comm_theory
 from engine.config import ConfigError
 from engine.main import run as run_main
 from engine.assemble import lay_out
@@ -178,5 +178,32 @@ def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
   config.mesh.dcn_data = 1  # The slices must be joined along some axis: with no other
   # candidate, the plan is refused in one line.
   with pytest.raises(ConfigError, match=r'no candidate can run on v5p:2x2x1; the first, mesh '
-                     r'2x4x1x1x1: .*number of TPU slices \(2\)'):
+                     r'2x4x1x1x1x1: .*number of TPU slices \(2\)'):
     plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
+
+
+def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
+  """A mixture of experts on expert 8: each row's all-to-all bytes are the theory's
+  (comm_theory), manual mode compiles exactly those, and the compute FLOPs with the padded
+  expert rows (E / k = 4 times the useful expert rows in both modes here) match XLA's count of
+  the unrolled step."""
+  config = _config('llama')
+  config.model.num_experts, config.model.experts_per_token, config.model.moe_mlp_dim = 8, 2, 1024
+  config.model.scan_layers = False  # XLA's cost analysis then counts every layer.
+  result = plan_lib.plan(config, TOPOLOGY, 1, ['auto', 'manual'], ['1x1x1x1x1x8'])
+  setup = lay_out(plan_lib.ml_collections.ConfigDict(result['candidates'][0]['config']), 1024)
+  theory = comm_theory.expected_bytes(setup, 16, 16)[('all-to-all', ('expert',))]
+  # Manual dropless: 8 blocks of min(2, 8 / 8) rows per local token (32), width 1024, float32,
+  # each way, forward (no remat) and backward, 2 layers; plus the forward's int32 expert ids.
+  assert theory == 2 * (4 * 8 * 32 * 1024 * 4 + 8 * 32 * 4)
+  # Useful routed FLOPs per step: 6 x (2 layers x 2 of 8 experts x 3 x 1024 x 1024) x 256 tokens.
+  useful = 6 * 2 * 2 * 3 * 1024 * 1024 * 256
+  for row in result['candidates']:
+    assert row['status'] == 'fits' and row['all_to_all_bytes']['theory'] == theory
+    assert row['expert_padding_flops_per_step'] == pytest.approx(3 * useful)
+    executed = plan_lib.executed_flops(
+        row['model_flops_per_step'] + row['expert_padding_flops_per_step'], config) / 8
+    assert row['roofline']['compiled_flops_per_device'] == pytest.approx(executed, rel=0.05)
+  manual = next(r for r in result['candidates'] if r['mode'] == 'manual')
+  assert manual['all_to_all_bytes']['compiled'] == theory
+  assert '| all-to-all MiB (theory / compiled) |' in plan_lib.markdown(result, 'x')

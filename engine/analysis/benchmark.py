@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
 
@@ -198,9 +199,10 @@ def _collectives_cell(rows: list[dict]) -> str:
 def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
   """The table: one line per variant; `vs first` is the ratio of median step times to the first
   mode on the same mesh."""
+  label = lambda r: r['mesh'] + (' (dense equivalent)' if r.get('dense_equivalent') else '')
   first = {}
   for row in rows:
-    first.setdefault(row['mesh'], row['median_ms'])
+    first.setdefault(label(row), row['median_ms'])
   lines = [f'## {title}', '',
            '| mesh | mode | median ms | min | max | vs first | tokens/s | compile s | '
            'model TFLOP/s/device | MFU | args MiB | temp MiB | peak MiB | collectives per step |',
@@ -209,8 +211,8 @@ def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
     m = r['memory']
     mfu = f'{100 * r["mfu"]:.1f} %' if r['mfu'] is not None else 'n/a'
     lines.append(
-        f'| {r["mesh"]} | {r["mode"]} | {r["median_ms"]:.1f} | {r["min_ms"]:.1f} | '
-        f'{r["max_ms"]:.1f} | {r["median_ms"] / first[r["mesh"]]:.3f} | '
+        f'| {label(r)} | {r["mode"]} | {r["median_ms"]:.1f} | {r["min_ms"]:.1f} | '
+        f'{r["max_ms"]:.1f} | {r["median_ms"] / first[label(r)]:.3f} | '
         f'{r["tokens_per_s"]:,.0f} | {r["compile_s"]:.1f} | {r["model_tflops_per_device"]:.4f} | '
         f'{mfu} | {m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("temp_size_in_bytes", 0) / 2**20:.1f} | '
@@ -224,6 +226,42 @@ def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
               f'{external["median_ms"]:.1f} ms (min {external["min_ms"]:.1f}, max '
               f'{external["max_ms"]:.1f}); the first row / it = '
               f'{rows[0]["median_ms"] / external["median_ms"]:.2f}.']
+  return '\n'.join(lines)
+
+
+def dense_equivalent(config):
+  """The dense Llama with a mixture of experts' active parameters per token (each MLP as wide as
+  the k routed experts and the shared one together), on the same mesh with the expert axis
+  folded into data (which then splits the batch as the expert axis did)."""
+  if not config.model.get('num_experts', 0):
+    raise ConfigError('--dense_equivalent: the config is not a mixture of experts '
+                                 '(model.num_experts=0); set model.num_experts, or drop the flag.')
+  dense = ml_collections.ConfigDict(config.to_dict())
+  m = dense.model
+  m.mlp_dim = m.experts_per_token * (m.moe_mlp_dim or m.mlp_dim) + m.moe_shared_expert
+  m.num_experts = 0
+  if -1 in (dense.mesh.data, dense.mesh.expert):
+    dense.mesh.data = -1  # The devices the other axes leave, expert's among them.
+  else:
+    dense.mesh.data *= dense.mesh.expert
+  dense.mesh.expert = 1
+  return dense
+
+
+def dense_comparison(rows: list[dict]) -> str:
+  """Each mixture-of-experts variant's tokens/s beside its dense equivalent's: the same mode on
+  the mesh with the expert axis folded into data (rows marked `dense_equivalent`)."""
+  dense = {(r['mesh'], r['mode']): r for r in rows if r.get('dense_equivalent')}
+  lines = ['| mesh | mode | MoE tokens/s | dense equivalent on | dense tokens/s | MoE / dense |',
+           '|---|---|---:|---|---:|---:|']
+  for r in rows:
+    if r.get('dense_equivalent'):
+      continue
+    shape = dict(r['mesh_shape'])
+    shape['data'] = shape.get('data', 1) * shape.pop('expert', 1)
+    if d := dense.get((mesh_name(shape), r['mode'])):
+      lines.append(f'| {r["mesh"]} | {r["mode"]} | {r["tokens_per_s"]:,.0f} | {d["mesh"]} | '
+                   f'{d["tokens_per_s"]:,.0f} | {r["tokens_per_s"] / d["tokens_per_s"]:.2f} |')
   return '\n'.join(lines)
 
 

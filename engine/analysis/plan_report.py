@@ -1,0 +1,103 @@
+"""The plan's report (engine.plan): the ranking as Markdown, each candidate's collectives against
+the theory, and the command line that trains it."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from engine import chips
+from engine import config as config_lib
+from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound
+
+
+def train_command(config_arg: str, overrides: list[str], mesh: dict[str, int], mode: str,
+                  config) -> str:
+  """The command line that trains this candidate: the plan's config file and overrides, its
+  mesh and its mode."""
+  mesh_flags = [f'--config.mesh.{a}={mesh[a]}' for a in config_lib.MESH_AXES]
+  mesh_flags += [f'--config.mesh.dcn_{a}={config.mesh[f"dcn_{a}"]}' for a in ('data', 'fsdp')
+                 if config.mesh[f'dcn_{a}'] > 1]
+  kept = [o for o in overrides
+          if not o.startswith(('--config.mesh.', '--config.parallelism.mode='))]
+  return ' '.join(['python -m engine.main', f'--config={config_arg}', *kept, *mesh_flags,
+                   f'--config.parallelism.mode={mode}', '--workdir=WORKDIR'])
+
+
+def _gib(n) -> str:
+  return '?' if n is None else f'{n / 2**30:.2f}'
+
+
+def _ranking(result: dict) -> list[str]:
+  """The ranking table; with a mixture of experts, a column of the experts' all-to-all bytes."""
+  moe = any(r.get('config', {}).get('model', {}).get('num_experts') for r in result['candidates'])
+  exchange = ' all-to-all MiB (theory / compiled) |' if moe else ''
+  lines = [
+      '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB | TFLOP / device | compute ms '
+      f'| HBM ms | ICI ms | DCN ms | step ms (overlapped - serial) | MFU (serial) |{exchange} '
+      'compile s |',
+      '|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|' + '---:|' * (1 + moe)]
+  for r in sorted(result['candidates'], key=lambda r: r.get('rank', 0)):
+    if r['status'] == 'invalid':
+      lines.append(f'| - | {r["mesh"]} | {r["mode"]} | invalid: {r["error"]} |' + ' |' * (11 + moe))
+      continue
+    m, e = r['memory'], r.get('roofline')
+    cells = [str(r['rank']), r['mesh'], r['mode'], '**yes**' if r['status'] == 'fits' else 'no',
+             _gib(m.get('peak_estimate_bytes')), _gib(m.get('argument_size_in_bytes')),
+             _gib(m.get('temp_size_in_bytes'))]
+    if e:
+      ms = lambda seconds: f'{seconds * 1e3:.3g}'  # Three digits, from microseconds to hours.
+      cells += [f'{e["flops_per_device"] / 1e12:.3g}', ms(e['compute_s']), ms(e['memory_s']),
+                ms(e['ici_s']), ms(e['dcn_s']), f'{ms(e["overlapped_s"])} - {ms(e["serial_s"])}',
+                f'{100 * r["mfu"]:.1f} %']
+    else:
+      cells += ['-'] * 7
+    if moe:
+      a2a = r.get('all_to_all_bytes')
+      cells.append(f'{a2a["theory"] / 2**20:.1f} / {a2a["compiled"] / 2**20:.1f}' if a2a else '-')
+    cells.append(f'{r["compile_s"]:.0f}')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return lines
+
+
+def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
+  """The plan as Markdown: the ranking, then each candidate's collectives against the theory."""
+  c0 = result['candidates'][0]['config']
+  lines = [
+      f'# Plan: {c0["model"]["name"]}, {c0["model"]["num_layers"]} layers, width '
+      f'{c0["model"]["embed_dim"]}, sequence {c0["data"]["seq_len"]}, batch '
+      f'{c0["data"]["global_batch_size"]}, {c0["model"]["dtype"]}, remat {c0["model"]["remat"]} '
+      f'on {result["topology"]} x {result["num_slices"]} slice(s): {result["devices"]} x '
+      f'{result["chip"]} devices, {_gib(result["hbm_bytes_per_device"])} GiB HBM each', '',
+      *_ranking(result)]
+  lines += ['', 'Peak: arguments + outputs + temporaries - donated, from the compiled program '
+            '(a compile that ran out of HBM: the HLO temporaries the compiler needed). Step time: '
+            'compute = FLOPs executed / peak (the model\'s 6N + attention, 8N under full remat, '
+            'plus the pipeline bubble and a mixture of experts\' padded slots: engine.plan.'
+            'expert_padding_flops; XLA\'s cost analysis counts a scanned layer once), HBM = '
+            'compiled bytes accessed / bandwidth (a lower bound, for the same reason), ICI and '
+            'DCN = bytes on the wire / bandwidth (ring algorithms; every link of the chip for '
+            'ICI: a lower bound); overlapped = the largest, serial = max(compute, HBM) + '
+            'communication. MFU: the model\'s FLOPs per serial step time.', '']
+  lines += [chips.TPU_NOTES, '']
+  for r in result['candidates']:
+    if r['status'] == 'invalid' or 'communication' not in r:
+      continue
+    lines += [f'## {r["mesh"]}, {r["mode"]}: collectives per step and device', '',
+              '| kind | axes | executions | MiB | theory MiB | measured / theory |',
+              '|---|---|---:|---:|---:|---:|']
+    for row in r['communication']:
+      e = row[r['mode']]
+      ratio = lower_bound(e, f'{e["ratio"]:.2f}') if e['ratio'] is not None else (
+          'not in theory' if e['unexpected'] else '-')
+      executions = lower_bound(e, e['executions']) + (
+          " (a loop's trip count unknown)" if e.get('lower_bound') else '')
+      mib = lower_bound(e, f'{e["bytes"] / 2**20:.1f}')
+      lines.append(f'| {row["kind"]} | {row["axes"]} | {executions} | {mib} | '
+                   f'{row["theory_bytes"] / 2**20:.1f} | {ratio} |')
+    if any(row[r['mode']].get('lower_bound') for row in r['communication']):
+      lines += ['', f'**Lower bounds**: {LOWER_BOUND_NOTE} The ICI and DCN times of this '
+                'candidate are lower bounds too.']
+    command = train_command(config_arg, list(overrides), r['mesh_shape'], r['mode'],
+                            ml_collections.ConfigDict(r['config']))
+    lines += ['', f'Train it: `{command}`', '']
+  return '\n'.join(lines)
