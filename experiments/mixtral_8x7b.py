@@ -1,7 +1,7 @@
 """A Mixtral-8x7B-shaped mixture of experts for planning pod runs (python -m engine.plan).
 
   python -m engine.plan --config=experiments/mixtral_8x7b.py --topology=v5p:4x4x8 \
-      --meshes=1x8x1x1x1x8,8x1x1x1x1x8,1x64x1 --modes=auto,manual --out=/tmp/plan_mixtral
+      --meshes=1x16x1x1x1x8,4x4x1x1x1x8,1x128x1 --modes=auto,manual --out=/tmp/plan_mixtral
 
 32 layers, width 4096, 32 heads of 128 (grouped-query: 8 key/value heads), every MLP 8 SwiGLU
 experts of 14336 with 2 routed per token (softmax then top-2, dropless), rotary base 1,000,000,
