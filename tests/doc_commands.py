@@ -173,6 +173,11 @@ CHECKS = {
     '--config.data.tokenizer=hf --workdir=/tmp/llama_124m_bpe': ACCELERATOR,
     'python -m engine.plan --config=experiments/llama_8b.py --topology=v5p:4x4x8 '
     '--meshes=8x16x1,1x32x4,1x16x1x1x8 --out=/tmp/plan_8b': NO_LIBTPU,
+    # experiments/mixtral_8x7b.py (BUILD.md has its plan table).
+    'python -m engine.plan --config=experiments/mixtral_8x7b.py --topology=v5p:4x4x8 '
+    '--meshes=1x16x1x1x1x8,4x4x1x1x1x8,1x128x1 --modes=auto,manual --out=/tmp/plan_mixtral':
+        Skip('needs libtpu\'s TPU compiler (the tpu extra) and compiles a 47B model for 128 '
+             'chips (18 min)'),
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.main '
     '--config=experiments/llama_bench.py:mesh=2x2x2,mode=manual --workdir=/tmp/llama_bench':
         Run('llama', add=SHORT_TRAIN, outputs=('/tmp/llama_bench/metrics.jsonl',)),

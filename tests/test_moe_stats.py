@@ -179,7 +179,8 @@ def test_router_health_in_log_line_and_metrics_file(tmp_path, caplog):
   dense = {'loss': 2.5, 'grad_norm': 1.0, 'learning_rate': 1e-3}
   router = {'moe/balance_loss': 1.02, 'moe/z_loss': 1.9, 'moe/dropped_fraction': 0.003,
             'moe/load_min': 0.714, 'moe/load_max': 1.384, 'moe/load_cv': 0.2149}
-  with caplog.at_level(logging.INFO):
+  # On the absl logger itself: an earlier test in the session may have lowered absl's verbosity.
+  with caplog.at_level(logging.INFO, logger='absl'):
     deferred.after_dispatch(1, dense)
     deferred.after_dispatch(2, {**dense, **{k: jax.numpy.float32(v) for k, v in router.items()}})
     deferred.flush()
