@@ -53,6 +53,17 @@ class AutoOps(LocalOps):
         a, NamedSharding(self.mesh, P('stage', *([None] * (a.ndim - 1)))))
     return pipeline.auto_pipeline(run, layers, x, stages, self.microbatches, by_stage)
 
+  def kv_for_query_heads(self, kv_BLNK, num_heads):
+    if self.rules.mesh_axes('kv_heads', activation=True) or not self.rules.mesh_axes(
+        'heads', activation=True):
+      # Split like the query heads, or nothing split: the attention's grouped einsum reads
+      # them in place (the query heads' split lands on the kv heads' dimension).
+      return self.constrain(kv_BLNK, ('batch', 'length', 'kv_heads', 'head_dim'))
+    # Replicated (too few to split) under split query heads: each query head's kv head, laid
+    # out like the query heads, so every device keeps only the copies its heads read.
+    return self.constrain(jnp.repeat(kv_BLNK, num_heads // kv_BLNK.shape[2], axis=2),
+                          ('batch', 'length', 'heads', 'head_dim'))
+
   def experts(self, x_BLD, experts_BLK, ffn, num_experts, slots):
     if not self.rules.mesh_axes('experts', activation=True):
       return super().experts(x_BLD, experts_BLK, ffn, num_experts, slots)
