@@ -1,7 +1,8 @@
 """Causal self-attention on heads that are already laid out: the einsum path, or
 `jax.nn.dot_product_attention` (which picks cuDNN's fused flash attention on GPUs and XLA's
-implementation elsewhere). Both take queries, keys and values of the same heads; the softmax runs
-in float32 whatever the compute dtype.
+implementation elsewhere), or the Pallas TPU splash-attention kernel (engine/models/splash.py:
+flash attention that never stores the [L, L] probabilities). All take queries, keys and values
+of the same heads; the softmax runs in float32 whatever the compute dtype.
 
 Shape suffixes: B batch, L (Q, S) length, H heads, K head_dim.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ('einsum', 'dot_product_attention')
+from engine.models import splash
+
+IMPLEMENTATIONS = ('einsum', 'dot_product_attention', 'splash')
 SCALE_ON = ('queries', 'logits')
 
 
@@ -32,6 +35,9 @@ def causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on: str = 'queries',
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   if implementation == 'dot_product_attention':
     return jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, scale=scale, is_causal=True)
+  if implementation == 'splash':  # The kernel has no scale: validation keeps it on the queries.
+    assert scale == 1.0, scale_on
+    return splash.causal_attention(q_BLHK, k_BLHK, v_BLHK)
   logits_BHQS = jnp.einsum('BQHK,BSHK->BHQS', q_BLHK, k_BLHK,
                            preferred_element_type=jnp.float32)
   if scale != 1.0:
