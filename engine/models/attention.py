@@ -1,8 +1,10 @@
 """Causal self-attention on heads that are already laid out: the einsum path, or
 `jax.nn.dot_product_attention` (which picks cuDNN's fused flash attention on GPUs and XLA's
-implementation elsewhere). Keys and values keep their own N heads (grouped-query attention: N
-divides the H query heads, query head h reads key / value head h // (H / N)); neither path
-materialises them per query head. The softmax runs in float32 whatever the compute dtype.
+implementation elsewhere), or the Pallas TPU splash-attention kernel (engine/models/splash.py:
+flash attention that never stores the [L, L] probabilities). Keys and values keep their own N
+heads (grouped-query attention: N divides the H query heads, query head h reads key / value
+head h // (H / N)); the einsum and dot_product_attention paths never materialise them per query
+head. The softmax runs in float32 whatever the compute dtype.
 
 Shape suffixes: B batch, L (Q, S) length, H heads, N key / value heads, G = H / N, K head_dim.
 """
@@ -12,7 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ('einsum', 'dot_product_attention')
+from engine.models import splash
+
+IMPLEMENTATIONS = ('einsum', 'dot_product_attention', 'splash')
 SCALE_ON = ('queries', 'logits')
 
 
@@ -53,6 +57,9 @@ def causal_attention(q_BLHK, k_BLNK, v_BLNK, scale_on: str = 'queries',
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   if implementation == 'dot_product_attention':  # Grouped-query natively (N < H).
     return jax.nn.dot_product_attention(q_BLHK, k_BLNK, v_BLNK, scale=scale, is_causal=True)
+  if implementation == 'splash':  # The kernel has no scale: validation keeps it on the queries.
+    assert scale == 1.0, scale_on
+    return splash.causal_attention(q_BLHK, k_BLNK, v_BLNK)
   logits_BHQS = grouped_logits(q_BLHK, k_BLNK)
   if scale != 1.0:
     logits_BHQS = logits_BHQS * scale

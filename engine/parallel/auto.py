@@ -82,6 +82,25 @@ class AutoOps(LocalOps):
       dropped = jnp.zeros((), jnp.float32)
     return y_BLKD, dropped
 
+  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
+                scale=None):
+    if implementation != 'splash':
+      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale)
+    # The Pallas kernel is one device's program, which the SPMD partitioner cannot split: each
+    # device runs it on its own batch rows and heads (whole sequences; validation refuses a
+    # split length), as in manual mode. Unchecked (check_vma=False): nothing inside communicates,
+    # and the kernel's outputs carry no varying-axes types (engine/models/splash.py), which a
+    # checked shard_map under the pipeline's vmap over stages refuses.
+    spec = self.rules.spec(('batch', None, 'heads', None), activation=True)
+    # Grouped keys / values come with their own heads (split like the query heads, or repeated
+    # to them by kv_for_query_heads).
+    kv_spec = spec if k_BLHK.shape[2] == q_BLHK.shape[2] else self.rules.spec(
+        ('batch', None, 'kv_heads', None), activation=True)
+    local = lambda q, k, v: super(AutoOps, self).attention(q, k, v, scale_on, implementation,
+                                                           scale)
+    return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, kv_spec, kv_spec),
+                         out_specs=spec, check_vma=False)(q_BLHK, k_BLHK, v_BLHK)
+
   def embed_lookup(self, table_VD, tokens_BL):
     # XLA partitions a gather from a table split only along the vocabulary as a masked local
     # lookup and one all-reduce of the result, with no FLOPs (a one-hot matmul costs 2*B*L*V*D);
