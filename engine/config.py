@@ -43,7 +43,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.scan_layers = True  # False unrolls the layer loop in the HLO (debugging).
   c.model.init_std = 0.02  # Standard deviation of the initial weights.
   c.model.norm_eps = 1e-5  # Epsilon of the layer norms (RMSNorm in Llama).
-  c.model.attention = 'einsum'  # einsum | dot_product_attention (jax.nn; cuDNN flash on GPUs)
+  # einsum | dot_product_attention (jax.nn; cuDNN flash on GPUs) | splash (the Pallas TPU
+  # flash kernel; Pallas interpret mode on CPU; data.seq_len a multiple of 128, mesh.context=1).
+  c.model.attention = 'einsum'
   c.model.attention_scale_on = 'queries'  # Where 1/sqrt(head_dim) goes: queries | logits.
   # Logits are multiplied by this before the softmax; -1: 1/sqrt(head_dim) (every attention path
   # of both modes: einsum, dot_product_attention, ring attention, the generation cache).

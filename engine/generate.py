@@ -9,7 +9,8 @@ cache slots [0, n_b); its t-th new token sits at position n_b + t, writes its ke
 that slot and attends to the slots before it (the padding slots past n_b are overwritten before
 anything reads them). The model is the training code's own (`DecodeOps` gives it per-row
 positions and the cached attention); parameters and cache are laid out by the run's rules on
-the generation mesh (`--mesh`; heads over `tensor` shard the cache too).
+the generation mesh (`--mesh`; heads over `tensor` shard the cache too). The cache holds the key /
+value heads (Llama's num_kv_heads N: H / N times fewer bytes than one per query head).
 
 Sampling: greedy at temperature 0, else softmax(logits / temperature) restricted to the top_k
 tokens and the top_p probability mass, from a key folded from --seed and the step: the same
@@ -37,14 +38,21 @@ from engine.assemble import Run, assemble_finished_run
 from engine.checkpoint import restore_params
 from engine.cli import run_command
 from engine.data import tokenizers as tokenizer_lib
-from engine.models.attention import prescale
+from engine.models.attention import grouped_logits, grouped_values, prescale
 from engine.models.layers import LAYERS, layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup
 from engine.text_files import read_text
 
-# The cache: [layers, batch, slots, heads, head_dim] for keys and for values.
-CACHE_AXES = (None, 'batch', None, 'heads', 'head_dim')
+# The cache: [layers, batch, slots, kv heads, head_dim] for keys and for values ('kv_heads':
+# split over `tensor` where they divide; a model without them, GPT, caches its 'heads').
+CACHE_AXES = (None, 'batch', None, 'kv_heads', 'head_dim')
+
+
+def cache_axes(setup: TrainSetup) -> tuple:
+  """CACHE_AXES, with 'heads' for a model whose parameters name no 'kv_heads'."""
+  grouped = any('kv_heads' in p.logical_axes for p in setup.parameters())
+  return CACHE_AXES if grouped else CACHE_AXES[:3] + ('heads', 'head_dim')
 
 
 class DecodeOps(AutoOps):
@@ -53,7 +61,13 @@ class DecodeOps(AutoOps):
   def __init__(self, setup: TrainSetup, cache: dict, positions_BL: jax.Array):
     super().__init__(setup)
     self.cache, self.positions_BL = dict(cache), positions_BL
+    self.cache_axes = cache_axes(setup)
     self._layer = 0
+
+  def kv_for_query_heads(self, kv_BLNK, num_heads):
+    # All the key / value heads, laid out as the cache: the attention groups the query heads.
+    del num_heads
+    return self.constrain(kv_BLNK, ('batch', 'length', 'kv_heads', 'head_dim'))
 
   def positions(self, length):
     del length
@@ -72,23 +86,22 @@ class DecodeOps(AutoOps):
         self._layer += 1
     return x
 
-  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
+  def attention(self, q_BLHK, k_BLNK, v_BLNK, scale_on='queries', implementation='einsum',
                 scale=None):
     del implementation
     rows = jnp.arange(q_BLHK.shape[0])[:, None]
-    for name, new in (('k', k_BLHK), ('v', v_BLHK)):
+    for name, new in (('k', k_BLNK), ('v', v_BLNK)):
       cache = self.cache[name].at[self._layer, rows, self.positions_BL].set(
           new.astype(self.cache[name].dtype))
-      self.cache[name] = self.constrain(cache, CACHE_AXES)
-    keys, values = self.cache['k'][self._layer], self.cache['v'][self._layer]
+      self.cache[name] = self.constrain(cache, self.cache_axes)
+    keys_BSNK, values_BSNK = self.cache['k'][self._layer], self.cache['v'][self._layer]
     q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
-    logits_BHQS = jnp.einsum('BQHK,BSHK->BHQS', q_BLHK, keys.astype(q_BLHK.dtype),
-                             preferred_element_type=jnp.float32) * scale
-    slots_S = jnp.arange(keys.shape[1])
+    logits_BHQS = grouped_logits(q_BLHK, keys_BSNK.astype(q_BLHK.dtype)) * scale
+    slots_S = jnp.arange(keys_BSNK.shape[1])
     visible_BQS = slots_S[None, None, :] <= self.positions_BL[:, :, None]
     logits_BHQS = jnp.where(visible_BQS[:, None], logits_BHQS, jnp.finfo(jnp.float32).min)
     probs_BHQS = jax.nn.softmax(logits_BHQS, axis=-1).astype(q_BLHK.dtype)
-    return jnp.einsum('BHQS,BSHK->BQHK', probs_BHQS, values.astype(q_BLHK.dtype))
+    return grouped_values(probs_BHQS, values_BSNK.astype(q_BLHK.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,17 +139,18 @@ class Generator:
     # The model's vocabulary is the tokenizer's rounded up: ids past the tokenizer's never come.
     self.tokenizer_vocab = tokenizer_vocab
     self.max_prompt_len, self.slots = max_prompt_len, max_prompt_len + max_new_tokens
-    # (query heads, head_dim): the cache's last dimensions, from any stacked parameter that has
-    # both (the query or output projection), by their logical names.
+    # (kv heads, head_dim): the cache's last dimensions, from any stacked parameter that has
+    # both (a key or value projection; GPT: the query or output projection), by logical name.
+    heads_axis = cache_axes(setup)[3]
     self.heads_shape = next(
-        (p.shape[p.logical_axes.index('heads')], p.shape[p.logical_axes.index('head_dim')])
+        (p.shape[p.logical_axes.index(heads_axis)], p.shape[p.logical_axes.index('head_dim')])
         for p in setup.parameters()
-        if LAYERS in p.logical_axes and {'heads', 'head_dim'} <= set(p.logical_axes))
+        if LAYERS in p.logical_axes and {heads_axis, 'head_dim'} <= set(p.logical_axes))
     mesh, spec = setup.mesh, setup.rules.spec
     params = setup.state_shardings()['params']
     rows = NamedSharding(mesh, spec(('batch', None), activation=True))
     row = NamedSharding(mesh, spec(('batch',), activation=True))
-    cache = NamedSharding(mesh, spec(CACHE_AXES, activation=True))
+    cache = NamedSharding(mesh, spec(cache_axes(setup), activation=True))
     self.prefill = jax.jit(self._prefill, in_shardings=(params, rows, row, None),
                            out_shardings=({'k': cache, 'v': cache}, row))
     self.decode = jax.jit(self._decode, in_shardings=(params, {'k': cache, 'v': cache}, row, row,
@@ -150,6 +164,11 @@ class Generator:
     shape = (self.setup.model.num_layers, batch, self.slots) + self.heads_shape
     dtype = jnp.dtype(self.setup.options.compute_dtype)
     return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
+
+  def cache_bytes(self, batch: int) -> int:
+    """The key / value cache's bytes for `batch` rows (keys and values, all devices)."""
+    cache = jax.eval_shape(lambda: self._empty_cache(batch))
+    return sum(a.size * a.dtype.itemsize for a in cache.values())
 
   def _prefill(self, params, tokens_BP, lengths_B, key):
     batch = tokens_BP.shape[0]
@@ -190,6 +209,9 @@ class Generator:
     for row, prompt in enumerate(prompts):
       tokens[row, :len(prompt)] = prompt
     key = jax.random.key(seed)
+    logging.info('Key/value cache: %d layers x %d rows x %d slots x %d kv heads x %d head_dim, '
+                 'keys and values: %.2f MiB.', self.setup.model.num_layers, len(prompts),
+                 self.slots, *self.heads_shape, self.cache_bytes(len(prompts)) / 2**20)
     cache, next_B = self.prefill(params, tokens, lengths, jax.random.fold_in(key, 0))
     out, done = [], np.zeros(len(prompts), bool)
     for step in range(max_new_tokens):

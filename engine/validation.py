@@ -19,6 +19,7 @@ from ml_collections import ConfigDict
 from engine import config_help, models, parallel, profiling, sharding, text_files
 from engine.config import DTYPES, SOURCES, TOKENIZERS, ConfigError, resolve_mesh_shape
 from engine.models import attention, llama
+from engine.validation_attention import check_splash
 from engine.validation_moe import check_moe
 from engine.validation_optim import check_optim
 from engine.validation_samples import check_sample_keys
@@ -116,6 +117,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
                       'shuffled with 32-bit seeds (evaluation uses seed + 1); give e.g. '
                       '--config.seed=0.')
   mesh = _check_mesh(config.mesh, num_devices, num_processes, num_slices)
+  check_splash(config, mesh)  # Before the context checks: their fix would not apply.
   rules = _check_parallelism(config, mesh)
   check_moe(config, mesh)
   if training:

@@ -192,7 +192,19 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.model.dtype=float16'], 2,
      "model.dtype='float16' is unknown; choose one of ('float32', 'bfloat16')."),
     ([TINY, RUN, '--config.model.attention=flash'], 2,
-     "model.attention='flash' is unknown; choose one of ('einsum', 'dot_product_attention')."),
+     "model.attention='flash' is unknown; choose one of ('einsum', 'dot_product_attention', "
+     "'splash')."),
+    # What the splash kernel cannot take.
+    (['--config=experiments/tiny.py:mesh=4x1x1x2', RUN, '--config.model.attention=splash'], 2,
+     "model.attention='splash' with mesh.context=2: the kernel needs whole sequences and ring "
+     "attention does not run it per block yet; set model.attention='einsum' or mesh.context=1."),
+    ([TINY, RUN, '--config.model.attention=splash'], 2, "model.attention='splash' needs "
+     "data.seq_len divisible by 128 (the kernel's tile), not 64; pick such a length or "
+     "model.attention='einsum'."),
+    ([TINY, RUN, '--config.model.attention=splash', '--config.data.seq_len=128',
+      '--config.model.max_len=128', '--config.model.attention_scale_on=logits'], 2,
+     "model.attention='splash' with model.attention_scale_on='logits': the kernel cannot scale "
+     "the logits; set model.attention_scale_on='queries'."),
     # Values that would train wrong, or not at all.
     ([TINY, RUN, '--config.optim.b2=1.5'], 2, 'optim.b2=1.5 must lie in [0, 1): it is how much of '
      'its running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).'),

@@ -39,17 +39,30 @@ def references():
     # Three axes at once: fsdp, tensor (grouped key / value heads split) and context.
     ('llama', (1, 2, 2, 2), 'manual'), ('llama', (1, 2, 2, 2), 'auto'),
     ('llama', (1, 1, 2, 4), 'manual'),
+    # Key / value heads replicated (2 over tensor 4): each device passes only the one its query
+    # head reads around the ring.
+    ('llama', (1, 1, 4, 2), 'manual'),
 ], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else v)
 def test_matches_single_device(model, mesh, mode, references):
   assert_same_run(engine_run(_config(mesh, model), mode, STEPS), references[model])
 
 
-@pytest.mark.parametrize('mesh', [(1, 1, 1, 8), (1, 1, 2, 4)], ids=['context8', 'tensor2_context4'])
-def test_ring_moves_each_key_value_block_context_minus_1_times_each_way(mesh, references):
+@pytest.mark.parametrize('model, mesh, kv_heads', [
+    ('gpt', (1, 1, 1, 8), 4), ('gpt', (1, 1, 2, 4), 2),
+    # Grouped-query, 8 query / 2 key-value heads: the ring moves the key / value heads (split:
+    # 1 of 2 per device; replicated over tensor 4: the 1 its 2 query heads read), not 4 or 2
+    # query heads' worth.
+    ('llama', (1, 1, 2, 4), 1), ('llama', (1, 1, 4, 2), 1),
+], ids=['gpt_context8', 'gpt_tensor2_context4', 'gqa_tensor2_context4', 'gqa_tensor4_context2'])
+def test_ring_moves_each_key_value_block_context_minus_1_times_each_way(model, mesh, kv_heads,
+                                                                        references):
   """Exact, two-sided byte counts: a ring that moved twice the bytes (two blocks per permute, or
-  twice the permutes) or half (half blocks, or keys only) fails the equalities below. Context 8
-  also trains, from the same compiled step, and must match the single-device run."""
-  config = _config(mesh)
+  twice the permutes, or query heads in place of grouped key / value heads) or half (half
+  blocks, or keys only) fails the equalities below. Context 8 also trains, from the same
+  compiled step, and must match the single-device run."""
+  config = _config(mesh, model)
+  if model == 'llama':
+    config.model.num_heads = 8  # Head size 4, as GPT's 4 heads of width 32 have 8.
   if mesh == (1, 1, 1, 8):
     run, train_setup, compiled = compiled_run(config, 'manual', STEPS)
     assert_same_run(run, references['gpt'])
@@ -61,15 +74,16 @@ def test_ring_moves_each_key_value_block_context_minus_1_times_each_way(mesh, re
   assert train_setup.options.remat == 'none'  # One forward pass: no recomputed permutes.
   found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
   table = collectives.summarize(found)
-  context, tensor = mesh[3], mesh[2]
+  context = mesh[3]
   layers = config.model.num_layers
   permutes = table[('collective-permute', ('context',))]
   # Per layer: keys and values, context - 1 ring steps, forward and backward.
   assert permutes['executions'] == layers * 2 * (context - 1) * 2
-  # Every permute moves exactly one device's block of keys or of values, [B, L / C, H / T, K]
-  # float32: no more (two blocks, a wider dtype), no less (a half block, a narrower dtype).
-  block_shape = (config.data.global_batch_size, config.data.seq_len // context,
-                 config.model.num_heads // tensor, config.model.embed_dim // config.model.num_heads)
+  # Every permute moves exactly one device's block of keys or of values, [B, L / C, its kv
+  # heads, K] float32: no more (two blocks, a wider dtype), no less (a half block, a narrower
+  # dtype).
+  block_shape = (config.data.global_batch_size, config.data.seq_len // context, kv_heads,
+                 config.model.embed_dim // config.model.num_heads)
   local_block = math.prod(block_shape) * 4
   ring = [c for c in found if c.kind == 'collective-permute']
   assert {(c.shapes, c.buffer_bytes) for c in ring} == {((block_shape,), (local_block,))}

@@ -65,7 +65,8 @@ def test_cached_greedy_equals_recomputing_and_compiles_once(model_and_params):
   assert generator.prefill._cache_size() == 1 and generator.decode._cache_size() == 1
 
 
-@pytest.mark.parametrize('mesh', [(2, 1, 4), (1, 8, 1)], ids=['data2_tensor4', 'fsdp8'])
+@pytest.mark.parametrize('mesh', [(2, 1, 4), (4, 1, 2), (1, 8, 1)],
+                         ids=['data2_tensor4', 'data4_tensor2', 'fsdp8'])
 def test_sharded_generation_matches_one_device(model_and_params, mesh):
   model, one_device, params = model_and_params
   expected = Generator(one_device, 16, NEW).generate(params, PROMPTS, NEW)
@@ -76,8 +77,13 @@ def test_sharded_generation_matches_one_device(model_and_params, mesh):
     np.testing.assert_array_equal(got, want)
   tokens = np.zeros((8, 16), np.int32)
   cache, _ = generator.prefill(sharded, tokens, np.ones(8, np.int32), jax.random.key(0))
-  # [layers, batch, slots, heads, head_dim]: heads split over tensor where the mesh has it.
-  assert cache['k'].sharding.spec[3] == ('tensor' if mesh[2] > 1 else None)
+  # [layers, batch, slots, kv heads, head_dim]: Llama caches its 2 key / value heads, not its 4
+  # query heads; heads split over tensor where they divide (Llama's 2 over tensor 4 do not).
+  heads = 2 if model == 'llama' else 4
+  assert cache['k'].shape == (2, 8, 16 + NEW, heads, 8)
+  assert cache['k'].sharding.spec[3] == (
+      'tensor' if mesh[2] > 1 and heads % mesh[2] == 0 else None)
+  assert generator.cache_bytes(8) == 2 * cache['k'].nbytes  # What the log line reports.
 
 
 def test_sampling_is_seeded_restricted_and_stops_at_end_of_text(model_and_params):

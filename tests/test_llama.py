@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from engine.models import llama
+from engine.models.attention import causal_attention
 from engine.assemble import assemble
 from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
@@ -82,3 +83,18 @@ def test_rotary_rotates_pairs_by_position():
   dots = [jnp.sum(llama.rotary(q, jnp.array([p]), rope) * llama.rotary(k, jnp.array([p + 2]), rope))
           for p in range(3)]
   np.testing.assert_allclose(dots, dots[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize('implementation', ['einsum', 'dot_product_attention'])
+def test_grouped_attention_equals_numpy_with_repeated_heads(implementation):
+  """Keys and values of 2 heads for 8 query heads, grouped inside the attention (no repeat):
+  query head h reads key / value head h // 4, checked against NumPy on repeated heads."""
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((2, 6, heads, 4)).astype(np.float32) for heads in (8, 2, 2))
+  got = causal_attention(q, k, v, implementation=implementation)
+  k8, v8 = np.repeat(k, 4, axis=2), np.repeat(v, 4, axis=2)
+  logits = np.einsum('bqhk,bshk->bhqs', q / 2.0, k8)  # 1 / sqrt(head size 4).
+  logits = np.where(np.tril(np.ones((6, 6), bool)), logits, -np.inf)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  np.testing.assert_allclose(got, np.einsum('bhqs,bshk->bqhk', probs, v8), rtol=1e-5, atol=1e-6)

@@ -1,7 +1,8 @@
 """The communication a layout needs in theory, per step and per device, for any registered model.
 
 It reads only the model's spec (engine/models/spec.py: width, depth, the dimensions its
-row-parallel matmuls contract) and the parameter table, never a parameter's name.
+row-parallel matmuls contract) and the parameter table (by logical dimension names: the head
+counts), never a parameter's name.
 
 Units match engine.analysis.collectives: bytes of each collective's result on one device, summed over
 its executions in one step. Keys are (kind, mesh axes).
@@ -20,8 +21,10 @@ its executions in one step. Keys are (kind, mesh axes).
   vocab-parallel embedding and loss, one more activation all-reduce each way plus three
   [batch, length] reductions for the cross-entropy (max, sum of exponentials, target logit).
 - Context parallel (ring attention, engine/parallel/context.py): per layer, each device's keys
-  and values [batch, length / context, heads, head_dim] (query heads: grouped key / value heads
-  are expanded first) move context - 1 times around the ring, and their gradients move back as
+  and values [batch, length / context, kv heads, head_dim] (the key / value heads its query
+  heads read: N / tensor where `kv_heads` split, else those of its query heads' groups, all N
+  without tensor; replicated ones' weight gradients are then all-reduced over `tensor`, once,
+  in the compute dtype) move context - 1 times around the ring, and their gradients move back as
   often; under remat the forward pass, and its permutes, run twice. The sequence's devices count
   as batch axes for the gradient all-reduce, and every activation above is 1 / context as long.
 - Pipeline (engine/parallel/pipeline.py): the activations of one micro-batch
@@ -85,12 +88,18 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
   reduce_bytes = np.dtype(setup.options.grad_reduce_dtype).itemsize
   activation_bytes = np.dtype(setup.options.compute_dtype).itemsize
 
+  head_axes = _ordered(rules.mesh_axes('heads', activation=True), names)
+  kv_replicated = not rules.mesh_axes('kv_heads', activation=True)
   for p in setup.parameters():
     shard_bytes = math.prod(p.shard_shape) * reduce_bytes
     split = set(spec_axes(p.spec))
     replicated = _ordered([a for a in batch_axes if a not in split], names)
     if replicated:
       expected[('all-reduce', replicated)] += shard_bytes
+    if head_axes and kv_replicated and 'kv_heads' in p.logical_axes:
+      # Key / value heads replicated under split query heads: each device's gradient covers
+      # only the kv heads its query heads read; summed over the heads' axes (compute dtype).
+      expected[('all-reduce', head_axes)] += math.prod(p.shard_shape) * activation_bytes
     gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
     if gathered:
       factor = math.prod(mesh_shape[a] for a in gathered)
@@ -106,8 +115,8 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
     if row_parallel:
       expected[('all-reduce', row_parallel)] += 2 * model.num_layers * activation
   if context > 1:
-    heads_split = math.prod(mesh_shape[a] for a in rules.mesh_axes('heads', activation=True))
-    keys_or_values = activation // heads_split
+    keys_or_values = (local_batch * seq_len * math.prod(_ring_heads(setup))
+                      * activation_bytes)
     forward_passes = 1 if setup.options.remat == 'none' else 2
     expected[('collective-permute', _ordered(context_axes, names))] += (
         model.num_layers * (forward_passes + 1) * (context - 1) * 2 * keys_or_values)
@@ -125,6 +134,26 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
     expected[('all-reduce', vocab_parallel)] += (
         2 * activation + 3 * local_batch * seq_len * FLOAT32_BYTES)
   return dict(expected)
+
+
+def _ring_heads(setup: TrainSetup) -> tuple[int, int]:
+  """(key / value heads one device passes around the ring, head_dim), as ManualOps'
+  kv_for_query_heads keeps them: the heads read from the stacked projections' logical names
+  ('kv_heads' for grouped-query attention, else the query 'heads')."""
+  rules, mesh_shape = setup.rules, dict(setup.mesh.shape)
+  sizes = {}
+  for p in setup.parameters():
+    if LAYERS in p.logical_axes and 'head_dim' in p.logical_axes:
+      sizes.update({n: d for n, d in zip(p.logical_axes, p.shape) if n != LAYERS})
+  ways = lambda name: math.prod(mesh_shape[a] for a in rules.mesh_axes(name, activation=True))
+  heads, head_dim = sizes['heads'], sizes['head_dim']
+  kv_heads = sizes.get('kv_heads', heads)
+  if 'kv_heads' not in sizes or ways('kv_heads') > 1 or ways('heads') == 1:
+    return kv_heads // (ways('kv_heads') if 'kv_heads' in sizes else ways('heads')), head_dim
+  group, local = heads // kv_heads, heads // ways('heads')  # Replicated kv heads.
+  if local % group == 0 or group % local == 0:
+    return max(local // group, 1), head_dim
+  return local, head_dim
 
 
 def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len: int,

@@ -1,9 +1,12 @@
 """Causal self-attention on heads that are already laid out: the einsum path, or
 `jax.nn.dot_product_attention` (which picks cuDNN's fused flash attention on GPUs and XLA's
-implementation elsewhere). Both take queries, keys and values of the same heads; the softmax runs
-in float32 whatever the compute dtype.
+implementation elsewhere), or the Pallas TPU splash-attention kernel (engine/models/splash.py:
+flash attention that never stores the [L, L] probabilities). Keys and values keep their own N
+heads (grouped-query attention: N divides the H query heads, query head h reads key / value
+head h // (H / N)); the einsum and dot_product_attention paths never materialise them per query
+head. The softmax runs in float32 whatever the compute dtype.
 
-Shape suffixes: B batch, L (Q, S) length, H heads, K head_dim.
+Shape suffixes: B batch, L (Q, S) length, H heads, N key / value heads, G = H / N, K head_dim.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ('einsum', 'dot_product_attention')
+from engine.models import splash
+
+IMPLEMENTATIONS = ('einsum', 'dot_product_attention', 'splash')
 SCALE_ON = ('queries', 'logits')
 
 
@@ -26,18 +31,40 @@ def prescale(q_BLHK, scale: float | None, scale_on: str):
   return q_BLHK, scale
 
 
-def causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on: str = 'queries',
+def grouped_logits(q_BQHK, k_BSNK):
+  """q k^T [B, H, Q, S] in float32, each query head against its key head: a grouped einsum over
+  [B, Q, N, G, K] queries, so the keys are never repeated G times."""
+  B, Q, H, K = q_BQHK.shape
+  N = k_BSNK.shape[2]
+  logits_BNGQS = jnp.einsum('BQNGK,BSNK->BNGQS', q_BQHK.reshape(B, Q, N, H // N, K), k_BSNK,
+                            preferred_element_type=jnp.float32)
+  return logits_BNGQS.reshape(B, H, Q, -1)
+
+
+def grouped_values(p_BHQS, v_BSNK, preferred_element_type=None):
+  """p v [B, Q, H, K]: each query head's weights over its value head (grouped_logits' layout)."""
+  B, H, Q, S = p_BHQS.shape
+  N = v_BSNK.shape[2]
+  o_BQNGK = jnp.einsum('BNGQS,BSNK->BQNGK', p_BHQS.reshape(B, N, H // N, Q, S), v_BSNK,
+                       preferred_element_type=preferred_element_type)
+  return o_BQNGK.reshape(B, Q, H, -1)
+
+
+def causal_attention(q_BLHK, k_BLNK, v_BLNK, scale_on: str = 'queries',
                      implementation: str = 'einsum', scale: float | None = None):
-  """softmax(scale q k^T + causal mask) v, scale 1/sqrt(K) unless given (prescale)."""
+  """softmax(scale q k^T + causal mask) v, scale 1/sqrt(K) unless given (prescale); keys and
+  values of N heads, N dividing the H query heads."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
-  if implementation == 'dot_product_attention':
-    return jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, scale=scale, is_causal=True)
-  logits_BHQS = jnp.einsum('BQHK,BSHK->BHQS', q_BLHK, k_BLHK,
-                           preferred_element_type=jnp.float32)
+  if implementation == 'dot_product_attention':  # Grouped-query natively (N < H).
+    return jax.nn.dot_product_attention(q_BLHK, k_BLNK, v_BLNK, scale=scale, is_causal=True)
+  if implementation == 'splash':  # The kernel has no scale: validation keeps it on the queries.
+    assert scale == 1.0, scale_on
+    return splash.causal_attention(q_BLHK, k_BLNK, v_BLNK)
+  logits_BHQS = grouped_logits(q_BLHK, k_BLNK)
   if scale != 1.0:
     logits_BHQS = logits_BHQS * scale
   length = q_BLHK.shape[1]
   causal_QS = jnp.tril(jnp.ones((length, length), bool))
   logits_BHQS = jnp.where(causal_QS, logits_BHQS, jnp.finfo(jnp.float32).min)
-  probs_BHQS = jax.nn.softmax(logits_BHQS, axis=-1).astype(v_BLHK.dtype)
-  return jnp.einsum('BHQS,BSHK->BQHK', probs_BHQS, v_BLHK)
+  probs_BHQS = jax.nn.softmax(logits_BHQS, axis=-1).astype(v_BLNK.dtype)
+  return grouped_values(probs_BHQS, v_BLNK)

@@ -8,8 +8,8 @@ so every rule preset and both modes work unchanged. Key/value heads carry their 
 `kv_heads`: the rules split them over `tensor` where they divide and replicate them otherwise
 (`ModelSpec.split_where_divisible`).
 
-Shape suffixes: B batch, L length, D embed, H query heads, N key/value heads, K head_dim,
-F mlp hidden, V vocab.
+Shape suffixes: B batch, L length, D embed, H query heads, N key/value heads (n: those this
+device's query heads read, ops.kv_for_query_heads), K head_dim, F mlp hidden, V vocab.
 """
 
 from __future__ import annotations
@@ -144,10 +144,11 @@ class Block(nnx.Module):
     q_BLHK, k_BLNK, v_BLNK = self.projections(x_BLD)
     q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope), heads)
     k_BLNK = rotary(k_BLNK, positions_L, cfg.rope)
-    # Each query head's key / value head, laid out like the query heads.
-    k_BLHK = ops.constrain(ops.kv_for_query_heads(k_BLNK, cfg.num_heads), heads)
-    v_BLHK = ops.constrain(ops.kv_for_query_heads(v_BLNK, cfg.num_heads), heads)
-    out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, cfg.attention_scale_on, cfg.attention,
+    # The key / value heads this device's query heads read, not repeated per query head: the
+    # attention groups the query heads over them (ring attention passes only these around).
+    k_BLnK = ops.kv_for_query_heads(k_BLNK, cfg.num_heads)
+    v_BLnK = ops.kv_for_query_heads(v_BLNK, cfg.num_heads)
+    out_BLHK = ops.attention(q_BLHK, k_BLnK, v_BLnK, cfg.attention_scale_on, cfg.attention,
                              cfg.attention_scale)
     y_BLD = dense(out_BLHK, self.w_o_HKD[...], in_dims=2)
     return ops.finish_contraction(y_BLD, 'heads')

@@ -64,9 +64,12 @@ class LocalOps:
     return y
 
   def kv_for_query_heads(self, kv_BLNK: jax.Array, num_heads: int) -> jax.Array:
-    """Grouped-query attention: the key (or value) head of every query head, laid out like the
-    query heads. Query head h of `num_heads` reads key / value head h // (num_heads / N)."""
-    return jnp.repeat(kv_BLNK, num_heads // kv_BLNK.shape[2], axis=2)
+    """Grouped-query attention: the key (or value) heads that this layout's query heads read,
+    [B, L, n, K], for `attention` to group the query heads over (query head h of `num_heads`
+    reads key / value head h // (num_heads / N)). A layout that splits the query heads keeps
+    only its own; the plain computation keeps all N."""
+    del num_heads
+    return kv_BLNK
 
   def inputs_and_targets(self, tokens_BL1: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The tokens the model reads and the next tokens it predicts, from [batch, length + 1]
@@ -77,12 +80,13 @@ class LocalOps:
     """The position in the whole sequence of each of the `length` tokens the model holds."""
     return jnp.arange(length)
 
-  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on: str = 'queries',
+  def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on: str = 'queries',
                 implementation: str = 'einsum', scale: float | None = None) -> jax.Array:
     """Causal self-attention over the whole sequence (engine.models.attention), logits scaled
-    by `scale` (None: 1/sqrt(head size)); a layout that splits the sequence passes keys and
-    values between its devices."""
-    return causal_attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale)
+    by `scale` (None: 1/sqrt(head size)); keys and values of n heads, n dividing the query
+    heads (kv_for_query_heads). A layout that splits the sequence passes keys and values
+    between its devices."""
+    return causal_attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale)
 
   def batch_mean(self, x: jax.Array) -> jax.Array:
     """A statistic that is a mean over the tokens this device holds (a mixture of experts'

@@ -53,6 +53,17 @@ class AutoOps(LocalOps):
         a, NamedSharding(self.mesh, P('stage', *([None] * (a.ndim - 1)))))
     return pipeline.auto_pipeline(run, layers, x, stages, self.microbatches, by_stage)
 
+  def kv_for_query_heads(self, kv_BLNK, num_heads):
+    if self.rules.mesh_axes('kv_heads', activation=True) or not self.rules.mesh_axes(
+        'heads', activation=True):
+      # Split like the query heads, or nothing split: the attention's grouped einsum reads
+      # them in place (the query heads' split lands on the kv heads' dimension).
+      return self.constrain(kv_BLNK, ('batch', 'length', 'kv_heads', 'head_dim'))
+    # Replicated (too few to split) under split query heads: each query head's kv head, laid
+    # out like the query heads, so every device keeps only the copies its heads read.
+    return self.constrain(jnp.repeat(kv_BLNK, num_heads // kv_BLNK.shape[2], axis=2),
+                          ('batch', 'length', 'heads', 'head_dim'))
+
   def experts(self, x_BLD, experts_BLK, ffn, num_experts, slots):
     if not self.rules.mesh_axes('experts', activation=True):
       return super().experts(x_BLD, experts_BLK, ffn, num_experts, slots)
@@ -70,6 +81,25 @@ class AutoOps(LocalOps):
     if slots is None:
       dropped = jnp.zeros((), jnp.float32)
     return y_BLKD, dropped
+
+  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
+                scale=None):
+    if implementation != 'splash':
+      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale)
+    # The Pallas kernel is one device's program, which the SPMD partitioner cannot split: each
+    # device runs it on its own batch rows and heads (whole sequences; validation refuses a
+    # split length), as in manual mode. Unchecked (check_vma=False): nothing inside communicates,
+    # and the kernel's outputs carry no varying-axes types (engine/models/splash.py), which a
+    # checked shard_map under the pipeline's vmap over stages refuses.
+    spec = self.rules.spec(('batch', None, 'heads', None), activation=True)
+    # Grouped keys / values come with their own heads (split like the query heads, or repeated
+    # to them by kv_for_query_heads).
+    kv_spec = spec if k_BLHK.shape[2] == q_BLHK.shape[2] else self.rules.spec(
+        ('batch', None, 'kv_heads', None), activation=True)
+    local = lambda q, k, v: super(AutoOps, self).attention(q, k, v, scale_on, implementation,
+                                                           scale)
+    return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, kv_spec, kv_spec),
+                         out_specs=spec, check_vma=False)(q_BLHK, k_BLHK, v_BLHK)
 
   def embed_lookup(self, table_VD, tokens_BL):
     # XLA partitions a gather from a table split only along the vocabulary as a masked local

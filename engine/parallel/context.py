@@ -7,14 +7,16 @@ contiguous split would give the last device most of the work. Instead every sequ
 late ("zigzag"), so every device does the same work.
 
 Ring attention. Each device keeps its queries and passes its keys and values around the ring
-with `ppermute`, C-1 times; the softmax is accumulated online (running maximum, normaliser and
+with `ppermute`, C-1 times (their own N key / value heads, grouped-query attention's
+fewer than the H query heads: each block is matched to its query heads where it is used); the softmax is accumulated online (running maximum, normaliser and
 weighted sum, in float32), so no device ever holds the whole sequence's keys. With the zigzag
 layout, of the four (query chunk, key chunk) blocks a visiting device brings, one is always fully
 visible (late queries, early keys), one fully masked (early queries, late keys) and skipped, and
 exactly one of the two others is fully visible: every device computes two unmasked blocks per
 ring step. The backward pass is JAX's transpose: each permute becomes one in the other direction.
 
-Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, K head_dim;
+Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, N key / value
+heads, K head_dim;
 C the context axis size, T = L / (2C) the chunk length.
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.models.attention import prescale
+from engine.models.attention import grouped_logits, grouped_values, prescale
 
 _MASKED = jnp.finfo(jnp.float32).min
 
@@ -53,11 +55,11 @@ def local_positions(local_length: int, axis: str, size: int) -> jax.Array:
   return jnp.concatenate([first + offsets, second + offsets])
 
 
-def _block(q_BQHK, k_BSHK, v_BSHK, scale: float, causal: bool):
+def _block(q_BQHK, k_BSNK, v_BSNK, scale: float, causal: bool):
   """Softmax statistics of one (query chunk, key chunk) block: running max m [B, H, Q],
-  normaliser l [B, H, Q] and unnormalised output o [B, Q, H, K], all float32."""
-  logits_BHQS = jnp.einsum('BQHK,BSHK->BHQS', q_BQHK, k_BSHK,
-                           preferred_element_type=jnp.float32)
+  normaliser l [B, H, Q] and unnormalised output o [B, Q, H, K], all float32. The visiting keys
+  and values keep their N heads; each query head reads its own (grouped einsums)."""
+  logits_BHQS = grouped_logits(q_BQHK, k_BSNK)
   if scale != 1.0:
     logits_BHQS = logits_BHQS * scale
   if causal:  # Same chunk: position q sees keys up to itself.
@@ -65,8 +67,7 @@ def _block(q_BQHK, k_BSHK, v_BSHK, scale: float, causal: bool):
     logits_BHQS = jnp.where(jnp.tril(jnp.ones((length, length), bool)), logits_BHQS, _MASKED)
   m_BHQ = logits_BHQS.max(-1)
   p_BHQS = jnp.exp(logits_BHQS - m_BHQ[..., None])
-  o_BQHK = jnp.einsum('BHQS,BSHK->BQHK', p_BHQS.astype(v_BSHK.dtype), v_BSHK,
-                      preferred_element_type=jnp.float32)
+  o_BQHK = grouped_values(p_BHQS.astype(v_BSNK.dtype), v_BSNK, jnp.float32)
   return m_BHQ, p_BHQS.sum(-1), o_BQHK
 
 
@@ -83,11 +84,12 @@ def _select(pick_first, a, b):
   return jax.tree.map(lambda x, y: jnp.where(pick_first, x, y), a, b)
 
 
-def ring_attention(q_BLHK, k_BLHK, v_BLHK, axis: str, size: int,
+def ring_attention(q_BLHK, k_BLNK, v_BLNK, axis: str, size: int,
                    scale_on: str = 'queries', scale: float | None = None) -> jax.Array:
   """Causal attention of this device's queries (its two chunks) over the whole sequence, whose
-  keys and values travel around the `axis` ring. Equal to engine.models.attention's
-  causal_attention on the whole sequence, up to float32 rounding."""
+  keys and values travel around the `axis` ring with their own N heads (grouped-query attention:
+  N < H moves H / N times fewer bytes than the query heads would). Equal to
+  engine.models.attention's causal_attention on the whole sequence, up to float32 rounding."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   chunk = q_BLHK.shape[1] // 2
   halves = lambda x: (x[:, :chunk], x[:, chunk:])
@@ -96,13 +98,13 @@ def ring_attention(q_BLHK, k_BLHK, v_BLHK, axis: str, size: int,
 
   # Own keys: early queries see early keys causally; late queries see all early keys and late
   # keys causally.
-  (k_early, k_late), (v_early, v_late) = halves(k_BLHK), halves(v_BLHK)
+  (k_early, k_late), (v_early, v_late) = halves(k_BLNK), halves(v_BLNK)
   early = _block(q_early, k_early, v_early, scale, causal=True)
   late = _merge(_block(q_late, k_early, v_early, scale, causal=False),
                 _block(q_late, k_late, v_late, scale, causal=True))
 
   to_next = [(i, (i + 1) % size) for i in range(size)]
-  kv = (k_BLHK, v_BLHK)
+  kv = (k_BLNK, v_BLNK)
   for step in range(1, size):
     kv = jax.lax.ppermute(kv, axis, to_next)
     source = (me - step) % size  # Whose keys these are: its chunks are `source`, 2C-1-source.
@@ -118,4 +120,4 @@ def ring_attention(q_BLHK, k_BLHK, v_BLHK, axis: str, size: int,
     late = _select(earlier, late, _merge(late, block))
 
   finish = lambda stats: stats[2] / stats[1].transpose(0, 2, 1)[..., None]
-  return jnp.concatenate([finish(early), finish(late)], axis=1).astype(v_BLHK.dtype)
+  return jnp.concatenate([finish(early), finish(late)], axis=1).astype(v_BLNK.dtype)

@@ -148,16 +148,20 @@ class ManualOps(LocalOps):
   def kv_for_query_heads(self, kv_BLNK, num_heads):
     head_axes = self.rules.mesh_axes('heads', activation=True)
     kv_axes = self.rules.mesh_axes('kv_heads', activation=True)
+    if kv_axes or not head_axes:
+      # Split like the query heads (this device's kv heads serve exactly its query heads), or
+      # nothing split: the attention groups the query heads over them as they are.
+      assert not kv_axes or kv_axes == head_axes, (kv_axes, head_axes)
+      return kv_BLNK
+    # Replicated (too few to split) under split query heads: only the kv heads those read.
+    group = num_heads // kv_BLNK.shape[2]  # Query heads per kv head.
     local_heads = num_heads // math.prod(self.mesh_shape[a] for a in head_axes)
-    if kv_axes:
-      # Split like the query heads: this device's kv heads serve exactly its query heads.
-      assert kv_axes == head_axes, (kv_axes, head_axes)
-      return jnp.repeat(kv_BLNK, local_heads // kv_BLNK.shape[2], axis=2)
-    # Replicated (too few to split): every query head's kv head, then this device's block.
-    all_BLHK = jnp.repeat(kv_BLNK, num_heads // kv_BLNK.shape[2], axis=2)
-    if not head_axes:
-      return all_BLHK
-    return jax.lax.dynamic_slice_in_dim(all_BLHK, self._shard_index(head_axes) * local_heads,
+    first = self._shard_index(head_axes) * local_heads  # This device's first query head.
+    if local_heads % group == 0 or group % local_heads == 0:  # Whole groups, or part of one.
+      return jax.lax.dynamic_slice_in_dim(kv_BLNK, first // group,
+                                          max(local_heads // group, 1), axis=2)
+    # Groups straddle devices: one kv head per query head.
+    return jax.lax.dynamic_slice_in_dim(jnp.repeat(kv_BLNK, group, axis=2), first,
                                         local_heads, axis=2)
 
   def finish_contraction(self, y, contracted):
@@ -179,11 +183,11 @@ class ManualOps(LocalOps):
       return super().positions(length)
     return context.local_positions(length, self.context_axis, self.context_size)
 
-  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
+  def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on='queries', implementation='einsum',
                 scale=None):
     if self.context_axis is None:
-      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale)
-    return context.ring_attention(q_BLHK, k_BLHK, v_BLHK, self.context_axis, self.context_size,
+      return super().attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale)
+    return context.ring_attention(q_BLHK, k_BLnK, v_BLnK, self.context_axis, self.context_size,
                                   scale_on, scale)
 
   def embed_lookup(self, table_VD, tokens_BL):

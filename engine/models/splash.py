@@ -1,0 +1,126 @@
+"""Causal attention through JAX's Pallas TPU splash-attention kernel
+(jax.experimental.pallas.ops.tpu.splash_attention): a flash-attention kernel that never forms
+the [L, L] probabilities in memory (the backward pass recomputes them from the saved
+log-sum-exp) and skips the blocks above the causal diagonal.
+
+The kernel is written for one device: it must see whole [H, L, K] blocks, so callers run it on
+local shards (manual mode, inside shard_map; auto mode wraps it in its own shard_map, see
+engine/parallel/auto.py) and never let the compiler partition it.
+
+Shape suffixes: B batch, L length, H heads, K head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config  # _check_vma: see _typed_like_inputs.
+from jax.extend import core as jax_core
+from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
+
+# The kernel's tiles are multiples of 128 positions (TPU lanes); the largest of these that
+# divides the length is used for every block of the forward and backward passes.
+BLOCK_CHOICES = (512, 256, 128)
+
+
+def block_size(length: int) -> int | None:
+  """The tile size (positions) for a sequence of `length`; None: the kernel cannot take it."""
+  return next((b for b in BLOCK_CHOICES if length % b == 0), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(num_heads: int, length: int, interpret: bool):
+  block = block_size(length)
+  if block is None:  # engine/validation.py refuses such lengths first.
+    raise ValueError(f'splash attention needs a length divisible by 128, not {length}')
+  mask = splash_lib.MultiHeadMask([splash_lib.CausalMask((length, length))] * num_heads)
+  sizes = splash_lib.BlockSizes(
+      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  with jax.ensure_compile_time_eval():  # Concrete mask tables, not tracers of one trace.
+    return splash_lib.make_splash_mha_single_device(mask, block_sizes=sizes,
+                                                    interpret=interpret)
+
+
+def _varying(x) -> frozenset:
+  """The mesh axes over which shard_map's check_vma types x as varying."""
+  return jax.typeof(x).manual_axis_type.varying
+
+
+def _vary(x, axes):
+  """x typed as varying over `axes` too."""
+  missing = tuple(a for a in axes if a not in _varying(x))
+  return jax.lax.pcast(x, missing, to='varying') if missing else x
+
+
+def _unchecked(f, *args):
+  """f(*args) (a list of arrays) traced on the args' shapes alone and run with the
+  varying-axes checks off."""
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+  with jax_config._check_vma(False):  # pylint: disable=protected-access
+    return jax_core.jaxpr_as_fun(jax.make_jaxpr(f)(*shapes))(*args)
+
+
+def _vjp_of(fn, shapes):
+  """(the vjp of fn at arguments of `shapes` as a function of (cotangent, *residuals), the
+  forward pass as a function of the arguments returning [output, *residuals])."""
+  def forward(*args):
+    out, vjp = jax.vjp(fn, *args)
+    backward, residuals = jax.closure_convert(vjp, out)
+    forward.backward = backward  # The same for every trace at these shapes.
+    return [out, *residuals]
+  with jax_config._check_vma(False):  # pylint: disable=protected-access
+    jax.make_jaxpr(forward)(*shapes)  # Traced only, to find the backward function.
+  return forward.backward, forward
+
+
+def _typed_like_inputs(fn):
+  """fn(q, k, v) run with shard_map's varying-axes checks off, its output and gradients typed
+  as varying like its inputs. jax 0.10's splash kernel builds its pallas_call outputs without
+  those types, which a checked shard_map (manual mode) refuses. Typing the output with a plain
+  pcast would be wrong: its transpose sums the cotangent over the devices. Inside a custom_vjp
+  the casts are never transposed: each device's gradient stays its own."""
+
+  shapes = []  # Of q, k, v: set by the forward pass for the backward (not arrays: no residual).
+
+  @jax.custom_vjp
+  def call(q, k, v):
+    return forward(q, k, v)[0]
+
+  def forward(q, k, v):
+    shapes[:] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    out, *residuals = _unchecked(_vjp_of(fn, shapes)[1], q, k, v)
+    return _vary(out, _varying(q)), residuals
+
+  def backward(residuals, ct):
+    grads = _unchecked(lambda *a: list(_vjp_of(fn, shapes)[0](*a)), ct, *residuals)
+    return tuple(_vary(g, _varying(ct)) for g in grads)
+
+  call.defvjp(forward, backward)
+
+  def typed(q, k, v):
+    axes = tuple(set().union(*(_varying(x) for x in (q, k, v))))
+    return call(*(_vary(x, axes) for x in (q, k, v)))
+
+  return typed
+
+
+def causal_attention(q_BLHK, k_BLNK, v_BLNK):
+  """softmax(q k^T + causal mask) v, the scale already on the queries (the kernel has none);
+  keys and values of N heads, N dividing the H query heads. The softmax runs in float32."""
+  _, length, heads, _ = q_BLHK.shape
+  # The multi-head kernel reads one key / value head per query head: grouped heads are repeated
+  # here (make_splash_mqa would share them; not used yet).
+  groups = heads // k_BLNK.shape[2]
+  k_BLHK, v_BLHK = (jnp.repeat(x, groups, axis=2) if groups > 1 else x
+                    for x in (k_BLNK, v_BLNK))
+  to_HLK = lambda x_BLHK: x_BLHK.transpose(0, 2, 1, 3)
+  qkv = to_HLK(q_BLHK), to_HLK(k_BLHK), to_HLK(v_BLHK)
+  run = lambda interpret: _typed_like_inputs(jax.vmap(_kernel(heads, length, interpret)))(*qkv)
+  # Chosen when lowering, by the platform compiled for: on CPU (the tests) the Pallas kernel
+  # runs in interpret mode, the same kernel body evaluated by XLA, slowly; a TPU compile (also
+  # ahead of time from a CPU host, engine.plan) gets the real kernel.
+  out_BHLK = jax.lax.platform_dependent(tpu=lambda: run(False), default=lambda: run(True))
+  return out_BHLK.transpose(0, 2, 1, 3)
