@@ -146,6 +146,8 @@ class Generator:
         (p.shape[p.logical_axes.index(heads_axis)], p.shape[p.logical_axes.index('head_dim')])
         for p in setup.parameters()
         if LAYERS in p.logical_axes and {heads_axis, 'head_dim'} <= set(p.logical_axes))
+    self.query_heads = next(p.shape[p.logical_axes.index('heads')] for p in setup.parameters()
+                            if LAYERS in p.logical_axes and 'heads' in p.logical_axes)
     mesh, spec = setup.mesh, setup.rules.spec
     params = setup.state_shardings()['params']
     rows = NamedSharding(mesh, spec(('batch', None), activation=True))
@@ -210,8 +212,10 @@ class Generator:
       tokens[row, :len(prompt)] = prompt
     key = jax.random.key(seed)
     logging.info('Key/value cache: %d layers x %d rows x %d slots x %d kv heads x %d head_dim, '
-                 'keys and values: %.2f MiB.', self.setup.model.num_layers, len(prompts),
-                 self.slots, *self.heads_shape, self.cache_bytes(len(prompts)) / 2**20)
+                 'keys and values: %.2f MiB (%d query heads: %gx less than a head each).',
+                 self.setup.model.num_layers, len(prompts), self.slots, *self.heads_shape,
+                 self.cache_bytes(len(prompts)) / 2**20, self.query_heads,
+                 self.query_heads / self.heads_shape[0])
     cache, next_B = self.prefill(params, tokens, lengths, jax.random.fold_in(key, 0))
     out, done = [], np.zeros(len(prompts), bool)
     for step in range(max_new_tokens):

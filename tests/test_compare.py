@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from engine import parallel
-from engine.analysis import collectives, comm_theory, compare
+from engine.analysis import collectives, comm_theory, compare, compare_report
 from engine.parallel import manual
 from engine.assemble import lay_out
 from tests.helpers import tiny_config
@@ -107,3 +107,29 @@ def test_theory_2x2x2_combines_the_three():
   # Batch 16 over data*fsdp = 4 rows per device: activations of 4*16*32 floats.
   activation = 4 * 16 * 32 * 4
   assert theory[('all-reduce', ('tensor',))] == 8 * activation + 2 * activation + 3 * 4 * 16 * 4
+
+
+def test_grouped_query_ring_moves_kv_heads_and_the_report_says_how_much_less():
+  """Ring attention passes Llama's N key / value heads: H / N times fewer permuted bytes than a
+  model with a key / value head per query head, and the report's note quotes that cut."""
+  ring_bytes, setups = {}, {}
+  for kv_heads in (1, 4):
+    config = tiny_config(mesh=(4, 1, 1))
+    config.mesh.context = 2
+    config.model.name, config.model.num_kv_heads = 'llama', kv_heads
+    setups[kv_heads] = setup = lay_out(config, 256)
+    theory = comm_theory.expected_bytes(setup, 16, 16)
+    ring_bytes[kv_heads] = sum(b for (kind, axes), b in theory.items()
+                               if kind == 'collective-permute' and 'context' in axes)
+  assert ring_bytes[1] > 0 and ring_bytes[4] == 4 * ring_bytes[1]
+  assert compare.attention_heads(setups[1]) == {'query': 4, 'kv': 1}
+  assert compare.attention_heads(setups[4]) == {'query': 4, 'kv': 4}
+  rows = [{'kind': 'collective-permute', 'axes': 'context', 'theory_bytes': ring_bytes[1]},
+          {'kind': 'all-reduce', 'axes': 'data,context', 'theory_bytes': 10 ** 6}]
+  report = {'mesh': {'context': 2}, 'communication': rows, 'attention_heads': {'query': 4,
+                                                                                 'kv': 1}}
+  note = ' '.join(compare_report._grouped_query_note(report))
+  assert f'{ring_bytes[1] / 2**20:.2f} MiB' in note and f'{ring_bytes[4] / 2**20:.2f}' in note
+  assert '(4x less)' in note
+  report['attention_heads'] = {'query': 4, 'kv': 4}
+  assert compare_report._grouped_query_note(report) == []

@@ -168,6 +168,21 @@ def _schedule_note(report: dict) -> list[str]:
   return []
 
 
+def _grouped_query_note(report: dict) -> list[str]:
+  """What grouped-query attention saves ring attention: it passes the N key / value heads, not
+  their expansion to the H query heads."""
+  heads = report.get('attention_heads') or {}
+  if report['mesh'].get('context', 1) == 1 or heads.get('kv', 0) >= heads.get('query', 0):
+    return []
+  ring = sum(r['theory_bytes'] for r in report['communication']
+             if r['kind'] == 'collective-permute' and 'context' in r['axes'])
+  cut = heads['query'] / heads['kv']
+  return [f'Grouped-query attention: ring attention passes the {heads["kv"]} key / value heads, '
+          f'not their expansion to the {heads["query"]} query heads: {_mib(ring)} MiB of '
+          f'permutes over `context` per step and device instead of {_mib(ring * cut)} '
+          f'({cut:g}x less).', '']
+
+
 def _communication(report: dict) -> list[str]:
   """The communication table and its notes: lower bounds, the schedule, and the collectives
   the theory did not expect."""
@@ -177,7 +192,7 @@ def _communication(report: dict) -> list[str]:
                for m in modes if r[m].get('lower_bound')]
   if uncertain:
     out += [f'**Lower bounds** ({"; ".join(uncertain)}). {LOWER_BOUND_NOTE}', '']
-  out += _schedule_note(report)
+  out += _schedule_note(report) + _grouped_query_note(report)
   flagged = [f'{m}: {r["kind"]} over {r["axes"]}' for r in report['communication'] for m in modes
              if r[m]['unexpected']]
   if flagged:
