@@ -4,7 +4,8 @@ On CPU the kernel runs in Pallas interpret mode; its training runs must match th
 einsum reference (engine.analysis.reference: losses, gradient norms, every gradient, every
 parameter; tolerance 1e-5, tests/helpers.py; the kernel's float32 attention agrees with the
 einsum path to about 1e-6). Compiled for a TPU topology (libtpu's compiler, on CPU), the step
-must call the kernel (tpu_custom_call) and keep no [L, L] float32 probabilities.
+must call the kernel (tpu_custom_call) and keep no [L, L] float32 probabilities. With context
+parallelism (manual mode) ring attention runs the kernel per block and merges by log-sum-exp.
 """
 
 import re
@@ -15,10 +16,13 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from engine import parallel
+from engine.analysis import collectives, comm_theory
 from engine import plan as plan_lib
 from engine.assemble import lay_out
 from engine.models import attention, splash
-from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+from tests.helpers import (assert_same_run, compiled_run, engine_run, single_device_run,
+                           tiny_config)
 
 TOPOLOGY = 'v5p:2x2x2'
 
@@ -80,3 +84,27 @@ def test_splash_keeps_no_probabilities_on_tpu():
   # logits), splash 9 MiB.
   temp = lambda c: c.memory_analysis().temp_size_in_bytes
   assert temp(kernel) * 10 < temp(einsum)
+
+
+def test_splash_ring_trains_like_the_einsum_reference_and_moves_the_same_bytes():
+  """Manual mode, data 4 x context 2: 512 positions in 4 zigzag chunks of 128 (the kernel's
+  smallest tile), so each device runs it on diagonal (causal) and visible (full) blocks. One
+  layer of grouped-query Llama (4 query, 2 key / value heads): losses, gradients and parameters
+  match the single-device einsum run; the ring's permutes are the comm theory's bytes."""
+  # The kernel's private backward passes the ring's blocks call (engine/models/splash.py).
+  assert hasattr(splash_attention_kernel, '_splash_attention_bwd_dkv')
+  assert hasattr(splash_attention_kernel, '_splash_attention_bwd_dq')
+  config = _config('llama', 'splash', mesh=(4, 1, 1))
+  config.mesh.context = 2
+  config.model.num_layers = 1
+  config.data.seq_len = config.model.max_len = 512
+  run, train_setup, compiled = compiled_run(config, 'manual', 1)
+  config.model.attention = 'einsum'
+  assert_same_run(run, single_device_run(config, 1))
+  table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
+                                                              train_setup.mesh))
+  theory = comm_theory.expected_bytes(train_setup, 8, 512)
+  ring = ('collective-permute', ('context',))
+  # Keys and values [2 rows, 256 positions, 2 heads, 8] float32, forward and backward.
+  assert table[ring]['array_bytes'] == theory[ring] == 2 * 2 * 2 * 256 * 2 * 8 * 4
+  assert {key: row['array_bytes'] for key, row in table.items()} == theory
