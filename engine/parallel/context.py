@@ -7,13 +7,13 @@ contiguous split would give the last device most of the work. Instead every sequ
 late ("zigzag"), so every device does the same work.
 
 Ring attention. Each device keeps its queries and passes its keys and values around the ring
-with `ppermute`, C-1 times (their own N key / value heads, grouped-query attention's
-fewer than the H query heads: each block is matched to its query heads where it is used); the softmax is accumulated online (running maximum, normaliser and
-weighted sum, in float32), so no device ever holds the whole sequence's keys. With the zigzag
-layout, of the four (query chunk, key chunk) blocks a visiting device brings, one is always fully
-visible (late queries, early keys), one fully masked (early queries, late keys) and skipped, and
-exactly one of the two others is fully visible: every device computes two unmasked blocks per
-ring step. The backward pass is JAX's transpose: each permute becomes one in the other direction.
+with `ppermute`, C-1 times (their own N key / value heads, grouped-query attention's fewer than
+the H query heads: each block is matched to its query heads where it is used); the softmax is
+accumulated online (running maximum, normaliser and weighted sum, in float32), so no device ever
+holds the whole sequence's keys. With the zigzag layout, of the four (query chunk, key chunk)
+blocks a visiting device brings, one is always fully visible (late queries, early keys), one
+fully masked (early queries, late keys) and skipped, and exactly one of the two others is fully
+visible: every device computes two unmasked blocks per ring step. The backward pass is JAX's transpose: each permute becomes one in the other direction.
 
 With model.attention='splash' each block runs the Pallas splash kernel (engine/models/splash.py,
 block_attention: causal mask on the diagonal blocks, full mask on the visible ones), which
@@ -22,8 +22,7 @@ weights. Its gradient is exact: each block's custom_vjp runs the kernel's own ba
 its log-sum-exp's cotangent included, and autodiff carries the merges and the ring.
 
 Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, N key / value
-heads, K head_dim;
-C the context axis size, T = L / (2C) the chunk length.
+heads, K head_dim; C the context axis size, T = L / (2C) the chunk length.
 """
 
 from __future__ import annotations
