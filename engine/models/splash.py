@@ -119,9 +119,7 @@ def causal_attention(q_BLHK, k_BLNK, v_BLNK):
   """softmax(q k^T + causal mask) v, the scale already on the queries (the kernel has none);
   keys and values of N heads, N dividing the H query heads. The softmax runs in float32."""
   _, length, heads, _ = q_BLHK.shape
-  # Grouped heads are repeated to the query heads (make_splash_mqa would share them; not used
-  # yet).
-  qkv = _repeated_HLK(q_BLHK, k_BLNK, v_BLNK)
+  qkv = _heads_first(q_BLHK, k_BLNK, v_BLNK)
   run = lambda interpret: _typed_like_inputs(jax.vmap(_kernel(heads, length, interpret)))(*qkv)
   # Chosen when lowering, by the platform compiled for: on CPU (the tests) the Pallas kernel
   # runs in interpret mode, the same kernel body evaluated by XLA, slowly; a TPU compile (also
@@ -130,13 +128,11 @@ def causal_attention(q_BLHK, k_BLNK, v_BLNK):
   return out_BHLK.transpose(0, 2, 1, 3)
 
 
-def _repeated_HLK(q_BLHK, k_BLNK, v_BLNK):
-  """[B, H, L, K] queries, keys and values, grouped key / value heads repeated to the H query
-  heads (the multi-head kernel reads one key / value head per query head)."""
-  groups = q_BLHK.shape[2] // k_BLNK.shape[2]
-  k_BLHK, v_BLHK = (jnp.repeat(x, groups, axis=2) if groups > 1 else x
-                    for x in (k_BLNK, v_BLNK))
-  return tuple(x.transpose(0, 2, 1, 3) for x in (q_BLHK, k_BLHK, v_BLHK))
+def _heads_first(q_BLHK, k_BLNK, v_BLNK):
+  """[B, H, L, K] queries, [B, N, L, K] keys and values: the kernel's layout. Grouped heads stay
+  N: the multi-head kernel reads key / value head h // (H / N) for query head h (the models'
+  convention) and sums their gradients over the H / N query heads, never repeating them."""
+  return tuple(x.transpose(0, 2, 1, 3) for x in (q_BLHK, k_BLNK, v_BLNK))
 
 
 def _block_backward(kernel, q, k, v, o, lse, do, dlse):
@@ -191,7 +187,7 @@ def block_attention(q_BQHK, k_BSNK, v_BSNK, causal: bool):
   queries; causal: query i sees keys up to i, else every key. Both outputs are differentiable,
   so blocks merge with log-sum-exp weights under plain autodiff (engine/parallel/context.py)."""
   _, length, heads, _ = q_BQHK.shape
-  qkv = _repeated_HLK(q_BQHK, k_BSNK, v_BSNK)
+  qkv = _heads_first(q_BQHK, k_BSNK, v_BSNK)
   axes = tuple(set().union(*(_varying(x) for x in qkv)))
   qkv = tuple(_vary(x, axes) for x in qkv)
   run = lambda interpret: _block_call(heads, length, causal, interpret)(*qkv)
