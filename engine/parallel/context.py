@@ -17,8 +17,8 @@ visible: every device computes two unmasked blocks per ring step. The backward p
 
 With model.attention='splash' each block runs the Pallas splash kernel (engine/models/splash.py,
 block_attention: causal mask on the diagonal blocks, full mask on the visible ones), which
-returns the block's normalised output and its log-sum-exp; blocks merge with log-sum-exp
-weights. Its gradient is exact: each block's custom_vjp runs the kernel's own backward passes,
+returns the block's normalised output (in the compute dtype: bfloat16 blocks are rounded
+before the float32 merge) and its log-sum-exp; blocks merge with log-sum-exp weights. Its gradient is exact: each block's custom_vjp runs the kernel's own backward passes,
 its log-sum-exp's cotangent included, and autodiff carries the merges and the ring.
 
 Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, N key / value
