@@ -13,13 +13,15 @@ accumulated online (running maximum, normaliser and weighted sum, in float32), s
 holds the whole sequence's keys. With the zigzag layout, of the four (query chunk, key chunk)
 blocks a visiting device brings, one is always fully visible (late queries, early keys), one
 fully masked (early queries, late keys) and skipped, and exactly one of the two others is fully
-visible: every device computes two unmasked blocks per ring step. The backward pass is JAX's transpose: each permute becomes one in the other direction.
+visible: every device computes two unmasked blocks per ring step. The backward pass is JAX's
+transpose: each permute becomes one in the other direction.
 
 With model.attention='splash' each block runs the Pallas splash kernel (engine/models/splash.py,
 block_attention: causal mask on the diagonal blocks, full mask on the visible ones), which
 returns the block's normalised output (in the compute dtype: bfloat16 blocks are rounded
-before the float32 merge) and its log-sum-exp; blocks merge with log-sum-exp weights. Its gradient is exact: each block's custom_vjp runs the kernel's own backward passes,
-its log-sum-exp's cotangent included, and autodiff carries the merges and the ring.
+before the float32 merge) and its log-sum-exp; blocks merge with log-sum-exp weights. Its
+gradient is exact: each block's custom_vjp runs the kernel's own backward passes, its
+log-sum-exp's cotangent included, and autodiff carries the merges and the ring.
 
 Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, N key / value
 heads, K head_dim; C the context axis size, T = L / (2C) the chunk length.
