@@ -44,7 +44,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.init_std = 0.02  # Standard deviation of the initial weights.
   c.model.norm_eps = 1e-5  # Epsilon of the layer norms (RMSNorm in Llama).
   # einsum | dot_product_attention (jax.nn; cuDNN flash on GPUs) | splash (the Pallas TPU
-  # flash kernel; Pallas interpret mode on CPU; data.seq_len a multiple of 128, mesh.context=1).
+  # flash kernel; Pallas interpret mode on CPU; data.seq_len a multiple of 128; with
+  # mesh.context > 1 manual mode only, per ring block: data.seq_len / (2 * context) too).
   c.model.attention = 'einsum'
   c.model.attention_scale_on = 'queries'  # Where 1/sqrt(head_dim) goes: queries | logits.
   # Logits are multiplied by this before the softmax; -1: 1/sqrt(head_dim) (every attention path

@@ -287,11 +287,12 @@ def _check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rul
         f'data.seq_len={config.data.seq_len} must be a multiple of 2*mesh.context={2 * context}: '
         'each device holds two of the 2*context chunks of every sequence (one early, one late, '
         'so that causal attention costs every device the same).')
-  if context > 1 and parallelism.mode == 'manual' and config.model.attention != 'einsum':
+  if (context > 1 and parallelism.mode == 'manual'
+      and config.model.attention not in ('einsum', 'splash')):
     raise ConfigError(
         f'model.attention={config.model.attention!r} with mesh.context={context} in manual mode: '
-        "ring attention computes its own blocks; set model.attention='einsum' (auto mode may "
-        'keep it).')
+        "ring attention computes its own blocks; set model.attention='einsum' or 'splash' (auto "
+        'mode may keep it).')
   stages = mesh['stage']
   if stages > 1 and config.model.num_layers % stages:
     raise ConfigError(

@@ -196,8 +196,22 @@ BAD_INPUTS = [
      "'splash')."),
     # What the splash kernel cannot take.
     (['--config=experiments/tiny.py:mesh=4x1x1x2', RUN, '--config.model.attention=splash'], 2,
-     "model.attention='splash' with mesh.context=2: the kernel needs whole sequences and ring "
-     "attention does not run it per block yet; set model.attention='einsum' or mesh.context=1."),
+     "model.attention='splash' with mesh.context=2 in auto mode: the kernel needs whole "
+     "sequences or ring attention's blocks; set parallelism.mode='manual' (ring attention runs "
+     "it per block), model.attention='einsum' or mesh.context=1."),
+    # Manual mode's ring runs it on chunks of seq_len / (2 * context) positions.
+    (['--config=experiments/tiny.py:mode=manual,mesh=4x1x1x2', RUN,
+      '--config.model.attention=splash', '--config.data.seq_len=256',
+      '--config.model.max_len=256'], 2,
+     "model.attention='splash' with mesh.context=2 needs data.seq_len divisible by "
+     "2*mesh.context*128=512 (ring attention runs the kernel on chunks of data.seq_len / "
+     "(2*mesh.context) positions, tiles of 128), not 256; pick such a length or "
+     "model.attention='einsum'."),
+    (['--config=experiments/tiny.py:mode=manual,mesh=4x1x1x2', RUN,
+      '--config.model.attention=dot_product_attention'], 2,
+     "model.attention='dot_product_attention' with mesh.context=2 in manual mode: ring attention "
+     "computes its own blocks; set model.attention='einsum' or 'splash' (auto mode may keep "
+     "it)."),
     ([TINY, RUN, '--config.model.attention=splash'], 2, "model.attention='splash' needs "
      "data.seq_len divisible by 128 (the kernel's tile), not 64; pick such a length or "
      "model.attention='einsum'."),

@@ -4,7 +4,8 @@ On CPU the kernel runs in Pallas interpret mode; its training runs must match th
 einsum reference (engine.analysis.reference: losses, gradient norms, every gradient, every
 parameter; tolerance 1e-5, tests/helpers.py; the kernel's float32 attention agrees with the
 einsum path to about 1e-6). Compiled for a TPU topology (libtpu's compiler, on CPU), the step
-must call the kernel (tpu_custom_call) and keep no [L, L] float32 probabilities.
+must call the kernel (tpu_custom_call) and keep no [L, L] float32 probabilities. With context
+parallelism (manual mode) ring attention runs the kernel per block and merges by log-sum-exp.
 """
 
 import re
@@ -15,10 +16,13 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from engine import parallel
+from engine.analysis import collectives, comm_theory
 from engine import plan as plan_lib
 from engine.assemble import lay_out
 from engine.models import attention, splash
-from tests.helpers import assert_same_run, engine_run, single_device_run, tiny_config
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
+from tests.helpers import (assert_same_run, compiled_run, engine_run, single_device_run,
+                           tiny_config)
 
 TOPOLOGY = 'v5p:2x2x2'
 
@@ -80,3 +84,48 @@ def test_splash_keeps_no_probabilities_on_tpu():
   # logits), splash 9 MiB.
   temp = lambda c: c.memory_analysis().temp_size_in_bytes
   assert temp(kernel) * 10 < temp(einsum)
+
+
+def _ring_config(length):
+  """One layer of grouped-query Llama, manual mode on data 4 x context 2."""
+  config = _config('llama', 'splash', mesh=(4, 1, 1))
+  config.parallelism.mode = 'manual'
+  config.mesh.context = 2
+  config.model.num_layers = 1
+  config.data.seq_len = config.model.max_len = length
+  return config
+
+
+def test_splash_ring_trains_like_the_einsum_reference_and_moves_the_same_bytes():
+  """Manual mode, data 4 x context 2: 512 positions in 4 zigzag chunks of 128 (the kernel's
+  smallest tile), so each device runs it on diagonal (causal) and visible (full) blocks. One
+  layer of grouped-query Llama (4 query, 2 key / value heads): losses, gradients and parameters
+  match the single-device einsum run; the ring's permutes are the comm theory's bytes."""
+  # The kernel's private backward passes the ring's blocks call (engine/models/splash.py).
+  assert hasattr(splash_attention_kernel, '_splash_attention_bwd_dkv')
+  assert hasattr(splash_attention_kernel, '_splash_attention_bwd_dq')
+  config = _ring_config(512)
+  run, train_setup, compiled = compiled_run(config, 'manual', 1)
+  config.model.attention = 'einsum'
+  assert_same_run(run, single_device_run(config, 1))
+  table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
+                                                              train_setup.mesh))
+  theory = comm_theory.expected_bytes(train_setup, 8, 512)
+  ring = ('collective-permute', ('context',))
+  # Keys and values [2 rows, 256 positions, 2 heads, 8] float32, forward and backward.
+  assert table[ring]['array_bytes'] == theory[ring] == 2 * 2 * 2 * 256 * 2 * 8 * 4
+  assert {key: row['array_bytes'] for key, row in table.items()} == theory
+
+
+def test_the_tpu_ring_calls_the_kernel_per_block():
+  """Manual mode, data 4 x context 2 on v5p:2x2x2, one layer, 1024 positions in chunks of 256:
+  each device runs 5 blocks (3 on its own keys, 2 of the visiting ones), each through the
+  forward kernel and the two backward ones (dk / dv, dq), and keeps no [256, 256] float32
+  block of probabilities (head_dim 128; no weight has two 256 dimensions)."""
+  config = _ring_config(1024)
+  config.model.embed_dim, config.model.mlp_dim = 512, 1024
+  train_setup = lay_out(config, 256, plan_lib.topology_devices(TOPOLOGY))
+  hlo = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
+      train_setup.abstract_state(), train_setup.abstract_batch(8, 1024)).compile().as_text()
+  assert hlo.count('custom_call_target="tpu_custom_call"') == 5 * 3
+  assert not re.search(r'f32\[[0-9,]*256,256\]', hlo)

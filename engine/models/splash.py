@@ -19,6 +19,9 @@ import jax.numpy as jnp
 from jax._src import config as jax_config  # _check_vma: see _typed_like_inputs.
 from jax.extend import core as jax_core
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
+# The kernel's own backward passes, called with a block's log-sum-exp cotangent folded in
+# (block_attention); private in jax 0.10, hence pinned by tests/test_splash.py.
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
 
 # The kernel's tiles are multiples of 128 positions (TPU lanes); the largest of these that
 # divides the length is used for every block of the forward and backward passes.
@@ -31,17 +34,22 @@ def block_size(length: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(num_heads: int, length: int, interpret: bool):
+def _kernel(num_heads: int, length: int, interpret: bool, causal: bool = True,
+            save_residuals: bool = False):
+  """The kernel on [H, length, K] queries and keys: a causal mask, or (causal=False) a full
+  one; save_residuals: it also returns the log-sum-exp of each query's logits (not
+  differentiable then: block_attention below adds the backward pass)."""
   block = block_size(length)
   if block is None:  # engine/validation.py refuses such lengths first.
     raise ValueError(f'splash attention needs a length divisible by 128, not {length}')
-  mask = splash_lib.MultiHeadMask([splash_lib.CausalMask((length, length))] * num_heads)
+  shape = splash_lib.CausalMask if causal else splash_lib.FullMask
+  mask = splash_lib.MultiHeadMask([shape((length, length))] * num_heads)
   sizes = splash_lib.BlockSizes(
       block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
       block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
   with jax.ensure_compile_time_eval():  # Concrete mask tables, not tracers of one trace.
-    return splash_lib.make_splash_mha_single_device(mask, block_sizes=sizes,
-                                                    interpret=interpret)
+    return splash_lib.make_splash_mha_single_device(
+        mask, block_sizes=sizes, save_residuals=save_residuals, interpret=interpret)
 
 
 def _varying(x) -> frozenset:
@@ -111,16 +119,78 @@ def causal_attention(q_BLHK, k_BLNK, v_BLNK):
   """softmax(q k^T + causal mask) v, the scale already on the queries (the kernel has none);
   keys and values of N heads, N dividing the H query heads. The softmax runs in float32."""
   _, length, heads, _ = q_BLHK.shape
-  # The multi-head kernel reads one key / value head per query head: grouped heads are repeated
-  # here (make_splash_mqa would share them; not used yet).
-  groups = heads // k_BLNK.shape[2]
-  k_BLHK, v_BLHK = (jnp.repeat(x, groups, axis=2) if groups > 1 else x
-                    for x in (k_BLNK, v_BLNK))
-  to_HLK = lambda x_BLHK: x_BLHK.transpose(0, 2, 1, 3)
-  qkv = to_HLK(q_BLHK), to_HLK(k_BLHK), to_HLK(v_BLHK)
+  qkv = _heads_first(q_BLHK, k_BLNK, v_BLNK)
   run = lambda interpret: _typed_like_inputs(jax.vmap(_kernel(heads, length, interpret)))(*qkv)
   # Chosen when lowering, by the platform compiled for: on CPU (the tests) the Pallas kernel
   # runs in interpret mode, the same kernel body evaluated by XLA, slowly; a TPU compile (also
   # ahead of time from a CPU host, engine.plan) gets the real kernel.
   out_BHLK = jax.lax.platform_dependent(tpu=lambda: run(False), default=lambda: run(True))
   return out_BHLK.transpose(0, 2, 1, 3)
+
+
+def _heads_first(q_BLHK, k_BLNK, v_BLNK):
+  """[B, H, L, K] queries, [B, N, L, K] keys and values: the kernel's layout. Grouped heads stay
+  N: the multi-head kernel reads key / value head h // (H / N) for query head h (the models'
+  convention) and sums their gradients over the H / N query heads, never repeating them."""
+  return tuple(x.transpose(0, 2, 1, 3) for x in (q_BLHK, k_BLNK, v_BLNK))
+
+
+def _block_backward(kernel, q, k, v, o, lse, do, dlse):
+  """dq, dk, dv [H, L, K] of one block from the kernel's dk / dv and dq passes. They compute
+  dlogits = P * (dP - di), P = exp(logits - lse), di = rowsum(do * o); the cotangent of the
+  log-sum-exp adds P * dlse (d lse / d logits = P), so it enters as di - dlse."""
+  sizes, options = kernel.kwargs['block_sizes'], kernel.kwargs
+  di = jnp.einsum('hsd,hsd->hs', o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
+  common = dict(is_mqa=False, mask_value=options['mask_value'], attn_logits_soft_cap=None,
+                q_layout=sizes.q_layout, k_layout=sizes.k_layout, v_layout=sizes.v_layout,
+                mask_function=options['mask_function'], interpret=options['interpret'])
+  flat = lambda info: info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
+      -1, *info.partial_mask_blocks.shape[-2:])) if info.partial_mask_blocks is not None else info
+  _, dk, dv = kernels._splash_attention_bwd_dkv(  # pylint: disable=protected-access
+      q, k, v, None, None, lse, do, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
+      bkv_compute=sizes.block_kv_dkv_compute, mask_info=flat(kernel.dkv_mask_info),
+      use_fused_bwd_kernel=False, **common)
+  dq = kernels._splash_attention_bwd_dq(  # pylint: disable=protected-access
+      q, k, v, None, None, lse, do, di, bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
+      mask_info=flat(kernel.dq_mask_info), **common)
+  return [dq, dk, dv]
+
+
+@functools.lru_cache(maxsize=None)
+def _block_call(heads: int, length: int, causal: bool, interpret: bool):
+  """(o, lse) of [B, H, L, K] q, k, v through the kernel, differentiable in both: a custom_vjp
+  whose backward runs the kernel's backward passes with lse's cotangent (_block_backward). As
+  in _typed_like_inputs, the kernel runs unchecked and its results are typed varying like q."""
+  kernel = _kernel(heads, length, interpret, causal, save_residuals=True)
+  forward = jax.vmap(lambda q, k, v: (lambda o, res: [o, res[0]])(*kernel(q, k, v)))
+  backward = jax.vmap(functools.partial(_block_backward, kernel))
+
+  @jax.custom_vjp
+  def call(q, k, v):
+    return run_forward(q, k, v)[0]
+
+  def run_forward(q, k, v):
+    o, lse = (_vary(x, _varying(q)) for x in _unchecked(forward, q, k, v))
+    return (o, lse), (q, k, v, o, lse)
+
+  def run_backward(residuals, cotangents):
+    grads = _unchecked(backward, *residuals, *cotangents)
+    return tuple(_vary(g, _varying(residuals[0])) for g in grads)
+
+  call.defvjp(run_forward, run_backward)
+  return call
+
+
+def block_attention(q_BQHK, k_BSNK, v_BSNK, causal: bool):
+  """One block of ring attention through the kernel: (output [B, Q, H, K] in the input dtype,
+  log-sum-exp of each query's logits [B, H, Q] float32), Q = S, the scale already on the
+  queries; causal: query i sees keys up to i, else every key. Both outputs are differentiable,
+  so blocks merge with log-sum-exp weights under plain autodiff (engine/parallel/context.py)."""
+  _, length, heads, _ = q_BQHK.shape
+  qkv = _heads_first(q_BQHK, k_BSNK, v_BSNK)
+  axes = tuple(set().union(*(_varying(x) for x in qkv)))
+  qkv = tuple(_vary(x, axes) for x in qkv)
+  run = lambda interpret: _block_call(heads, length, causal, interpret)(*qkv)
+  o_BHQK, lse_BHQ = jax.lax.platform_dependent(tpu=lambda: run(False),
+                                               default=lambda: run(True))
+  return o_BHQK.transpose(0, 2, 1, 3), lse_BHQ.astype(jnp.float32)

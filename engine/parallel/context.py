@@ -7,17 +7,24 @@ contiguous split would give the last device most of the work. Instead every sequ
 late ("zigzag"), so every device does the same work.
 
 Ring attention. Each device keeps its queries and passes its keys and values around the ring
-with `ppermute`, C-1 times (their own N key / value heads, grouped-query attention's
-fewer than the H query heads: each block is matched to its query heads where it is used); the softmax is accumulated online (running maximum, normaliser and
-weighted sum, in float32), so no device ever holds the whole sequence's keys. With the zigzag
-layout, of the four (query chunk, key chunk) blocks a visiting device brings, one is always fully
-visible (late queries, early keys), one fully masked (early queries, late keys) and skipped, and
-exactly one of the two others is fully visible: every device computes two unmasked blocks per
-ring step. The backward pass is JAX's transpose: each permute becomes one in the other direction.
+with `ppermute`, C-1 times (their own N key / value heads, grouped-query attention's fewer than
+the H query heads: each block is matched to its query heads where it is used); the softmax is
+accumulated online (running maximum, normaliser and weighted sum, in float32), so no device ever
+holds the whole sequence's keys. With the zigzag layout, of the four (query chunk, key chunk)
+blocks a visiting device brings, one is always fully visible (late queries, early keys), one
+fully masked (early queries, late keys) and skipped, and exactly one of the two others is fully
+visible: every device computes two unmasked blocks per ring step. The backward pass is JAX's
+transpose: each permute becomes one in the other direction.
+
+With model.attention='splash' each block runs the Pallas splash kernel (engine/models/splash.py,
+block_attention: causal mask on the diagonal blocks, full mask on the visible ones), which
+returns the block's normalised output (in the compute dtype: bfloat16 blocks are rounded
+before the float32 merge) and its log-sum-exp; blocks merge with log-sum-exp weights. Its
+gradient is exact: each block's custom_vjp runs the kernel's own backward passes, its
+log-sum-exp's cotangent included, and autodiff carries the merges and the ring.
 
 Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, N key / value
-heads, K head_dim;
-C the context axis size, T = L / (2C) the chunk length.
+heads, K head_dim; C the context axis size, T = L / (2C) the chunk length.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from engine.models import splash
 from engine.models.attention import grouped_logits, grouped_values, prescale
 
 _MASKED = jnp.finfo(jnp.float32).min
@@ -80,17 +88,47 @@ def _merge(a, b):
   return m, l1 * c1 + l2 * c2, o1 * per_query(c1) + o2 * per_query(c2)
 
 
+def _finish(stats):
+  """The attention output [B, Q, H, K] float32 of merged (m, l, o) statistics."""
+  return stats[2] / stats[1].transpose(0, 2, 1)[..., None]
+
+
+def _splash_block(q_BQHK, k_BSNK, v_BSNK, causal: bool):
+  """One block through the kernel: its log-sum-exp [B, H, Q] and output [B, Q, H, K], float32."""
+  o_BQHK, lse_BHQ = splash.block_attention(q_BQHK, k_BSNK, v_BSNK, causal)
+  return lse_BHQ, o_BQHK.astype(jnp.float32)
+
+
+def _merge_splash(a, b):
+  """Two normalised blocks for the same queries, weighted by their share of the softmax mass."""
+  (lse1, o1), (lse2, o2) = a, b
+  lse = jnp.logaddexp(lse1, lse2)
+  weight = lambda part: jnp.exp(part - lse).transpose(0, 2, 1)[..., None]  # [B, Q, H, 1]
+  return lse, o1 * weight(lse1) + o2 * weight(lse2)
+
+
+def _block_ops(implementation: str, scale: float):
+  """(block(q, k, v, causal), merge, finish) of one attention implementation's statistics."""
+  if implementation == 'splash':  # Validation keeps the scale on the queries: none is left.
+    assert scale == 1.0, scale
+    return _splash_block, _merge_splash, lambda stats: stats[1]
+  return (lambda q, k, v, causal: _block(q, k, v, scale, causal)), _merge, _finish
+
+
 def _select(pick_first, a, b):
   return jax.tree.map(lambda x, y: jnp.where(pick_first, x, y), a, b)
 
 
 def ring_attention(q_BLHK, k_BLNK, v_BLNK, axis: str, size: int,
-                   scale_on: str = 'queries', scale: float | None = None) -> jax.Array:
+                   scale_on: str = 'queries', scale: float | None = None,
+                   implementation: str = 'einsum') -> jax.Array:
   """Causal attention of this device's queries (its two chunks) over the whole sequence, whose
   keys and values travel around the `axis` ring with their own N heads (grouped-query attention:
   N < H moves H / N times fewer bytes than the query heads would). Equal to
-  engine.models.attention's causal_attention on the whole sequence, up to float32 rounding."""
+  engine.models.attention's causal_attention on the whole sequence, up to float32 rounding.
+  implementation: 'einsum' or 'splash' (the kernel per block)."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
+  block_of, merge, finish = _block_ops(implementation, scale)
   chunk = q_BLHK.shape[1] // 2
   halves = lambda x: (x[:, :chunk], x[:, chunk:])
   q_early, q_late = halves(q_BLHK)
@@ -99,9 +137,9 @@ def ring_attention(q_BLHK, k_BLNK, v_BLNK, axis: str, size: int,
   # Own keys: early queries see early keys causally; late queries see all early keys and late
   # keys causally.
   (k_early, k_late), (v_early, v_late) = halves(k_BLNK), halves(v_BLNK)
-  early = _block(q_early, k_early, v_early, scale, causal=True)
-  late = _merge(_block(q_late, k_early, v_early, scale, causal=False),
-                _block(q_late, k_late, v_late, scale, causal=True))
+  early = block_of(q_early, k_early, v_early, causal=True)
+  late = merge(block_of(q_late, k_early, v_early, causal=False),
+               block_of(q_late, k_late, v_late, causal=True))
 
   to_next = [(i, (i + 1) % size) for i in range(size)]
   kv = (k_BLNK, v_BLNK)
@@ -110,14 +148,13 @@ def ring_attention(q_BLHK, k_BLNK, v_BLNK, axis: str, size: int,
     source = (me - step) % size  # Whose keys these are: its chunks are `source`, 2C-1-source.
     (k_early, k_late), (v_early, v_late) = halves(kv[0]), halves(kv[1])
     # Late queries see every early chunk of another device.
-    late = _merge(late, _block(q_late, k_early, v_early, scale, causal=False))
+    late = merge(late, block_of(q_late, k_early, v_early, causal=False))
     # Early queries see an early chunk before theirs; late queries a late chunk before theirs.
     # Exactly one holds; compute that block only.
     earlier = source < me
-    block = _block(jnp.where(earlier, q_early, q_late), jnp.where(earlier, k_early, k_late),
-                   jnp.where(earlier, v_early, v_late), scale, causal=False)
-    early = _select(earlier, _merge(early, block), early)
-    late = _select(earlier, late, _merge(late, block))
+    block = block_of(jnp.where(earlier, q_early, q_late), jnp.where(earlier, k_early, k_late),
+                     jnp.where(earlier, v_early, v_late), causal=False)
+    early = _select(earlier, merge(early, block), early)
+    late = _select(earlier, late, merge(late, block))
 
-  finish = lambda stats: stats[2] / stats[1].transpose(0, 2, 1)[..., None]
   return jnp.concatenate([finish(early), finish(late)], axis=1).astype(v_BLNK.dtype)

@@ -188,7 +188,7 @@ class ManualOps(LocalOps):
     if self.context_axis is None:
       return super().attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale)
     return context.ring_attention(q_BLHK, k_BLnK, v_BLnK, self.context_axis, self.context_size,
-                                  scale_on, scale)
+                                  scale_on, scale, implementation)
 
   def embed_lookup(self, table_VD, tokens_BL):
     axes, first = self._vocab_shard(table_VD.shape[0])
