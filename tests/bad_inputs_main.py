@@ -266,6 +266,10 @@ BAD_INPUTS = [
      'raise model.max_len or shorten data.seq_len.'),
     ([TINY, RUN, '--config.model.vocab_size=100'], 2, "model.vocab_size=100 is smaller than the "
      "tokenizer's 256 tokens; raise it or set it to -1."),
+    ([TINY, RUN, '--config.data.document_masking=true'], 2, "data.document_masking=true needs "
+     "the tokenizer's end-of-text id to find where documents end, but data.tokenizer='byte' has "
+     "none; use a tokenizer with one (hf or sentencepiece), or set "
+     "--config.data.document_masking=false."),
     # The mesh and the batch (8 devices).
     ([TINY, RUN, '--config.mesh.data=3'], 2, 'mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 8 '
      'devices; make the product 8 or set one axis to -1.'),

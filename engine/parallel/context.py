@@ -13,7 +13,10 @@ weighted sum, in float32), so no device ever holds the whole sequence's keys. Wi
 layout, of the four (query chunk, key chunk) blocks a visiting device brings, one is always fully
 visible (late queries, early keys), one fully masked (early queries, late keys) and skipped, and
 exactly one of the two others is fully visible: every device computes two unmasked blocks per
-ring step. The backward pass is JAX's transpose: each permute becomes one in the other direction.
+ring step. Packed documents (engine/models/documents.py): the keys' segment ids travel with
+them and every block also masks other documents' keys; the causal skipping is unchanged (a
+row of a block may then be fully masked: the merge gives it weight exp(min - max) = 0, and
+every query sees itself in its own chunk). The backward pass is JAX's transpose: each permute becomes one in the other direction.
 
 Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, N key / value
 heads, K head_dim;
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.models.attention import grouped_logits, grouped_values, prescale
+from engine.models.documents import same_document
 
 _MASKED = jnp.finfo(jnp.float32).min
 
@@ -55,13 +59,16 @@ def local_positions(local_length: int, axis: str, size: int) -> jax.Array:
   return jnp.concatenate([first + offsets, second + offsets])
 
 
-def _block(q_BQHK, k_BSNK, v_BSNK, scale: float, causal: bool):
+def _block(q_BQHK, k_BSNK, v_BSNK, scale: float, causal: bool, segments=None):
   """Softmax statistics of one (query chunk, key chunk) block: running max m [B, H, Q],
   normaliser l [B, H, Q] and unnormalised output o [B, Q, H, K], all float32. The visiting keys
-  and values keep their N heads; each query head reads its own (grouped einsums)."""
+  and values keep their N heads; each query head reads its own (grouped einsums). `segments`:
+  (the queries' [B, Q], the keys' [B, S]) segment ids, or None (one document)."""
   logits_BHQS = grouped_logits(q_BQHK, k_BSNK)
   if scale != 1.0:
     logits_BHQS = logits_BHQS * scale
+  if segments is not None:
+    logits_BHQS = jnp.where(same_document(*segments), logits_BHQS, _MASKED)
   if causal:  # Same chunk: position q sees keys up to itself.
     length = q_BQHK.shape[1]
     logits_BHQS = jnp.where(jnp.tril(jnp.ones((length, length), bool)), logits_BHQS, _MASKED)
@@ -85,37 +92,44 @@ def _select(pick_first, a, b):
 
 
 def ring_attention(q_BLHK, k_BLNK, v_BLNK, axis: str, size: int,
-                   scale_on: str = 'queries', scale: float | None = None) -> jax.Array:
+                   scale_on: str = 'queries', scale: float | None = None,
+                   segments_BL: jax.Array | None = None) -> jax.Array:
   """Causal attention of this device's queries (its two chunks) over the whole sequence, whose
   keys and values travel around the `axis` ring with their own N heads (grouped-query attention:
   N < H moves H / N times fewer bytes than the query heads would). Equal to
-  engine.models.attention's causal_attention on the whole sequence, up to float32 rounding."""
+  engine.models.attention's causal_attention on the whole sequence, up to float32 rounding.
+  `segments_BL`: this device's positions' segment ids (packed documents), or None."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   chunk = q_BLHK.shape[1] // 2
   halves = lambda x: (x[:, :chunk], x[:, chunk:])
   q_early, q_late = halves(q_BLHK)
   me = jax.lax.axis_index(axis)
+  # The queries' segment ids by chunk; (queries', keys') pairs for _block (None: no documents).
+  sq_early, sq_late = halves(segments_BL) if segments_BL is not None else (None, None)
+  pair = lambda sq, sk: None if segments_BL is None else (sq, sk)
 
   # Own keys: early queries see early keys causally; late queries see all early keys and late
   # keys causally.
   (k_early, k_late), (v_early, v_late) = halves(k_BLNK), halves(v_BLNK)
-  early = _block(q_early, k_early, v_early, scale, causal=True)
-  late = _merge(_block(q_late, k_early, v_early, scale, causal=False),
-                _block(q_late, k_late, v_late, scale, causal=True))
+  early = _block(q_early, k_early, v_early, scale, True, pair(sq_early, sq_early))
+  late = _merge(_block(q_late, k_early, v_early, scale, False, pair(sq_late, sq_early)),
+                _block(q_late, k_late, v_late, scale, True, pair(sq_late, sq_late)))
 
   to_next = [(i, (i + 1) % size) for i in range(size)]
-  kv = (k_BLNK, v_BLNK)
+  kv = (k_BLNK, v_BLNK) if segments_BL is None else (k_BLNK, v_BLNK, segments_BL)
   for step in range(1, size):
     kv = jax.lax.ppermute(kv, axis, to_next)
     source = (me - step) % size  # Whose keys these are: its chunks are `source`, 2C-1-source.
     (k_early, k_late), (v_early, v_late) = halves(kv[0]), halves(kv[1])
+    sk_early, sk_late = halves(kv[2]) if segments_BL is not None else (None, None)
     # Late queries see every early chunk of another device.
-    late = _merge(late, _block(q_late, k_early, v_early, scale, causal=False))
+    late = _merge(late, _block(q_late, k_early, v_early, scale, False, pair(sq_late, sk_early)))
     # Early queries see an early chunk before theirs; late queries a late chunk before theirs.
     # Exactly one holds; compute that block only.
     earlier = source < me
-    block = _block(jnp.where(earlier, q_early, q_late), jnp.where(earlier, k_early, k_late),
-                   jnp.where(earlier, v_early, v_late), scale, causal=False)
+    pick = lambda a, b: None if a is None else jnp.where(earlier, a, b)
+    block = _block(pick(q_early, q_late), pick(k_early, k_late), pick(v_early, v_late), scale,
+                   False, pair(pick(sq_early, sq_late), pick(sk_early, sk_late)))
     early = _select(earlier, _merge(early, block), early)
     late = _select(earlier, late, _merge(late, block))
 
