@@ -18,6 +18,7 @@ from engine.assemble import lay_out
 from engine.models import attention
 from engine.models.documents import segments_and_positions
 from engine.models.ops import LocalOps
+from engine.parallel import manual
 from engine.parallel.steps import next_token_loss, packed_documents
 from tests.helpers import tiny_config
 
@@ -178,3 +179,20 @@ def test_a_train_step_matches_one_device(mode, mesh, microbatches, reference):
   np.testing.assert_allclose(float(loss), want_loss, atol=1e-5)
   for got, want in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_a_mean_of_per_device_means_fails_the_check(reference, monkeypatch):
+  """The bug the global count prevents: each device dividing by its own count."""
+  params, tokens, want_loss, _ = reference
+
+  def local_count(ops, tokens_BL1, eos_id, microbatches=1):
+    keep_BL = ops.inputs_and_targets(tokens_BL1 != eos_id)[0]
+    return keep_BL.sum(dtype=jnp.float32) / microbatches
+
+  monkeypatch.setattr(manual, 'kept_count', local_count)
+  setup = _layout((8, 1, 1, 1, 1))
+  params = jax.device_put(params, setup.state_shardings()['params'])
+  loss, _ = parallel.STEP_BUILDERS['manual'](setup).gradients(params, tokens)
+  # At initialisation every token's loss is near log(vocab), so the means differ little; still
+  # 30x the parity check's tolerance.
+  assert abs(float(loss) - want_loss) > 1e-4
