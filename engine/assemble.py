@@ -79,6 +79,18 @@ def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
   return model_config.vocab_size
 
 
+def documents_eos_id(config: ml_collections.ConfigDict, tokenizer) -> int | None:
+  """The end-of-text id that ends each packed document (data.document_masking), or None."""
+  if not config.data.document_masking:
+    return None
+  if tokenizer is None or tokenizer.eos_id is None:
+    raise config_lib.ConfigError(
+        f'data.document_masking=true needs the tokenizer\'s end-of-text id to find where '
+        f'documents end, but data.tokenizer={config.data.tokenizer!r} has none; use a tokenizer '
+        'with one (hf or sentencepiece), or set --config.data.document_masking=false.')
+  return tokenizer.eos_id
+
+
 def _tokenizer(data_config, seed: int, reads: str):
   """The run's tokenizer without the corpus: shards name theirs in meta.json (the file itself
   for TOKENIZER, which must decode: data.tokenizer_path, else the recorded one, checked against
@@ -92,10 +104,12 @@ def _tokenizer(data_config, seed: int, reads: str):
   return tokenizers.load(data_config.tokenizer, data_config.tokenizer_path, text)
 
 
-def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=None) -> TrainSetup:
+def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=None,
+            eos_id: int | None = None) -> TrainSetup:
   """Mesh, rules, model and optimizer of a validated config, for a tokenizer of
   `tokenizer_vocab` ids (0: model.vocab_size decides). The mesh spans `devices` (default: this
-  run's; engine.plan passes a TPU topology's)."""
+  run's; engine.plan passes a TPU topology's). `eos_id`: the tokenizer's end-of-text id, which
+  data.document_masking needs (documents_eos_id)."""
   mesh = make_mesh(config.mesh, devices)
   rules = rules_for(config.parallelism.rules, dict(mesh.shape))
   vocab_size = resolve_vocab_size(config.model, tokenizer_vocab)
@@ -104,7 +118,8 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
   options = StepOptions(compute_dtype=config.model.dtype, remat=config.model.remat,
                         microbatches=config.train.microbatches,
                         grad_reduce_dtype=config.parallelism.grad_reduce_dtype,
-                        skip_nonfinite=config.train.skip_nonfinite_steps > 0)
+                        skip_nonfinite=config.train.skip_nonfinite_steps > 0,
+                        eos_id=eos_id if config.data.document_masking else None)
   train_setup = make_setup(model, make_optimizer(config.optim, config.train.num_steps), mesh,
                            rules, options)
   validation.check_layout(train_setup)
@@ -135,9 +150,11 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
     corpus = data.load_corpus(config.data, config.seed)
   if corpus is not None and reads != TOKENIZER:
     tokenizer = corpus.tokenizer
-  if tokenizer is None and (reads == TOKENIZER or config.model.vocab_size == -1):
+  if tokenizer is None and (reads == TOKENIZER or config.model.vocab_size == -1 or
+                            config.data.document_masking):
     tokenizer = _tokenizer(config.data, config.seed, reads)
-  train_setup = lay_out(config, tokenizer.vocab_size if tokenizer else 0, devices)
+  train_setup = lay_out(config, tokenizer.vocab_size if tokenizer else 0, devices,
+                        documents_eos_id(config, tokenizer))
   if training and hf.path_of(config.train.init_from):  # Its files, before anything is written.
     hf.check(hf.path_of(config.train.init_from), train_setup.abstract_params)
   return Run(config, train_setup, corpus, tokenizer)

@@ -111,6 +111,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.val_fraction = 0.1  # The last fraction of the tokens, held out for the eval loss.
   c.data.embedded_max_bytes = 2_000_000  # How much of the embedded corpus to read.
   c.data.synthetic_tokens = 100_000  # Corpus length for source='synthetic'.
+  # A window packs several documents, each ended by the tokenizer's end-of-text id: attention
+  # never crosses documents, positions restart at 0 in each, and the loss skips the prediction
+  # from an end-of-text token (training and evaluation; needs a tokenizer with that id).
+  c.data.document_masking = False
 
   c.optim = ml_collections.ConfigDict()
   c.optim.learning_rate = 1e-3  # Peak learning rate, reached after warmup_steps.

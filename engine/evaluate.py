@@ -13,9 +13,11 @@ A text file is tokenized with the run's tokenizer, after its beginning-of-text t
 (as engine.data.prepare starts each document; --noadd_bos: not), and cut into consecutive windows
 of data.seq_len + 1 tokens (the last partial one dropped).
 
-The loss is the mean next-token cross-entropy over every predicted token, the perplexity its
-exponential (per token of that tokenizer); bits per byte, the summed cross-entropy in bits over
-the UTF-8 bytes those predicted tokens stand for (special tokens: none), compares tokenizers.
+The loss is the mean next-token cross-entropy over every predicted token (with
+data.document_masking, the training's masking: the predictions from an end-of-text token
+skipped), the perplexity its exponential (per token of that tokenizer); bits per byte, the
+summed cross-entropy in bits over the UTF-8 bytes those predicted tokens stand for (special
+tokens: none), compares tokenizers.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from engine.cli import run_command
 from engine.data import tokenizers as tokenizer_lib
 from engine.generate import add_bos_flag, bos_ids, encode_prompts
 from engine.parallel.auto import AutoOps
+from engine.parallel.steps import packed_documents
 from engine.text_files import read_text
 
 
@@ -48,34 +51,42 @@ def check_length(tokens: np.ndarray, seq_len: int, what: str = 'the text') -> No
         f'1 = {seq_len + 1}; pass a longer text.')
 
 
-def window_losses(setup, params, windows: np.ndarray, batch: int) -> np.ndarray:
-  """Each [seq_len + 1] window's mean next-token loss, `batch` windows per compiled call."""
-  ops = AutoOps(setup)
+def window_losses(setup, params, windows: np.ndarray, batch: int):
+  """Each [seq_len + 1] window's summed next-token loss and the number of predictions summed
+  (all of them; with packed documents, data.document_masking, those from an end-of-text token
+  skipped, as training does), `batch` windows per compiled call; and which targets count."""
+  ops, eos_id = AutoOps(setup), setup.options.eos_id
 
   @jax.jit
   def row_losses(params, tokens_BL1):
-    logits = ops.prepare_params(nnx.merge(setup.graphdef, params))(tokens_BL1[:, :-1], ops)
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), tokens_BL1[:, 1:]).mean(axis=-1)
+    keep_BL, doc_ops = jnp.ones(tokens_BL1[:, 1:].shape, bool), ops
+    if eos_id is not None:
+      doc_ops, keep_BL = packed_documents(ops, tokens_BL1, eos_id)
+    model = ops.prepare_params(nnx.merge(setup.graphdef, params))
+    losses_BL = optax.softmax_cross_entropy_with_integer_labels(
+        model(tokens_BL1[:, :-1], doc_ops).astype(jnp.float32), tokens_BL1[:, 1:])
+    return jnp.where(keep_BL, losses_BL, 0.0).sum(axis=-1), keep_BL
 
-  losses = []
+  sums, keeps = [], []
   for start in range(0, len(windows), batch):
     rows = windows[start:start + batch]
     padded = np.concatenate([rows, np.repeat(rows[-1:], batch - len(rows), axis=0)])
-    losses.append(np.asarray(row_losses(params, padded), np.float64)[:len(rows)])
-  return np.concatenate(losses)
+    summed, keep = row_losses(params, padded)
+    sums.append(np.asarray(summed, np.float64)[:len(rows)])
+    keeps.append(np.asarray(keep)[:len(rows)])
+  return np.concatenate(sums), np.concatenate(keeps)
 
 
 def score(setup, params, windows: np.ndarray, batch: int, tokenizer=None) -> dict:
   """Loss and perplexity over `windows` (and bits per byte, given the tokenizer that decodes
   their ids)."""
-  losses = window_losses(setup, params, windows, batch)
-  loss = float(losses.mean())  # Windows are of equal length: the mean over every token.
+  sums, keep = window_losses(setup, params, windows, batch)
+  loss = float(sums.sum() / max(keep.sum(), 1))  # The mean over every counted prediction.
   result = {'loss': loss, 'perplexity': math.exp(loss), 'windows': len(windows),
-            'tokens': windows[:, 1:].size}
+            'tokens': int(keep.sum())}
   if tokenizer is not None:
-    num_bytes = int(tokenizer.byte_lengths(windows[:, 1:]).sum())
-    nats = float(losses.sum()) * (windows.shape[1] - 1)
+    num_bytes = int(tokenizer.byte_lengths(windows[:, 1:][keep]).sum())
+    nats = float(sums.sum())
     result['bytes'] = num_bytes
     result['bits_per_byte'] = nats / math.log(2) / num_bytes if num_bytes else math.nan
   return result

@@ -53,6 +53,10 @@ class StepOptions:
   # A step whose loss or gradient norm is not finite leaves parameters and optimizer state as
   # they were (the loop counts it) [train.skip_nonfinite_steps > 0].
   skip_nonfinite: bool = False
+  # Packed documents: the tokenizer's end-of-text id, which ends each document of a window;
+  # attention stays within documents, positions restart at each, and the loss skips the
+  # predictions across a boundary [data.document_masking]. None: a window is one sequence.
+  eos_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -208,6 +208,12 @@ BAD_INPUTS = [
      "(2*mesh.context) positions, tiles of 128), not 256; pick such a length or "
      "model.attention='einsum'."),
     (['--config=experiments/tiny.py:mode=manual,mesh=4x1x1x2', RUN,
+      '--config.model.attention=splash', '--config.data.seq_len=512',
+      '--config.model.max_len=512', '--config.data.document_masking=true'], 2,
+     "model.attention='splash' with mesh.context=2 and data.document_masking=true: the splash "
+     "ring's blocks take no segment ids yet; set model.attention='einsum' (its ring masks "
+     "documents) or mesh.context=1 (splash masks them on whole sequences)."),
+    (['--config=experiments/tiny.py:mode=manual,mesh=4x1x1x2', RUN,
       '--config.model.attention=dot_product_attention'], 2,
      "model.attention='dot_product_attention' with mesh.context=2 in manual mode: ring attention "
      "computes its own blocks; set model.attention='einsum' or 'splash' (auto mode may keep "
@@ -280,6 +286,10 @@ BAD_INPUTS = [
      'raise model.max_len or shorten data.seq_len.'),
     ([TINY, RUN, '--config.model.vocab_size=100'], 2, "model.vocab_size=100 is smaller than the "
      "tokenizer's 256 tokens; raise it or set it to -1."),
+    ([TINY, RUN, '--config.data.document_masking=true'], 2, "data.document_masking=true needs "
+     "the tokenizer's end-of-text id to find where documents end, but data.tokenizer='byte' has "
+     "none; use a tokenizer with one (hf or sentencepiece), or set "
+     "--config.data.document_masking=false."),
     # The mesh and the batch (8 devices).
     ([TINY, RUN, '--config.mesh.data=3'], 2, 'mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 8 '
      'devices; make the product 8 or set one axis to -1.'),

@@ -4,7 +4,9 @@ implementation elsewhere), or the Pallas TPU splash-attention kernel (engine/mod
 flash attention that never stores the [L, L] probabilities). Keys and values keep their own N
 heads (grouped-query attention: N divides the H query heads, query head h reads key / value
 head h // (H / N)); the einsum and dot_product_attention paths never materialise them per query
-head. The softmax runs in float32 whatever the compute dtype.
+head. The softmax runs in float32 whatever the compute dtype. With packed documents
+(engine/models/documents.py) every path also masks the keys of other documents, given each
+position's segment id.
 
 Shape suffixes: B batch, L (Q, S) length, H heads, N key / value heads, G = H / N, K head_dim.
 """
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.models import splash
+from engine.models.documents import same_document
 
 IMPLEMENTATIONS = ('einsum', 'dot_product_attention', 'splash')
 SCALE_ON = ('queries', 'logits')
@@ -51,20 +54,26 @@ def grouped_values(p_BHQS, v_BSNK, preferred_element_type=None):
 
 
 def causal_attention(q_BLHK, k_BLNK, v_BLNK, scale_on: str = 'queries',
-                     implementation: str = 'einsum', scale: float | None = None):
+                     implementation: str = 'einsum', scale: float | None = None,
+                     segments_BL: jax.Array | None = None):
   """softmax(scale q k^T + causal mask) v, scale 1/sqrt(K) unless given (prescale); keys and
-  values of N heads, N dividing the H query heads."""
+  values of N heads, N dividing the H query heads. `segments_BL`: each position's document
+  (packed documents); a query then sees only keys of its own document."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
+  mask_B1QS = None if segments_BL is None else same_document(segments_BL, segments_BL)
   if implementation == 'dot_product_attention':  # Grouped-query natively (N < H).
-    return jax.nn.dot_product_attention(q_BLHK, k_BLNK, v_BLNK, scale=scale, is_causal=True)
+    return jax.nn.dot_product_attention(q_BLHK, k_BLNK, v_BLNK, mask=mask_B1QS, scale=scale,
+                                        is_causal=True)
   if implementation == 'splash':  # The kernel has no scale: validation keeps it on the queries.
     assert scale == 1.0, scale_on
-    return splash.causal_attention(q_BLHK, k_BLNK, v_BLNK)
+    return splash.causal_attention(q_BLHK, k_BLNK, v_BLNK, segments_BL)
   logits_BHQS = grouped_logits(q_BLHK, k_BLNK)
   if scale != 1.0:
     logits_BHQS = logits_BHQS * scale
   length = q_BLHK.shape[1]
-  causal_QS = jnp.tril(jnp.ones((length, length), bool))
-  logits_BHQS = jnp.where(causal_QS, logits_BHQS, jnp.finfo(jnp.float32).min)
+  visible_BHQS = jnp.tril(jnp.ones((length, length), bool))
+  if mask_B1QS is not None:
+    visible_BHQS = visible_BHQS & mask_B1QS
+  logits_BHQS = jnp.where(visible_BHQS, logits_BHQS, jnp.finfo(jnp.float32).min)
   probs_BHQS = jax.nn.softmax(logits_BHQS, axis=-1).astype(v_BLNK.dtype)
   return grouped_values(probs_BHQS, v_BLNK)

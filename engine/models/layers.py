@@ -77,10 +77,13 @@ def apply_layers(layers: nnx.Module, x: jax.Array, ops, unroll: int = 1) -> jax.
   """x through every stacked layer in order (`layer(x, ops)`), `unroll` layers per loop
   iteration (the number of layers writes the loop out in the HLO: debugging)."""
 
-  @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS,
+  @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS,
             unroll=unroll)
-  def run(layer, x):
-    return ops.layer(lambda layer, x: layer(x, ops))(layer, x)
+  def run(layer, x, documents):
+    # Packed documents (ops.documents; a pipeline passes each micro-batch's) arrive as an
+    # argument: a scan body reused by several calls would keep the tracers it first closed over.
+    layer_ops = ops if documents is None else ops.with_documents(*documents)
+    return ops.layer(lambda layer, x: layer(x, layer_ops))(layer, x)
 
   return ops.stack(run, layers, x)
 

@@ -13,6 +13,7 @@ Parameters are read the ordinary Flax way (`self.w[...]`, or a standard layer su
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import jax
@@ -28,6 +29,17 @@ from engine.models.layers import LAYERS, layer_group, num_groups  # noqa: F401 (
 class LocalOps:
   """No layout: the reference computation."""
 
+  # Packed documents (engine/models/documents.py): (segment ids, positions within the
+  # document) of the tokens the model holds, each [B, L]; None: every row is one sequence.
+  documents: tuple[jax.Array, jax.Array] | None = None
+
+  def with_documents(self, segments_BL: jax.Array, positions_BL: jax.Array) -> 'LocalOps':
+    """A copy of these ops for one batch of packed documents: `positions` returns theirs and
+    `attention` never crosses them."""
+    ops = copy.copy(self)
+    ops.documents = (segments_BL, positions_BL)
+    return ops
+
   def constrain(self, x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
     """Names the dimensions of an activation (a layout may constrain its sharding)."""
     del logical_axes
@@ -39,15 +51,16 @@ class LocalOps:
     return fn
 
   def stack(self, run: Callable, layers: nnx.Module, x: jax.Array) -> jax.Array:
-    """Applies the stacked `layers` to `x` with `run(layers, x)` (engine.models.layers'
-    apply_layers calls this): a layout that splits the stack into pipeline stages schedules it
-    over micro-batches. A grouped stack (engine.models.layers.group_layers) runs group by
-    group, the same layers in the same order."""
+    """Applies the stacked `layers` to `x` with `run(layers, x, documents)` (engine.models.layers'
+    apply_layers calls this; `documents`: self.documents for the rows of x): a layout that
+    splits the stack into pipeline stages schedules it over micro-batches. A grouped stack
+    (engine.models.layers.group_layers) runs group by group, the same layers in the same
+    order."""
     groups = num_groups(layers)
     if groups == 1:
-      return run(layers, x)
+      return run(layers, x, self.documents)
     for index in range(groups):
-      x = run(layer_group(layers, index), x)
+      x = run(layer_group(layers, index), x, self.documents)
     return x
 
   def column_parallel_input(self, x: jax.Array, logical: str) -> jax.Array:
@@ -77,7 +90,10 @@ class LocalOps:
     return tokens_BL1[:, :-1], tokens_BL1[:, 1:]
 
   def positions(self, length: int) -> jax.Array:
-    """The position in the whole sequence of each of the `length` tokens the model holds."""
+    """The position in the whole sequence of each of the `length` tokens the model holds ([L]),
+    or with packed documents in its document ([B, L])."""
+    if self.documents is not None:
+      return self.documents[1]
     return jnp.arange(length)
 
   def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on: str = 'queries',
@@ -85,8 +101,13 @@ class LocalOps:
     """Causal self-attention over the whole sequence (engine.models.attention), logits scaled
     by `scale` (None: 1/sqrt(head size)); keys and values of n heads, n dividing the query
     heads (kv_for_query_heads). A layout that splits the sequence passes keys and values
-    between its devices."""
-    return causal_attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale)
+    between its devices. With packed documents, only keys of the query's own document."""
+    return causal_attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale,
+                            self.segments())
+
+  def segments(self) -> jax.Array | None:
+    """The segment ids [B, L] of the tokens the model holds (packed documents), or None."""
+    return None if self.documents is None else self.documents[0]
 
   def batch_mean(self, x: jax.Array) -> jax.Array:
     """A statistic that is a mean over the tokens this device holds (a mixture of experts'
@@ -109,11 +130,13 @@ class LocalOps:
   def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     return jnp.take(table_VD, tokens_BL, axis=0)
 
-  def cross_entropy(self, logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32."""
+  def cross_entropy(self, logits_BLV: jax.Array, targets_BL: jax.Array,
+                    keep_BL: jax.Array | None = None, count=None) -> jax.Array:
+    """Mean next-token cross-entropy in float32; with `keep_BL` (packed documents), the sum
+    over the kept predictions divided by `count` (reduce_losses)."""
     losses = optax.softmax_cross_entropy_with_integer_labels(
         logits_BLV.astype(jnp.float32), targets_BL)
-    return losses.mean()
+    return reduce_losses(losses, keep_BL, count)
 
   def prepare_params(self, module: nnx.Module, skip_stacked: bool = True) -> nnx.Module:
     """Called by the engine, not the model: the module with its parameters ready for computation
@@ -121,3 +144,12 @@ class LocalOps:
     needs nothing."""
     del skip_stacked
     return module
+
+
+def reduce_losses(losses_BL: jax.Array, keep_BL: jax.Array | None, count) -> jax.Array:
+  """The mean of the per-token losses; or, with `keep_BL`, the kept ones' sum / `count`: the
+  step passes the global batch's kept count per device and micro-batch, so that averaging
+  over those gives the global sum over the global count (not a mean of unequal means)."""
+  if keep_BL is None:
+    return losses_BL.mean()
+  return jnp.where(keep_BL, losses_BL, 0.0).sum() / count

@@ -23,7 +23,8 @@ The module that `ModelSpec.create` returns must:
     and a dict of scalars / vectors for the train step's metrics (steps.model_metrics);
   - for context (sequence) parallelism (`context_parallel=True`), take positions from
     `ops.positions` and compute attention with `ops.attention`: a device then holds only part of
-    each sequence.
+    each sequence. Packed documents (data.document_masking) need the same: `ops.positions` is
+    then [batch, length], each token's position in its document.
 """
 
 from __future__ import annotations

@@ -85,42 +85,63 @@ def _vjp_of(fn, shapes):
 
 
 def _typed_like_inputs(fn):
-  """fn(q, k, v) run with shard_map's varying-axes checks off, its output and gradients typed
-  as varying like its inputs. jax 0.10's splash kernel builds its pallas_call outputs without
-  those types, which a checked shard_map (manual mode) refuses. Typing the output with a plain
-  pcast would be wrong: its transpose sums the cotangent over the devices. Inside a custom_vjp
-  the casts are never transposed: each device's gradient stays its own."""
+  """fn(q, k, v, *ids) run with shard_map's varying-axes checks off, its output and gradients
+  typed as varying like its inputs (`ids`: integer inputs without gradients, the segment ids).
+  jax 0.10's splash kernel builds its pallas_call outputs without those types, which a checked
+  shard_map (manual mode) refuses. Typing the output with a plain pcast would be wrong: its
+  transpose sums the cotangent over the devices. Inside a custom_vjp the casts are never
+  transposed: each device's gradient stays its own."""
 
-  shapes = []  # Of q, k, v: set by the forward pass for the backward (not arrays: no residual).
+  shapes = []  # Of the inputs: set by the forward pass for the backward (no residual).
 
   @jax.custom_vjp
-  def call(q, k, v):
-    return forward(q, k, v)[0]
+  def call(*args):
+    return forward(*args)[0]
 
-  def forward(q, k, v):
-    shapes[:] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
-    out, *residuals = _unchecked(_vjp_of(fn, shapes)[1], q, k, v)
-    return _vary(out, _varying(q)), residuals
+  def forward(*args):
+    shapes[:] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    if len(args) > 3:  # Segment ids: see backward.
+      return _vary(_unchecked(lambda *a: [fn(*a)], *args)[0], _varying(args[0])), list(args)
+    out, *residuals = _unchecked(_vjp_of(fn, shapes)[1], *args)
+    return _vary(out, _varying(args[0])), residuals
 
   def backward(residuals, ct):
-    grads = _unchecked(lambda *a: list(_vjp_of(fn, shapes)[0](*a)), ct, *residuals)
-    return tuple(_vary(g, _varying(ct)) for g in grads)
+    if len(shapes) > 3:
+      # jax.closure_convert hoists only the residuals that can carry a tangent, so the kernel's
+      # integer segment ids would leak from the forward trace: the backward pass runs the
+      # forward kernel again instead (one more kernel call).
+      grads = _unchecked(lambda c, *a: list(jax.vjp(fn, *a)[1](c)[:3]), ct, *residuals)
+    else:
+      grads = _unchecked(lambda *a: list(_vjp_of(fn, shapes)[0](*a)), ct, *residuals)
+    # The segment ids are integers: no cotangent.
+    return (*(_vary(g, _varying(ct)) for g in grads), *[None] * (len(shapes) - 3))
 
   call.defvjp(forward, backward)
 
-  def typed(q, k, v):
-    axes = tuple(set().union(*(_varying(x) for x in (q, k, v))))
-    return call(*(_vary(x, axes) for x in (q, k, v)))
+  def typed(*args):
+    axes = tuple(set().union(*(_varying(x) for x in args)))
+    return call(*(_vary(x, axes) for x in args))
 
   return typed
 
 
-def causal_attention(q_BLHK, k_BLNK, v_BLNK):
+def causal_attention(q_BLHK, k_BLNK, v_BLNK, segments_BL=None):
   """softmax(q k^T + causal mask) v, the scale already on the queries (the kernel has none);
-  keys and values of N heads, N dividing the H query heads. The softmax runs in float32."""
+  keys and values of N heads, N dividing the H query heads. The softmax runs in float32.
+  `segments_BL`: each position's document (packed documents): the kernel's SegmentIds then keep
+  every query to the keys of its own document."""
   _, length, heads, _ = q_BLHK.shape
-  qkv = _heads_first(q_BLHK, k_BLNK, v_BLNK)
-  run = lambda interpret: _typed_like_inputs(jax.vmap(_kernel(heads, length, interpret)))(*qkv)
+  args = list(_heads_first(q_BLHK, k_BLNK, v_BLNK))
+
+  def kernel(interpret):
+    plain = _kernel(heads, length, interpret)
+    if segments_BL is None:
+      return plain
+    return lambda q, k, v, ids: plain(q, k, v, segment_ids=splash_lib.SegmentIds(ids, ids))
+
+  if segments_BL is not None:
+    args.append(segments_BL.astype(jnp.int32))
+  run = lambda interpret: _typed_like_inputs(jax.vmap(kernel(interpret)))(*args)
   # Chosen when lowering, by the platform compiled for: on CPU (the tests) the Pallas kernel
   # runs in interpret mode, the same kernel body evaluated by XLA, slowly; a TPU compile (also
   # ahead of time from a CPU host, engine.plan) gets the real kernel.

@@ -10,10 +10,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine.models import moe_dispatch
+from engine.models.attention import causal_attention
 from engine.models.ops import LocalOps
 from engine.parallel import pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
-                                   map_params, next_token_loss)
+                                   kept_count, map_params, next_token_loss)
 from engine.state import TrainSetup
 
 
@@ -51,7 +52,8 @@ class AutoOps(LocalOps):
     stages = self.mesh.shape['stage']
     by_stage = lambda a: jax.lax.with_sharding_constraint(
         a, NamedSharding(self.mesh, P('stage', *([None] * (a.ndim - 1)))))
-    return pipeline.auto_pipeline(run, layers, x, stages, self.microbatches, by_stage)
+    return pipeline.auto_pipeline(run, layers, x, stages, self.microbatches, by_stage,
+                                  rows=self.documents)
 
   def kv_for_query_heads(self, kv_BLNK, num_heads):
     if self.rules.mesh_axes('kv_heads', activation=True) or not self.rules.mesh_axes(
@@ -96,10 +98,16 @@ class AutoOps(LocalOps):
     # to them by kv_for_query_heads).
     kv_spec = spec if k_BLHK.shape[2] == q_BLHK.shape[2] else self.rules.spec(
         ('batch', None, 'kv_heads', None), activation=True)
-    local = lambda q, k, v: super(AutoOps, self).attention(q, k, v, scale_on, implementation,
-                                                           scale)
-    return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, kv_spec, kv_spec),
-                         out_specs=spec, check_vma=False)(q_BLHK, k_BLHK, v_BLHK)
+    segments_BL = self.segments()  # Packed documents: each row's segment ids go with it.
+
+    def local(q, k, v, *segments):
+      return causal_attention(q, k, v, scale_on, implementation, scale, *segments)
+
+    in_specs = (spec, kv_spec, kv_spec) + (() if segments_BL is None else (
+        self.rules.spec(('batch', None), activation=True),))
+    args = (q_BLHK, k_BLHK, v_BLHK) + (() if segments_BL is None else (segments_BL,))
+    return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=spec,
+                         check_vma=False)(*args)
 
   def embed_lookup(self, table_VD, tokens_BL):
     # XLA partitions a gather from a table split only along the vocabulary as a masked local
@@ -118,15 +126,21 @@ def build_steps(setup: TrainSetup) -> Steps:
   replicated = NamedSharding(setup.mesh, P())
   micro_batches = NamedSharding(setup.mesh, P(None, *batch.spec))
 
-  def loss_fn(params, tokens_BL1):  # (loss, the model's statistics for the metrics)
-    return next_token_loss(params, setup.graphdef, tokens_BL1, ops, with_stats=True)
+  eos_id = setup.options.eos_id  # Packed documents (data.document_masking), or None.
+
+  def loss_fn(params, tokens_BL1, count):  # (loss, the model's statistics for the metrics)
+    return next_token_loss(params, setup.graphdef, tokens_BL1, ops, with_stats=True,
+                           eos_id=eos_id, count=count)
 
   # With pipeline stages the micro-batches feed the schedule (ops.stack) instead.
   accumulated = 1 if setup.rules.mesh_axes('layers') else setup.options.microbatches
 
   def gradients_and_stats(params, tokens_BL1):
+    # Packed documents: every micro-batch's loss divides by the whole batch's kept count.
+    count = kept_count(ops, tokens_BL1, eos_id, accumulated)
     (loss, stats), grads = accumulate_gradients(
-        jax.value_and_grad(loss_fn, has_aux=True), params, tokens_BL1, accumulated,
+        jax.value_and_grad(lambda p, t: loss_fn(p, t, count), has_aux=True), params,
+        tokens_BL1, accumulated,
         lambda micro: jax.lax.with_sharding_constraint(micro, micro_batches))
     return loss, grads, stats
 
@@ -141,7 +155,7 @@ def build_steps(setup: TrainSetup) -> Steps:
       train=jax.jit(train_step, in_shardings=(state_shardings, batch),
                     out_shardings=(state_shardings, replicated), donate_argnums=0),
       eval=jax.jit(lambda params, tokens_BL1: next_token_loss(
-          params, setup.graphdef, tokens_BL1, ops, with_aux=False),
+          params, setup.graphdef, tokens_BL1, ops, with_aux=False, eos_id=eos_id),
                    in_shardings=(params_shardings, batch), out_shardings=replicated),
       gradients=jax.jit(gradients, in_shardings=(params_shardings, batch),
                         out_shardings=(replicated, params_shardings)))

@@ -13,15 +13,19 @@ accumulated online (running maximum, normaliser and weighted sum, in float32), s
 holds the whole sequence's keys. With the zigzag layout, of the four (query chunk, key chunk)
 blocks a visiting device brings, one is always fully visible (late queries, early keys), one
 fully masked (early queries, late keys) and skipped, and exactly one of the two others is fully
-visible: every device computes two unmasked blocks per ring step. The backward pass is JAX's
-transpose: each permute becomes one in the other direction.
+visible: every device computes two unmasked blocks per ring step. Packed documents
+(engine/models/documents.py): the keys' segment ids travel with them and every block also masks
+other documents' keys; the causal skipping is unchanged (a row of a block may then be fully
+masked: the merge gives it weight exp(min - max) = 0, and every query sees itself in its own
+chunk). The backward pass is JAX's transpose: each permute becomes one in the other direction.
 
 With model.attention='splash' each block runs the Pallas splash kernel (engine/models/splash.py,
 block_attention: causal mask on the diagonal blocks, full mask on the visible ones), which
 returns the block's normalised output (in the compute dtype: bfloat16 blocks are rounded
 before the float32 merge) and its log-sum-exp; blocks merge with log-sum-exp weights. Its
 gradient is exact: each block's custom_vjp runs the kernel's own backward passes, its
-log-sum-exp's cotangent included, and autodiff carries the merges and the ring.
+log-sum-exp's cotangent included, and autodiff carries the merges and the ring. Packed
+documents with the splash ring are refused (engine/validation_attention.py).
 
 Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, N key / value
 heads, K head_dim; C the context axis size, T = L / (2C) the chunk length.
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 
 from engine.models import splash
 from engine.models.attention import grouped_logits, grouped_values, prescale
+from engine.models.documents import same_document
 
 _MASKED = jnp.finfo(jnp.float32).min
 
@@ -63,13 +68,16 @@ def local_positions(local_length: int, axis: str, size: int) -> jax.Array:
   return jnp.concatenate([first + offsets, second + offsets])
 
 
-def _block(q_BQHK, k_BSNK, v_BSNK, scale: float, causal: bool):
+def _block(q_BQHK, k_BSNK, v_BSNK, scale: float, causal: bool, segments=None):
   """Softmax statistics of one (query chunk, key chunk) block: running max m [B, H, Q],
   normaliser l [B, H, Q] and unnormalised output o [B, Q, H, K], all float32. The visiting keys
-  and values keep their N heads; each query head reads its own (grouped einsums)."""
+  and values keep their N heads; each query head reads its own (grouped einsums). `segments`:
+  (the queries' [B, Q], the keys' [B, S]) segment ids, or None (one document)."""
   logits_BHQS = grouped_logits(q_BQHK, k_BSNK)
   if scale != 1.0:
     logits_BHQS = logits_BHQS * scale
+  if segments is not None:
+    logits_BHQS = jnp.where(same_document(*segments), logits_BHQS, _MASKED)
   if causal:  # Same chunk: position q sees keys up to itself.
     length = q_BQHK.shape[1]
     logits_BHQS = jnp.where(jnp.tril(jnp.ones((length, length), bool)), logits_BHQS, _MASKED)
@@ -93,8 +101,9 @@ def _finish(stats):
   return stats[2] / stats[1].transpose(0, 2, 1)[..., None]
 
 
-def _splash_block(q_BQHK, k_BSNK, v_BSNK, causal: bool):
+def _splash_block(q_BQHK, k_BSNK, v_BSNK, causal: bool, segments=None):
   """One block through the kernel: its log-sum-exp [B, H, Q] and output [B, Q, H, K], float32."""
+  assert segments is None, 'packed documents with the splash ring: refused by validation'
   o_BQHK, lse_BHQ = splash.block_attention(q_BQHK, k_BSNK, v_BSNK, causal)
   return lse_BHQ, o_BQHK.astype(jnp.float32)
 
@@ -108,11 +117,13 @@ def _merge_splash(a, b):
 
 
 def _block_ops(implementation: str, scale: float):
-  """(block(q, k, v, causal), merge, finish) of one attention implementation's statistics."""
+  """(block(q, k, v, causal, segments), merge, finish) of one attention implementation's
+  statistics."""
   if implementation == 'splash':  # Validation keeps the scale on the queries: none is left.
     assert scale == 1.0, scale
     return _splash_block, _merge_splash, lambda stats: stats[1]
-  return (lambda q, k, v, causal: _block(q, k, v, scale, causal)), _merge, _finish
+  block = lambda q, k, v, causal, segments: _block(q, k, v, scale, causal, segments)
+  return block, _merge, _finish
 
 
 def _select(pick_first, a, b):
@@ -121,39 +132,46 @@ def _select(pick_first, a, b):
 
 def ring_attention(q_BLHK, k_BLNK, v_BLNK, axis: str, size: int,
                    scale_on: str = 'queries', scale: float | None = None,
-                   implementation: str = 'einsum') -> jax.Array:
+                   implementation: str = 'einsum',
+                   segments_BL: jax.Array | None = None) -> jax.Array:
   """Causal attention of this device's queries (its two chunks) over the whole sequence, whose
   keys and values travel around the `axis` ring with their own N heads (grouped-query attention:
   N < H moves H / N times fewer bytes than the query heads would). Equal to
   engine.models.attention's causal_attention on the whole sequence, up to float32 rounding.
-  implementation: 'einsum' or 'splash' (the kernel per block)."""
+  implementation: 'einsum' or 'splash' (the kernel per block). `segments_BL`: this device's
+  positions' segment ids (packed documents), or None."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   block_of, merge, finish = _block_ops(implementation, scale)
   chunk = q_BLHK.shape[1] // 2
   halves = lambda x: (x[:, :chunk], x[:, chunk:])
   q_early, q_late = halves(q_BLHK)
   me = jax.lax.axis_index(axis)
+  # The queries' segment ids by chunk; (queries', keys') pairs for _block (None: no documents).
+  sq_early, sq_late = halves(segments_BL) if segments_BL is not None else (None, None)
+  pair = lambda sq, sk: None if segments_BL is None else (sq, sk)
 
   # Own keys: early queries see early keys causally; late queries see all early keys and late
   # keys causally.
   (k_early, k_late), (v_early, v_late) = halves(k_BLNK), halves(v_BLNK)
-  early = block_of(q_early, k_early, v_early, causal=True)
-  late = merge(block_of(q_late, k_early, v_early, causal=False),
-               block_of(q_late, k_late, v_late, causal=True))
+  early = block_of(q_early, k_early, v_early, True, pair(sq_early, sq_early))
+  late = merge(block_of(q_late, k_early, v_early, False, pair(sq_late, sq_early)),
+               block_of(q_late, k_late, v_late, True, pair(sq_late, sq_late)))
 
   to_next = [(i, (i + 1) % size) for i in range(size)]
-  kv = (k_BLNK, v_BLNK)
+  kv = (k_BLNK, v_BLNK) if segments_BL is None else (k_BLNK, v_BLNK, segments_BL)
   for step in range(1, size):
     kv = jax.lax.ppermute(kv, axis, to_next)
     source = (me - step) % size  # Whose keys these are: its chunks are `source`, 2C-1-source.
     (k_early, k_late), (v_early, v_late) = halves(kv[0]), halves(kv[1])
+    sk_early, sk_late = halves(kv[2]) if segments_BL is not None else (None, None)
     # Late queries see every early chunk of another device.
-    late = merge(late, block_of(q_late, k_early, v_early, causal=False))
+    late = merge(late, block_of(q_late, k_early, v_early, False, pair(sq_late, sk_early)))
     # Early queries see an early chunk before theirs; late queries a late chunk before theirs.
     # Exactly one holds; compute that block only.
     earlier = source < me
-    block = block_of(jnp.where(earlier, q_early, q_late), jnp.where(earlier, k_early, k_late),
-                     jnp.where(earlier, v_early, v_late), causal=False)
+    pick = lambda a, b: None if a is None else jnp.where(earlier, a, b)
+    block = block_of(pick(q_early, q_late), pick(k_early, k_late), pick(v_early, v_late),
+                     False, pair(pick(sq_early, sq_late), pick(sk_early, sk_late)))
     early = _select(earlier, merge(early, block), early)
     late = _select(earlier, late, merge(late, block))
 

@@ -40,10 +40,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine.models import moe_dispatch
-from engine.models.ops import LocalOps
+from engine.models.ops import LocalOps, reduce_losses
 from engine.parallel import context, expert_exchange, pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
-                                   map_params, next_token_loss)
+                                   kept_count, map_params, next_token_loss)
 from engine.sharding import named, spec_axes
 from engine.state import TrainSetup
 
@@ -129,7 +129,7 @@ class ManualOps(LocalOps):
     if self.stage_axis is None:
       return super().stack(run, layers, x)
     return pipeline.manual_pipeline(run, layers, x, self.stage_axis, self.stages,
-                                    self.microbatches)
+                                    self.microbatches, rows=self.documents)
 
   def column_parallel_input(self, x, logical):
     # x is whole on every device of these axes. Cast to varying once, so the backward pass adds
@@ -179,7 +179,7 @@ class ManualOps(LocalOps):
     return context.local_sequence(tokens_BL1, self.context_axis, self.context_size)
 
   def positions(self, length):
-    if self.context_axis is None:
+    if self.context_axis is None or self.documents is not None:
       return super().positions(length)
     return context.local_positions(length, self.context_axis, self.context_size)
 
@@ -188,7 +188,7 @@ class ManualOps(LocalOps):
     if self.context_axis is None:
       return super().attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale)
     return context.ring_attention(q_BLHK, k_BLnK, v_BLnK, self.context_axis, self.context_size,
-                                  scale_on, scale, implementation)
+                                  scale_on, scale, implementation, self.segments())
 
   def embed_lookup(self, table_VD, tokens_BL):
     axes, first = self._vocab_shard(table_VD.shape[0])
@@ -217,10 +217,10 @@ class ManualOps(LocalOps):
     # the share of its gradient that the step's average over the batch axes expects.
     return jax.lax.pmean(x, self.batch_axes) if self.batch_axes else x
 
-  def cross_entropy(self, logits_BLV, targets_BL):
+  def cross_entropy(self, logits_BLV, targets_BL, keep_BL=None, count=None):
     axes, first = self._vocab_shard(logits_BLV.shape[-1])
     if not axes:
-      return super().cross_entropy(logits_BLV, targets_BL)
+      return super().cross_entropy(logits_BLV, targets_BL, keep_BL, count)
     logits_BLV = logits_BLV.astype(jnp.float32)
     # The max only stabilises the exponentials; it needs no gradient.
     max_BL = jax.lax.pmax(jax.lax.stop_gradient(logits_BLV.max(-1)), axes)
@@ -230,7 +230,7 @@ class ManualOps(LocalOps):
     target_logit_BL = jnp.take_along_axis(
         logits_BLV, jnp.where(mine_BL, local_BL, 0)[..., None], axis=-1)[..., 0]
     target_logit_BL = jax.lax.psum(jnp.where(mine_BL, target_logit_BL, 0.0), axes)
-    return (jnp.log(sum_exp_BL) + max_BL - target_logit_BL).mean()
+    return reduce_losses(jnp.log(sum_exp_BL) + max_BL - target_logit_BL, keep_BL, count)
 
 
 class _Gradients:
@@ -263,25 +263,27 @@ class _Gradients:
     return self.map_param_values(grads, lambda g, axes: _average_over_batch(
         g, *self.ops.batch_reduction(axes), self.reduce_dtype))
 
-  def local_loss(self, params, tokens_BL1, ops=None):
-    """(loss, the model's statistics for the metrics), on this device's tokens."""
+  def local_loss(self, params, tokens_BL1, count, ops=None):
+    """(loss, the model's statistics for the metrics), on this device's tokens; `count`: the
+    packed documents' kept predictions (steps.kept_count), or None."""
     return next_token_loss(params, self.setup.graphdef, tokens_BL1, ops or self.ops,
-                           with_stats=True)
+                           with_stats=True, eos_id=self.setup.options.eos_id, count=count)
 
-  def local_gradients(self, params, tokens_BL1):
+  def local_gradients(self, params, tokens_BL1, count):
     """One micro-batch: `ops` averages each gradient inside the backward pass."""
-    return jax.value_and_grad(self.local_loss, has_aux=True)(params, tokens_BL1)
+    return jax.value_and_grad(self.local_loss, has_aux=True)(params, tokens_BL1, count)
 
-  def accumulated_gradients(self, params, tokens_BL1):
+  def accumulated_gradients(self, params, tokens_BL1, count):
     """Gradients w.r.t. a local copy of each parameter (gathered ones arrive reduce-scattered
     by the gathers' transposes, once per micro-batch), then one pmean over the batch axes."""
     local_params = self.map_param_values(params, lambda p, axes: _cast_to_varying(
         p, self.ops.batch_reduction(axes)[0]))
-    value, grads = accumulate_gradients(jax.value_and_grad(self.local_loss, has_aux=True),
-                                        local_params, tokens_BL1, self.microbatches)
+    value, grads = accumulate_gradients(
+        jax.value_and_grad(lambda p, t: self.local_loss(p, t, count), has_aux=True),
+        local_params, tokens_BL1, self.microbatches)
     return value, self.average(grads)
 
-  def gradients_gathered_once(self, params, tokens_BL1):
+  def gradients_gathered_once(self, params, tokens_BL1, count):
     """Micro-batches under FSDP: every split weight is gathered once for the whole step and the
     gradients w.r.t. the gathered copies accumulate locally, so each is reduce-scattered (and
     averaged) once per optimizer step rather than once per micro-batch. The price is ZeRO-2
@@ -293,7 +295,7 @@ class _Gradients:
         w, self.ops.batch_reduction(axes)[0]))
     pregathered = ManualOps(self.setup, gather=False)
     value, grads = accumulate_gradients(
-        jax.value_and_grad(lambda p, t: self.local_loss(p, t, pregathered), has_aux=True),
+        jax.value_and_grad(lambda p, t: self.local_loss(p, t, count, pregathered), has_aux=True),
         whole, tokens_BL1, self.microbatches)
     return value, self.average(self.map_param_values(grads, self.ops.scattered))
 
@@ -309,7 +311,9 @@ class _Gradients:
       grads_fn = self.gradients_gathered_once if self.gathers else self.accumulated_gradients
     # The statistics are already the same on every device: token means averaged over the batch
     # shards in the layer (ops.batch_mean), broadcast from the last pipeline stage.
-    (loss, stats), grads = grads_fn(params, tokens_BL1)
+    # Packed documents: every micro-batch's loss divides by the whole batch's kept count.
+    count = kept_count(self.ops, tokens_BL1, self.setup.options.eos_id, self.microbatches)
+    (loss, stats), grads = grads_fn(params, tokens_BL1, count)
     return self.batch_mean(loss), grads, stats
 
   def batch_mean(self, loss):
@@ -344,7 +348,8 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   def eval_step(params, tokens_BL1):
     return gradients.batch_mean(next_token_loss(params, setup.graphdef, tokens_BL1,
-                                                gradients.ops, with_aux=False))
+                                                gradients.ops, with_aux=False,
+                                                eos_id=setup.options.eos_id))
 
   return Steps(
       train=_shard_mapped(setup, train_step, (state_specs, batch_spec), (state_specs, P()),

@@ -19,6 +19,11 @@ A carry (x, extras) (the training loss's auxiliary terms and router statistics, 
 layer adds to) flows with its micro-batch: each micro-batch starts from `extras`, the bubble's
 iterations never reach the output, and the finished micro-batches' extras are averaged.
 
+Per-row inputs `rows` (packed documents' segment ids and positions, [B, ...] each) are split
+into micro-batches like x; whatever micro-batch a stage works on, `run(layers, state, rows)`
+gets its rows (item k's, micro-batch k mod M: any in the bubble, whose output is never used;
+None without rows).
+
 The backward pass runs the schedule in reverse (JAX's transpose of the forward loop). Only the
 stacked layers are pipelined. The embedding before them and the head and loss after them run on
 every stage (their parameters are replicated over `stage`), on the last stage's output, which
@@ -101,11 +106,20 @@ def _outputs(items: list, dtype):
           jax.tree.map(lambda a: a.mean(0), stacked[1]))
 
 
+def _rows_of(rows, microbatches: int):
+  """A stage's rows for work item k (micro-batch k mod M; k may be traced), or None."""
+  if rows is None:
+    return lambda k: None
+  rows_M = jax.tree.map(lambda a: split_microbatches(a, microbatches), rows)
+  return lambda k: jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, k % microbatches, 0, keepdims=False), rows_M)
+
+
 def manual_pipeline(run: Callable, layers: nnx.Module, carry, axis: str, stages: int,
-                    microbatches: int):
+                    microbatches: int, rows=None):
   """Inside shard_map: this device's stage of `layers` (its share of the stack) on the GPipe
   schedule; returns the last stage's output for the whole local batch, on every stage. `carry`:
-  x [B, L, D], or (x, extras) (_microbatch_items)."""
+  x [B, L, D], or (x, extras) (_microbatch_items); `rows`: per-row inputs (module docstring)."""
   stage = jax.lax.axis_index(axis)
   schedule = _Schedule(stages, microbatches, num_groups(layers))
   items = _microbatch_items(carry, microbatches)
@@ -114,13 +128,14 @@ def manual_pipeline(run: Callable, layers: nnx.Module, carry, axis: str, stages:
   circular = schedule.repeats > 1
   to_next = [(i, (i + 1) % stages) for i in range(stages if circular else stages - 1)]
   state = jax.tree.map(jnp.zeros_like, items[0])
+  rows_at = _rows_of(rows, microbatches)
   returning, outputs = {}, []
   for t in range(schedule.iterations):
     first = items[t] if t < microbatches else returning.pop(t, None)
     if first is not None:
       state = jax.tree.map(lambda f, s: jnp.where(stage == 0, f, s), first, state)
     group = layer_group(layers, schedule.group(t, stage)) if circular else layers
-    state = run(group, state)
+    state = run(group, state, rows_at(t - stage))
     if schedule.is_output(t):
       outputs.append(state)
     if t < schedule.iterations - 1:
@@ -134,9 +149,9 @@ def manual_pipeline(run: Callable, layers: nnx.Module, carry, axis: str, stages:
 
 
 def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microbatches: int,
-                  constrain_stages: Callable):
+                  constrain_stages: Callable, rows=None):
   """Under jit: the same schedule with a leading stage dimension. `constrain_stages(a)` lays
-  `a`'s first dimension out over the `stage` axis."""
+  `a`'s first dimension out over the `stage` axis; `rows` as manual_pipeline's."""
   schedule = _Schedule(stages, microbatches, num_groups(layers))
   groups = [layer_group(layers, r) for r in range(schedule.repeats)]
   graphdef, _ = nnx.split(groups[0])
@@ -150,10 +165,14 @@ def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microba
 
   staged = [by_stage(group) for group in groups]
 
-  def one_stage(stage_params, state):
-    return run(nnx.merge(graphdef, stage_params), state)
+  def one_stage(stage_params, state, stage_rows):
+    return run(nnx.merge(graphdef, stage_params), state, stage_rows)
 
   each_stage = jax.vmap(one_stage, spmd_axis_name='stage')
+  rows_at = _rows_of(rows, microbatches)
+  # Each stage's rows at iteration t, [stages, ...]: stage s works on item t - s.
+  stage_rows = lambda t: None if rows is None else constrain(jax.tree.map(
+      lambda *a: jnp.stack(a), *[rows_at(t - s) for s in range(stages)]))
   items = _microbatch_items(carry, microbatches)
   dtype = items[0][0].dtype if isinstance(items[0], tuple) else items[0].dtype
   constrain = lambda tree: jax.tree.map(constrain_stages, tree)
@@ -166,7 +185,8 @@ def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microba
         t, jax.tree.map(jnp.zeros_like, items[0]))
     state_S = constrain(jax.tree.map(lambda f, s: jnp.concatenate([f[None], s[:-1]]), first,
                                      state_S))
-    state_S = constrain(each_stage(_stage_groups(staged, schedule, t), state_S))
+    state_S = constrain(each_stage(_stage_groups(staged, schedule, t), state_S,
+                                   stage_rows(t)))
     last = jax.tree.map(lambda a: a[-1], state_S)
     if schedule.is_output(t):
       outputs.append(last)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from engine.models.documents import segments_and_positions
 from engine.models.ops import LAYERS
 from engine.models.spec import logits_aux_loss_and_stats
 from engine.optimizer import clip_by_global_norm
@@ -50,18 +51,49 @@ REMAT_POLICIES = {
 
 
 def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
-                    with_aux: bool = True, with_stats: bool = False):
+                    with_aux: bool = True, with_stats: bool = False,
+                    eos_id: int | None = None, count=None):
   """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], plus (`with_aux`: the
   training loss, not evaluation's) the model's auxiliary loss (a mixture of experts' router
   losses; engine.models.spec). `with_stats`: (that loss, the model's statistics for the
-  metrics: {} for a dense model)."""
+  metrics: {} for a dense model).
+
+  `eos_id` (data.document_masking): the rows pack documents ended by this id; attention stays
+  within each, positions restart at each, and the predictions from an end-of-text token (whose
+  target is the next document's) are skipped: the loss is their sum / `count` (kept_count's,
+  by default this batch's)."""
   model = ops.prepare_params(nnx.merge(graphdef, params))
   inputs_BL, targets_BL = ops.inputs_and_targets(tokens_BL1)
+  keep_BL = None
+  if eos_id is not None:
+    ops, keep_BL = packed_documents(ops, tokens_BL1, eos_id)
+    count = kept_count(ops, tokens_BL1, eos_id) if count is None else count
   if not with_aux:
-    return ops.cross_entropy(model(inputs_BL, ops), targets_BL)
+    return ops.cross_entropy(model(inputs_BL, ops), targets_BL, keep_BL, count)
   logits_BLV, aux_loss, stats = logits_aux_loss_and_stats(model, inputs_BL, ops)
-  loss = ops.cross_entropy(logits_BLV, targets_BL) + aux_loss
+  loss = ops.cross_entropy(logits_BLV, targets_BL, keep_BL, count) + aux_loss
   return (loss, stats) if with_stats else loss
+
+
+def packed_documents(ops, tokens_BL1: jax.Array, eos_id: int):
+  """(ops with the documents of this device's tokens, which predictions the loss keeps [B, L]):
+  derived from the whole windows and sliced as the layout slices the tokens, so no device needs
+  another's tokens."""
+  segments_BL1, positions_BL1 = segments_and_positions(tokens_BL1, eos_id)
+  local = lambda x_BL1: ops.inputs_and_targets(x_BL1)[0]
+  return (ops.with_documents(local(segments_BL1), local(positions_BL1)),
+          local(tokens_BL1 != eos_id))
+
+
+def kept_count(ops, tokens_BL1: jax.Array, eos_id: int | None, microbatches: int = 1):
+  """The predictions the loss keeps in the whole (global) batch, per device that averages the
+  loss (ops.batch_mean) and per micro-batch: each micro-batch's loss is its sum over this, so
+  the step's average of them is the global sum / the global count. None without documents."""
+  if eos_id is None:
+    return None
+  keep_BL = ops.inputs_and_targets(tokens_BL1 != eos_id)[0]
+  count = ops.batch_mean(keep_BL.sum(dtype=jnp.float32)) / microbatches
+  return jnp.where(count > 0, count, 1.0)  # Nothing kept: a loss of 0, not 0 / 0.
 
 
 def model_metrics(stats: dict) -> dict:
