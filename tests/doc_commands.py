@@ -178,6 +178,11 @@ CHECKS = {
     '--meshes=1x16x1x1x1x8,4x4x1x1x1x8,1x128x1 --modes=auto,manual --out=/tmp/plan_mixtral':
         Skip('needs libtpu\'s TPU compiler (the tpu extra) and compiles a 47B model for 128 '
              'chips (18 min)'),
+    # experiments/llama_70b.py (BUILD.md has its plan table).
+    'python -m engine.plan --config=experiments/llama_70b.py --topology=v5p:16x16x16 '
+    '--meshes=1x256x16 --modes=auto,manual --out=/tmp/plan_70b':
+        Skip('needs libtpu\'s TPU compiler (the tpu extra) and compiles a 70B model for 4096 '
+             'chips (5 min)'),
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.main '
     '--config=experiments/llama_bench.py:mesh=2x2x2,mode=manual --workdir=/tmp/llama_bench':
         Run('llama', add=SHORT_TRAIN, outputs=('/tmp/llama_bench/metrics.jsonl',)),
