@@ -25,8 +25,9 @@ every stage (their parameters are replicated over `stage`), on the last stage's 
 is broadcast to all stages (manual: a masked psum; auto: the compiler's choice).
 
 Manual mode shifts activations to the next stage with `ppermute` inside shard_map; auto mode
-expresses the same schedule on a [stages, ...] array sharded over `stage`, shifted by one along
-it each iteration, which the compiler turns into a collective-permute.
+expresses the same schedule on a [stages, ...] array sharded over `stage` (its other dimensions,
+and each stage's parameters, laid out by the rules), shifted by one along it each iteration,
+which the compiler turns into a collective-permute.
 
 Shape suffixes: M micro-batches, S stages, B batch (b = B / M), L length, D embed.
 """
