@@ -49,11 +49,13 @@ class AutoOps(LocalOps):
   def stack(self, run, layers, x):
     if not self.rules.mesh_axes('layers'):
       return super().stack(run, layers, x)
-    stages = self.mesh.shape['stage']
-    by_stage = lambda a: jax.lax.with_sharding_constraint(
-        a, NamedSharding(self.mesh, P('stage', *([None] * (a.ndim - 1)))))
-    return pipeline.auto_pipeline(run, layers, x, stages, self.microbatches, by_stage,
-                                  rows=self.documents)
+    return pipeline.auto_pipeline(run, layers, x, self.mesh.shape['stage'], self.microbatches,
+                                  self._by_stage, self.constrain, rows=self.documents)
+
+  def _by_stage(self, a, logical_axes, activation=True):
+    """`a`'s first dimension over `stage`, the others by the rules (pipeline.auto_pipeline)."""
+    spec = self.rules.spec(logical_axes, activation=activation)
+    return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, P('stage', *spec)))
 
   def kv_for_query_heads(self, kv_BLNK, num_heads):
     if self.rules.mesh_axes('kv_heads', activation=True) or not self.rules.mesh_axes(

@@ -30,8 +30,9 @@ every stage (their parameters are replicated over `stage`), on the last stage's 
 is broadcast to all stages (manual: a masked psum; auto: the compiler's choice).
 
 Manual mode shifts activations to the next stage with `ppermute` inside shard_map; auto mode
-expresses the same schedule on a [stages, ...] array sharded over `stage`, shifted by one along
-it each iteration, which the compiler turns into a collective-permute.
+expresses the same schedule on a [stages, ...] array sharded over `stage` (its other dimensions,
+and each stage's parameters, laid out by the rules), shifted by one along it each iteration,
+which the compiler turns into a collective-permute.
 
 Shape suffixes: M micro-batches, S stages, B batch (b = B / M), L length, D embed.
 """
@@ -46,6 +47,7 @@ from flax import nnx
 
 from engine.models.layers import layer_group, num_groups
 from engine.parallel.steps import split_microbatches
+from engine.sharding import logical_axes_of
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -149,21 +151,28 @@ def manual_pipeline(run: Callable, layers: nnx.Module, carry, axis: str, stages:
 
 
 def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microbatches: int,
-                  constrain_stages: Callable, rows=None):
-  """Under jit: the same schedule with a leading stage dimension. `constrain_stages(a)` lays
-  `a`'s first dimension out over the `stage` axis; `rows` as manual_pipeline's."""
+                  constrain_stages: Callable, constrain: Callable, rows=None):
+  """Under jit: the same schedule with a leading stage dimension. `constrain_stages(a,
+  logical_axes, activation)` lays `a`'s first dimension out over the `stage` axis and the others
+  by the rules for `logical_axes` (theirs, after the first); `constrain(a, logical_axes)` an
+  activation without it; `rows` as manual_pipeline's. Every dimension is pinned: left to the
+  compiler, the state's micro-batch rows, the finished micro-batches and each stage's parameters
+  were whole on every device of the other axes (the 8B plan's head then ran on the whole batch:
+  BUILD.md)."""
   schedule = _Schedule(stages, microbatches, num_groups(layers))
   groups = [layer_group(layers, r) for r in range(schedule.repeats)]
   graphdef, _ = nnx.split(groups[0])
 
   # [layers, ...] -> [stages, layers per stage, ...]: stage s holds layers s*n .. s*n + n - 1
-  # (of each group).
-  def by_stage(group):
-    return jax.tree.map(
-        lambda p: constrain_stages(p.reshape(stages, p.shape[0] // stages, *p.shape[1:])),
-        nnx.split(group)[1])
+  # (of each group), each laid out as stored (FSDP splits stay split until a layer gathers them).
+  def by_stage(variable):
+    value = variable.get_value()
+    value = value.reshape(stages, value.shape[0] // stages, *value.shape[1:])
+    axes = (None, *logical_axes_of(variable)[1:])
+    return variable.replace(constrain_stages(value, axes, activation=False))
 
-  staged = [by_stage(group) for group in groups]
+  staged = [jax.tree.map(by_stage, nnx.split(group)[1], is_leaf=_is_variable)
+            for group in groups]
 
   def one_stage(stage_params, state, stage_rows):
     return run(nnx.merge(graphdef, stage_params), state, stage_rows)
@@ -171,28 +180,47 @@ def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microba
   each_stage = jax.vmap(one_stage, spmd_axis_name='stage')
   rows_at = _rows_of(rows, microbatches)
   # Each stage's rows at iteration t, [stages, ...]: stage s works on item t - s.
-  stage_rows = lambda t: None if rows is None else constrain(jax.tree.map(
-      lambda *a: jnp.stack(a), *[rows_at(t - s) for s in range(stages)]))
-  items = _microbatch_items(carry, microbatches)
+  stage_rows = lambda t: None if rows is None else jax.tree.map(
+      lambda *a: constrain_stages(jnp.stack(a), (None,) * a[0].ndim),
+      *[rows_at(t - s) for s in range(stages)])
+  # x [b, L, D] by the rules; the extras (a few statistics) whole.
+  pin = lambda item: _map_x(item, lambda x: constrain(x, _X_AXES))
+  pin_S = lambda item_S: _map_x(item_S, lambda x: constrain_stages(x, _X_AXES),
+                                lambda a: constrain_stages(a, (None,) * (a.ndim - 1)))
+  items = [pin(item) for item in _microbatch_items(carry, microbatches)]
   dtype = items[0][0].dtype if isinstance(items[0], tuple) else items[0].dtype
-  constrain = lambda tree: jax.tree.map(constrain_stages, tree)
-  state_S = constrain(jax.tree.map(lambda a: jnp.zeros((stages, *a.shape), a.dtype), items[0]))
+  state_S = pin_S(jax.tree.map(lambda a: jnp.zeros((stages, *a.shape), a.dtype), items[0]))
   returning, outputs = {}, []
   for t in range(schedule.iterations):
     # The shift: stage s takes what stage s - 1 produced; stage 0 the next micro-batch (or one
     # back for its next group).
     first = items[t] if t < microbatches else returning.pop(
         t, jax.tree.map(jnp.zeros_like, items[0]))
-    state_S = constrain(jax.tree.map(lambda f, s: jnp.concatenate([f[None], s[:-1]]), first,
-                                     state_S))
-    state_S = constrain(each_stage(_stage_groups(staged, schedule, t), state_S,
-                                   stage_rows(t)))
-    last = jax.tree.map(lambda a: a[-1], state_S)
+    state_S = pin_S(jax.tree.map(lambda f, s: jnp.concatenate([f[None], s[:-1]]), first,
+                                 state_S))
+    state_S = pin_S(each_stage(_stage_groups(staged, schedule, t), state_S, stage_rows(t)))
+    last = pin(jax.tree.map(lambda a: a[-1], state_S))
     if schedule.is_output(t):
       outputs.append(last)
     if (back := schedule.returns_at(t)) is not None:
       returning[back] = last
-  return _outputs(outputs, dtype)
+  return _map_x(_outputs(outputs, dtype), lambda x: constrain(x, _X_AXES))
+
+
+# The logical axes of the activations that flow through the stack.
+_X_AXES = ('batch', 'length', 'embed')
+
+
+def _is_variable(node) -> bool:
+  return isinstance(node, nnx.Variable)
+
+
+def _map_x(item, on_x: Callable, on_extras: Callable = lambda a: a):
+  """An item (x, or (x, extras): _microbatch_items) with on_x applied to x, on_extras to every
+  leaf of the extras."""
+  if not isinstance(item, tuple):
+    return on_x(item)
+  return on_x(item[0]), jax.tree.map(on_extras, item[1])
 
 
 def _stage_groups(staged: list, schedule: _Schedule, t: int):
