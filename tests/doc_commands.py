@@ -62,7 +62,7 @@ CHECKS = {
     '. .venv/bin/activate': SETUP,
     'pip install -e .[test]': SETUP,
     'pip install -e .[test,tpu]': SETUP,
-    'python -m pytest -q tests': Skip('the suite itself'),
+    'python -m pytest -q -n 2 --dist loadfile tests': Skip('the suite itself'),
     'python -m engine.main --config=experiments/tiny.py --workdir=/tmp/engine_tiny':
         Run('tiny', add=SHORT_TRAIN, outputs=('/tmp/engine_tiny/metrics.jsonl',
                                               '/tmp/engine_tiny/config.json')),
