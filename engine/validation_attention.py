@@ -42,8 +42,3 @@ def _check_splash_ring(config: ConfigDict, context: int) -> None:
         f"2*mesh.context*128={parts * 128} (ring attention runs the kernel on chunks of "
         f"data.seq_len / (2*mesh.context) positions, tiles of 128), not {seq_len}; pick such a "
         "length or model.attention='einsum'.")
-  if config.data.document_masking:
-    raise ConfigError(
-        f"model.attention='splash' with mesh.context={context} and data.document_masking=true: "
-        "the splash ring's blocks take no segment ids yet; set model.attention='einsum' (its "
-        "ring masks documents) or mesh.context=1 (splash masks them on whole sequences).")

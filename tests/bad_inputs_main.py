@@ -208,12 +208,6 @@ BAD_INPUTS = [
      "(2*mesh.context) positions, tiles of 128), not 256; pick such a length or "
      "model.attention='einsum'."),
     (['--config=experiments/tiny.py:mode=manual,mesh=4x1x1x2', RUN,
-      '--config.model.attention=splash', '--config.data.seq_len=512',
-      '--config.model.max_len=512', '--config.data.document_masking=true'], 2,
-     "model.attention='splash' with mesh.context=2 and data.document_masking=true: the splash "
-     "ring's blocks take no segment ids yet; set model.attention='einsum' (its ring masks "
-     "documents) or mesh.context=1 (splash masks them on whole sequences)."),
-    (['--config=experiments/tiny.py:mode=manual,mesh=4x1x1x2', RUN,
       '--config.model.attention=dot_product_attention'], 2,
      "model.attention='dot_product_attention' with mesh.context=2 in manual mode: ring attention "
      "computes its own blocks; set model.attention='einsum' or 'splash' (auto mode may keep "

@@ -196,3 +196,35 @@ def test_a_mean_of_per_device_means_fails_the_check(reference, monkeypatch):
   # At initialisation every token's loss is near log(vocab), so the means differ little; still
   # 30x the parity check's tolerance.
   assert abs(float(loss) - want_loss) > 1e-4
+
+
+def test_the_splash_ring_masks_documents_like_one_device():
+  """model.attention='splash', manual mode, data 4 x context 2: 512 positions in zigzag chunks
+  of 128 (device 0 holds chunks 0 and 3, device 1 chunks 1 and 2), one layer of grouped-query
+  Llama. Document ends at 50, 200, 300 and 450 (rows 0-3: boundaries inside chunks; the late
+  chunks 2 and 3 start mid-document; queries after 450 see no key of chunk 0, 1 or 2: fully
+  masked block rows), random ones in rows 4-7. Loss and gradients match the single-device
+  einsum run; the kernel's blocks (Pallas interpret mode) differ from it by about 1e-6."""
+  def layout(mesh, implementation):
+    config = tiny_config(mesh=mesh[:3])
+    config.mesh.context = mesh[3]
+    config.model.name, config.model.num_kv_heads, config.model.num_layers = 'llama', 2, 1
+    config.model.attention, config.parallelism.mode = implementation, 'manual'
+    config.data.seq_len = config.model.max_len = 512
+    config.data.global_batch_size, config.data.document_masking = 8, True
+    return lay_out(config, VOCAB, jax.devices()[:int(np.prod(mesh))], eos_id=EOS)
+
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(1, VOCAB, (8, 513))
+  tokens[:4, [50, 200, 300, 450]] = EOS
+  tokens[4:][rng.random((4, 513)) < 1 / 40] = EOS
+  one = layout((1, 1, 1, 1), 'einsum')
+  params = one.init(0)[0]['params']
+  want_loss, want_grads = jax.device_get(parallel.STEP_BUILDERS['auto'](one).gradients(
+      params, tokens))
+  ring = layout((4, 1, 1, 2), 'splash')
+  loss, grads = parallel.STEP_BUILDERS['manual'](ring).gradients(
+      jax.device_put(params, ring.state_shardings()['params']), tokens)
+  np.testing.assert_allclose(float(loss), float(want_loss), atol=1e-5)
+  for got, want in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, np.abs(want).max()))

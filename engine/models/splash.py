@@ -156,10 +156,11 @@ def _heads_first(q_BLHK, k_BLNK, v_BLNK):
   return tuple(x.transpose(0, 2, 1, 3) for x in (q_BLHK, k_BLNK, v_BLNK))
 
 
-def _block_backward(kernel, q, k, v, o, lse, do, dlse):
+def _block_backward(kernel, q, k, v, ids, o, lse, do, dlse):
   """dq, dk, dv [H, L, K] of one block from the kernel's dk / dv and dq passes. They compute
   dlogits = P * (dP - di), P = exp(logits - lse), di = rowsum(do * o); the cotangent of the
-  log-sum-exp adds P * dlse (d lse / d logits = P), so it enters as di - dlse."""
+  log-sum-exp adds P * dlse (d lse / d logits = P), so it enters as di - dlse. `ids`: the
+  block's SegmentIds (queries', keys'), or None."""
   sizes, options = kernel.kwargs['block_sizes'], kernel.kwargs
   di = jnp.einsum('hsd,hsd->hs', o.astype(jnp.float32), do.astype(jnp.float32)) - dlse
   common = dict(is_mqa=False, mask_value=options['mask_value'], attn_logits_soft_cap=None,
@@ -168,50 +169,69 @@ def _block_backward(kernel, q, k, v, o, lse, do, dlse):
   flat = lambda info: info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
       -1, *info.partial_mask_blocks.shape[-2:])) if info.partial_mask_blocks is not None else info
   _, dk, dv = kernels._splash_attention_bwd_dkv(  # pylint: disable=protected-access
-      q, k, v, None, None, lse, do, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
+      q, k, v, ids, None, lse, do, di, bq=sizes.block_q_dkv, bkv=sizes.block_kv_dkv,
       bkv_compute=sizes.block_kv_dkv_compute, mask_info=flat(kernel.dkv_mask_info),
       use_fused_bwd_kernel=False, **common)
   dq = kernels._splash_attention_bwd_dq(  # pylint: disable=protected-access
-      q, k, v, None, None, lse, do, di, bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
+      q, k, v, ids, None, lse, do, di, bq=sizes.block_q_dq, bkv=sizes.block_kv_dq,
       mask_info=flat(kernel.dq_mask_info), **common)
   return [dq, dk, dv]
 
 
 @functools.lru_cache(maxsize=None)
-def _block_call(heads: int, length: int, causal: bool, interpret: bool):
+def _block_call(heads: int, length: int, causal: bool, interpret: bool, segmented: bool = False):
   """(o, lse) of [B, H, L, K] q, k, v through the kernel, differentiable in both: a custom_vjp
   whose backward runs the kernel's backward passes with lse's cotangent (_block_backward). As
-  in _typed_like_inputs, the kernel runs unchecked and its results are typed varying like q."""
+  in _typed_like_inputs, the kernel runs unchecked and its results are typed varying like q.
+  segmented: two more arguments, the queries' and the keys' segment ids [B, L] (int32, no
+  cotangent)."""
   kernel = _kernel(heads, length, interpret, causal, save_residuals=True)
-  forward = jax.vmap(lambda q, k, v: (lambda o, res: [o, res[0]])(*kernel(q, k, v)))
-  backward = jax.vmap(functools.partial(_block_backward, kernel))
+  ids = lambda segments: splash_lib.SegmentIds(*segments) if segmented else None
+
+  def one_row(q, k, v, *segments):
+    o, residuals = kernel(q, k, v, segment_ids=ids(segments))
+    return [o, residuals[0]]
+
+  def one_row_backward(q, k, v, *rest):
+    segments, tail = rest[:len(rest) - 4], rest[len(rest) - 4:]
+    return _block_backward(kernel, q, k, v, ids(segments), *tail)
+
+  forward, backward = jax.vmap(one_row), jax.vmap(one_row_backward)
 
   @jax.custom_vjp
-  def call(q, k, v):
-    return run_forward(q, k, v)[0]
+  def call(*args):
+    return run_forward(*args)[0]
 
-  def run_forward(q, k, v):
-    o, lse = (_vary(x, _varying(q)) for x in _unchecked(forward, q, k, v))
-    return (o, lse), (q, k, v, o, lse)
+  def run_forward(*args):
+    o, lse = (_vary(x, _varying(args[0])) for x in _unchecked(forward, *args))
+    return (o, lse), (*args, o, lse)
 
   def run_backward(residuals, cotangents):
     grads = _unchecked(backward, *residuals, *cotangents)
-    return tuple(_vary(g, _varying(residuals[0])) for g in grads)
+    # Segment ids are integers: no cotangent.
+    return (*(_vary(g, _varying(residuals[0])) for g in grads),
+            *[None] * (len(residuals) - 5))
 
   call.defvjp(run_forward, run_backward)
   return call
 
 
-def block_attention(q_BQHK, k_BSNK, v_BSNK, causal: bool):
+def block_attention(q_BQHK, k_BSNK, v_BSNK, causal: bool, segments=None):
   """One block of ring attention through the kernel: (output [B, Q, H, K] in the input dtype,
   log-sum-exp of each query's logits [B, H, Q] float32), Q = S, the scale already on the
   queries; causal: query i sees keys up to i, else every key. Both outputs are differentiable,
-  so blocks merge with log-sum-exp weights under plain autodiff (engine/parallel/context.py)."""
+  so blocks merge with log-sum-exp weights under plain autodiff (engine/parallel/context.py).
+  `segments`: (the queries' [B, Q], the keys' [B, S]) segment ids (packed documents), or None.
+  A query that sees no key of the block gets the kernel's mask value (-0.7 * float32 max) plus
+  log(S) as its log-sum-exp, finite, and the mean of the values as its output."""
   _, length, heads, _ = q_BQHK.shape
-  qkv = _heads_first(q_BQHK, k_BSNK, v_BSNK)
-  axes = tuple(set().union(*(_varying(x) for x in qkv)))
-  qkv = tuple(_vary(x, axes) for x in qkv)
-  run = lambda interpret: _block_call(heads, length, causal, interpret)(*qkv)
+  args = _heads_first(q_BQHK, k_BSNK, v_BSNK)
+  if segments is not None:
+    args += tuple(s.astype(jnp.int32) for s in segments)
+  axes = tuple(set().union(*(_varying(x) for x in args)))
+  args = tuple(_vary(x, axes) for x in args)
+  call = lambda interpret: _block_call(heads, length, causal, interpret, segments is not None)
+  run = lambda interpret: call(interpret)(*args)
   o_BHQK, lse_BHQ = jax.lax.platform_dependent(tpu=lambda: run(False),
                                                default=lambda: run(True))
   return o_BHQK.transpose(0, 2, 1, 3), lse_BHQ.astype(jnp.float32)

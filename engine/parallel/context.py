@@ -25,7 +25,9 @@ returns the block's normalised output (in the compute dtype: bfloat16 blocks are
 before the float32 merge) and its log-sum-exp; blocks merge with log-sum-exp weights. Its
 gradient is exact: each block's custom_vjp runs the kernel's own backward passes, its
 log-sum-exp's cotangent included, and autodiff carries the merges and the ring. Packed
-documents with the splash ring are refused (engine/validation_attention.py).
+documents: each block's kernel takes the queries' and the travelling keys' segment ids
+(SegmentIds, forward and backward); a row of a block that sees no key gets a finite log-sum-exp
+near the kernel's mask value and weight 0 in the merge (_splash_block).
 
 Shape suffixes as in the models: B batch, L length (Q queries, S keys), H heads, N key / value
 heads, K head_dim; C the context axis size, T = L / (2C) the chunk length.
@@ -102,9 +104,12 @@ def _finish(stats):
 
 
 def _splash_block(q_BQHK, k_BSNK, v_BSNK, causal: bool, segments=None):
-  """One block through the kernel: its log-sum-exp [B, H, Q] and output [B, Q, H, K], float32."""
-  assert segments is None, 'packed documents with the splash ring: refused by validation'
-  o_BQHK, lse_BHQ = splash.block_attention(q_BQHK, k_BSNK, v_BSNK, causal)
+  """One block through the kernel: its log-sum-exp [B, H, Q] and output [B, Q, H, K], float32.
+  `segments`: (queries', keys') segment ids, or None. A query that sees no key of the block
+  (another document's) gets a log-sum-exp near the kernel's mask value, -0.7 * float32 max:
+  finite, so the merge gives it weight exp(lse_row - lse) = 0 exactly, and gradient 0, with no
+  inf - inf (every query sees itself in its diagonal block, so the merged lse is a real one)."""
+  o_BQHK, lse_BHQ = splash.block_attention(q_BQHK, k_BSNK, v_BSNK, causal, segments)
   return lse_BHQ, o_BQHK.astype(jnp.float32)
 
 
