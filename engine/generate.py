@@ -9,8 +9,8 @@ cache slots [0, n_b); its t-th new token sits at position n_b + t, writes its ke
 that slot and attends to the slots before it (the padding slots past n_b are overwritten before
 anything reads them). The model is the training code's own (`DecodeOps` gives it per-row
 positions and the cached attention); parameters and cache are laid out by the run's rules on
-the generation mesh (`--mesh`; heads over `tensor` shard the cache too). The cache holds the key /
-value heads (Llama's num_kv_heads N: H / N times fewer bytes than one per query head).
+the generation mesh (`--mesh`; heads over `tensor` shard the cache too). The cache holds the N
+key / value heads (Llama's num_kv_heads): H / N times fewer bytes than one per query head.
 
 Sampling: greedy at temperature 0, else softmax(logits / temperature) restricted to the top_k
 tokens and the top_p probability mass, from a key folded from --seed and the step: the same
@@ -146,8 +146,6 @@ class Generator:
         (p.shape[p.logical_axes.index(heads_axis)], p.shape[p.logical_axes.index('head_dim')])
         for p in setup.parameters()
         if LAYERS in p.logical_axes and {heads_axis, 'head_dim'} <= set(p.logical_axes))
-    self.query_heads = next(p.shape[p.logical_axes.index('heads')] for p in setup.parameters()
-                            if LAYERS in p.logical_axes and 'heads' in p.logical_axes)
     mesh, spec = setup.mesh, setup.rules.spec
     params = setup.state_shardings()['params']
     rows = NamedSharding(mesh, spec(('batch', None), activation=True))
@@ -202,8 +200,7 @@ class Generator:
     if self.max_prompt_len + max_new_tokens > self.slots:
       raise config_lib.ConfigError(f'max_new_tokens={max_new_tokens} exceeds the cache.')
     # Rows padded to a multiple of the batch axes' devices with copies of the first prompt.
-    ways = int(np.prod([self.setup.mesh.shape[a]
-                        for a in self.setup.rules.mesh_axes('batch', activation=True)]))
+    ways = math.prod(self.setup.mesh.shape[a] for a in self.setup.rules.mesh_axes('batch', True))
     asked = len(prompts)
     prompts = list(prompts) + [prompts[0]] * (-asked % ways)
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -211,11 +208,11 @@ class Generator:
     for row, prompt in enumerate(prompts):
       tokens[row, :len(prompt)] = prompt
     key = jax.random.key(seed)
+    heads = self.setup.attention_heads()['query']
     logging.info('Key/value cache: %d layers x %d rows x %d slots x %d kv heads x %d head_dim, '
                  'keys and values: %.2f MiB (%d query heads: %gx less than a head each).',
                  self.setup.model.num_layers, len(prompts), self.slots, *self.heads_shape,
-                 self.cache_bytes(len(prompts)) / 2**20, self.query_heads,
-                 self.query_heads / self.heads_shape[0])
+                 self.cache_bytes(len(prompts)) / 2**20, heads, heads / self.heads_shape[0])
     cache, next_B = self.prefill(params, tokens, lengths, jax.random.fold_in(key, 0))
     out, done = [], np.zeros(len(prompts), bool)
     for step in range(max_new_tokens):

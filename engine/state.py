@@ -85,6 +85,15 @@ class TrainSetup:
                                  tuple(shard), math.prod(shard) * value.dtype.itemsize))
     return infos
 
+  def attention_heads(self) -> dict[str, int]:
+    """The model's query heads and key / value heads (equal without grouped-query attention),
+    from its parameters' logical axes; {} for a model that names no heads."""
+    sizes = {name: p.shape[p.logical_axes.index(name)] for p in self.parameters()
+             for name in ('heads', 'kv_heads') if name in p.logical_axes}
+    if 'heads' not in sizes:
+      return {}
+    return {'query': sizes['heads'], 'kv': sizes.get('kv_heads', sizes['heads'])}
+
   def state_specs(self):
     """PartitionSpecs of the whole train state; optimizer moments follow their parameters."""
     abstract_opt = jax.eval_shape(self.optimizer.tx.init, self.abstract_params)

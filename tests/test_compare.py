@@ -122,8 +122,8 @@ def test_grouped_query_ring_moves_kv_heads_and_the_report_says_how_much_less():
     ring_bytes[kv_heads] = sum(b for (kind, axes), b in theory.items()
                                if kind == 'collective-permute' and 'context' in axes)
   assert ring_bytes[1] > 0 and ring_bytes[4] == 4 * ring_bytes[1]
-  assert compare.attention_heads(setups[1]) == {'query': 4, 'kv': 1}
-  assert compare.attention_heads(setups[4]) == {'query': 4, 'kv': 4}
+  assert setups[1].attention_heads() == {'query': 4, 'kv': 1}
+  assert setups[4].attention_heads() == {'query': 4, 'kv': 4}
   rows = [{'kind': 'collective-permute', 'axes': 'context', 'theory_bytes': ring_bytes[1]},
           {'kind': 'all-reduce', 'axes': 'data,context', 'theory_bytes': 10 ** 6}]
   report = {'mesh': {'context': 2}, 'communication': rows, 'attention_heads': {'query': 4,

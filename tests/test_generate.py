@@ -84,7 +84,7 @@ def test_sharded_generation_matches_one_device(model_and_params, mesh):
   assert cache['k'].sharding.spec[3] == (
       'tensor' if mesh[2] > 1 and heads % mesh[2] == 0 else None)
   assert generator.cache_bytes(8) == 2 * cache['k'].nbytes  # What the log line reports,
-  assert generator.query_heads == 4  # with the cut: query heads / kv heads.
+  assert train_setup.attention_heads() == {'query': 4, 'kv': heads}  # and its cut, 4 / heads.
 
 
 def test_sampling_is_seeded_restricted_and_stops_at_end_of_text(model_and_params):

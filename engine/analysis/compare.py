@@ -130,16 +130,6 @@ def communication_table(runs, theory: dict) -> list[dict]:
   return rows
 
 
-def attention_heads(setup) -> dict[str, int]:
-  """The model's query heads and key / value heads (equal without grouped-query attention),
-  read from its parameters' logical axes; {} for a model that names no heads."""
-  sizes = {name: p.shape[p.logical_axes.index(name)] for p in setup.parameters()
-           for name in ('heads', 'kv_heads') if name in p.logical_axes}
-  if 'heads' not in sizes:
-    return {}
-  return {'query': sizes['heads'], 'kv': sizes.get('kv_heads', sizes['heads'])}
-
-
 def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
             atol: float = 1e-4) -> dict:
   """Runs the comparison and writes the report; returns the report's data."""
@@ -170,7 +160,7 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
           'tokens_per_s': tokens / (run.median_ms() / 1e3),
           'step_ms': [1e3 * s for s in run.step_seconds]} for run in runs},
       'memory': {run.mode: run.memory for run in runs},
-      'attention_heads': attention_heads(train_setup),
+      'attention_heads': train_setup.attention_heads(),
       'communication': communication_table(runs, theory),
   }
   if len(runs) == 2:
