@@ -20,6 +20,15 @@ DIR/data8-manual: `tensorboard --logdir=DIR` with tensorboard-plugin-profile sho
 (engine/analysis/torch_reference.py) in a child process that takes a turn in every round; that
 Python is tried (`import torch`) before anything compiles.
 
+After the compiles, a calibration (engine.analysis.calibration; --nocalibrate skips it):
+the FLOP/s per device a plain matmul reaches in the model's dtype on all devices at once, in the
+title, with each variant's model FLOP/s per device over it in the column `of matmul`.
+
+--baseline=DIR (the root of another checkout, e.g. `git worktree add --detach /tmp/before HEAD`
+made before a change) also builds the same variants with DIR's engine in a child process
+(engine.analysis.baseline) that takes a turn in every round: rows `MODE (baseline)`, and a
+table of this tree / baseline median step times and the largest loss difference per variant.
+
 --dense_equivalent (a mixture of experts) also times the dense Llama with the same active
 parameters per token (mlp_dim = experts_per_token x moe_mlp_dim + moe_shared_expert) on each
 mesh with the expert axis folded into data, interleaved with the rest, and prints the two
@@ -38,7 +47,7 @@ from ml_collections import config_flags
 
 from engine import config as config_lib
 from engine import parallel
-from engine.analysis import benchmark
+from engine.analysis import baseline, benchmark, calibration
 from engine.assemble import assemble
 from engine.cli import check_out_prefix, run_command
 
@@ -61,6 +70,12 @@ _DENSE = flags.DEFINE_bool('dense_equivalent', False, 'Mixture of experts: also 
                            'moe_shared_expert).')
 _TORCH = flags.DEFINE_string('torch_python', None, 'A Python with torch: also time the PyTorch '
                              'GPT (GPT configs on one device).')
+_CALIBRATE = flags.DEFINE_bool('calibrate', True, 'Measure the FLOP/s per device of a plain '
+                               'matmul on all devices at once, after the compiles, for the '
+                               '"of matmul" column.')
+_BASELINE = flags.DEFINE_string('baseline', None, 'The root of another checkout of the engine '
+                                '(e.g. git worktree add --detach /tmp/before HEAD): also time its '
+                                'variants on the same meshes and modes, interleaved with ours.')
 
 
 def variants(config) -> tuple:
@@ -90,9 +105,8 @@ def variants(config) -> tuple:
   return corpus, [(mode, s) for s in setups for mode in _MODES.value]
 
 
-def main(argv):
-  del argv
-  config = _CONFIG.value
+def check_flags(config) -> None:
+  """The flags' own values, before anything is read or compiled."""
   check_out_prefix(_OUT.value)
   if _PROFILE.value is not None and (not _PROFILE.value or os.path.isfile(_PROFILE.value)):
     raise config_lib.ConfigError(f'--profile={_PROFILE.value} is not a directory; give one (it '
@@ -100,44 +114,81 @@ def main(argv):
   if _PEAK.value is not None and not _PEAK.value > 0:
     raise config_lib.ConfigError(f'--peak_tflops={_PEAK.value:g} must be a positive number '
                                  '(one device\'s peak, TFLOP/s).')
+  if _BASELINE.value is not None:
+    baseline.check_baseline(_BASELINE.value)
   if _TORCH.value:
     benchmark.check_torch_python(_TORCH.value)  # First: the flag's own value.
     if config.model.name != 'gpt' or jax.device_count() != 1:
       raise config_lib.ConfigError('--torch_python: the PyTorch reference is the GPT model on '
                                    'one device.')
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  check_flags(config)
+  config_json = config.to_json()  # As given: variants() sets each mesh in turn.
   corpus, runs_to_make = variants(config)
   first_setup = runs_to_make[0][1]
   tokens = config.data.global_batch_size * config.data.seq_len
-  model_flops = first_setup.model.flops_per_token(config.data.seq_len) * tokens
-  torch = None
+  torch = before = None
   if _TORCH.value:
     torch = benchmark.TorchReference(_TORCH.value, config.model, first_setup.model.vocab_size,
                                      config.data.seq_len, config.data.global_batch_size,
                                      os.cpu_count())
-  runs = benchmark.run_variants(config, corpus, runs_to_make, _STEPS.value, _WARMUP.value,
-                                each_round=torch, profile=_PROFILE.value)
+  if _BASELINE.value:  # Compiles its variants before ours do, so that the two never overlap.
+    before = baseline.BaselineReference(_BASELINE.value, config_json, _MESHES.value or [''],
+                                        _MODES.value)
+  turns = [t for t in (torch, before) if t]
+  calibrated = []
+  runs = benchmark.run_variants(
+      config, corpus, runs_to_make, _STEPS.value, _WARMUP.value,
+      each_round=(lambda timed: [t(timed) for t in turns]) if turns else None,
+      profile=_PROFILE.value, before_rounds=lambda: calibrated.append(
+          calibration.matmul_flops_per_device(config.model.dtype) if _CALIBRATE.value else None))
+  external = torch.close() if torch else None
+  if before:  # This tree's setup of each mesh (variants() makes one per mesh, modes inner).
+    runs += before.close([s for _, s in runs_to_make[::len(_MODES.value)]])
+  report(config, runs, tokens, calibrated[0], external)
+
+
+def report(config, runs: list, tokens: int, matmul: float | None, external: dict | None) -> None:
+  """Prints the tables; with --out, writes them to OUT.md and everything to OUT.json."""
   peak = benchmark.peak_flops_per_device(config.model.dtype, _PEAK.value)
   seq_len = config.data.seq_len  # Each variant's own model FLOPs (a dense equivalent's differ).
-  rows = [benchmark.measurements(run, tokens, run.setup.model.flops_per_token(seq_len) * tokens,
-                                 peak) for run in runs]
-  for row, run in zip(rows, runs):
+  rows = []
+  for run in runs:
+    row = benchmark.measurements(run, tokens, run.setup.model.flops_per_token(seq_len) * tokens,
+                                 peak)
     row['dense_equivalent'] = _DENSE.value and run.setup.model.experts is None
-  external = torch.close() if torch else None
+    row['baseline'] = run.mode.endswith(baseline.SUFFIX)
+    row['of_matmul'] = row['model_tflops_per_device'] * 1e12 / matmul if matmul else None
+    rows.append(row)
+  rows = baseline.interleave([r for r in rows if not r['baseline']],
+                             [r for r in rows if r['baseline']])
   title = (f'{config.model.name}, {config.model.num_layers} layers, width '
            f'{config.model.embed_dim}, sequence {config.data.seq_len}, batch '
            f'{config.data.global_batch_size}, {config.model.dtype}, remat {config.model.remat}; '
            f'{jax.device_count()} x {jax.devices()[0].device_kind}; {_STEPS.value} timed steps')
-  report = benchmark.markdown(rows, title, external)
+  if matmul:
+    title += f'; calibrated matmul: {matmul / 1e12:.4g} TFLOP/s per device'
+  text = benchmark.markdown(rows, title, external)
   if _DENSE.value:
-    report += '\n\n' + benchmark.dense_comparison(rows)
-  print(report)
+    text += '\n\n' + benchmark.dense_comparison(rows)
+  pairs = baseline.comparison(rows) if _BASELINE.value else None
+  if pairs is not None:
+    text += '\n\n' + baseline.comparison_markdown(pairs, _BASELINE.value)
+  print(text)
   if _OUT.value:
     with open(_OUT.value + '.md', 'w') as f:
-      f.write(report + '\n')
+      f.write(text + '\n')
     with open(_OUT.value + '.json', 'w') as f:
-      json.dump({'title': title, 'tokens_per_step': tokens, 'model_flops_per_step': model_flops,
-                 'peak_flops_per_device': peak, 'config': json.loads(config.to_json()),
-                 'variants': rows, 'external': external}, f, indent=1)
+      json.dump({'title': title, 'tokens_per_step': tokens,
+                 'model_flops_per_step': runs[0].setup.model.flops_per_token(seq_len) * tokens,
+                 'peak_flops_per_device': peak, 'matmul_flops_per_device': matmul,
+                 'config': json.loads(config.to_json()), 'variants': rows, 'external': external,
+                 'baseline': pairs and {'directory': os.path.abspath(_BASELINE.value),
+                                        'comparison': pairs}}, f, indent=1)
     logging.info('Wrote %s.md and %s.json', _OUT.value, _OUT.value)
 
 

@@ -177,6 +177,9 @@ COMMAND_ROWS = {
          'devices; make the product 8 or set one axis to -1.'),
         ([TINY, '--peak_tflops=-1'], 2,
          "--peak_tflops=-1 must be a positive number (one device's peak, TFLOP/s)."),
+        ([TINY, '--baseline=$T/empty_dir'], 2, '--baseline=$T/empty_dir is not a checkout of the '
+         'engine (no $T/empty_dir/engine/__init__.py); give the root of one, e.g. a git worktree: '
+         'git worktree add --detach /tmp/before HEAD'),
         ([TINY, '--out=$T/no_such_dir/report'], 2, '--out=$T/no_such_dir/report: '
          '$T/no_such_dir is not a directory; create it, or pass a prefix in one.'),
         ([TINY, '--out=$T/'], 2, '--out=$T/ is not a file prefix; give one, e.g. '

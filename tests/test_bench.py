@@ -13,24 +13,34 @@ from engine import chips
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_bench_measures_every_mode_on_every_mesh(tmp_path):
+@pytest.fixture(scope='module')
+def bench(tmp_path_factory):
+  """One bench run for the tests below: two meshes, both modes, this tree as its own baseline.
+  (the report, OUT.md's text, the directory of --out and --profile)."""
+  tmp_path = tmp_path_factory.mktemp('bench')
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
       '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'))
   subprocess.run(
       [sys.executable, '-m', 'engine.bench', '--config=experiments/tiny.py',
        '--config.model.num_layers=2', '--config.data.source=synthetic',
        '--meshes=8x1x1,1x2x4', '--modes=auto,manual', '--steps=2', '--warmup=1',
-       '--peak_tflops=0.5', f'--out={tmp_path / "bench"}', f'--profile={tmp_path / "trace"}'],
+       '--peak_tflops=0.5', f'--out={tmp_path / "bench"}', f'--profile={tmp_path / "trace"}',
+       f'--baseline={ROOT}'],
       check=True, env=env, cwd=ROOT, timeout=600)
-  report = json.loads((tmp_path / 'bench.json').read_text())
-  rows = report['variants']
+  return (json.loads((tmp_path / 'bench.json').read_text()),
+          (tmp_path / 'bench.md').read_text(), tmp_path)
+
+
+def test_bench_measures_every_mode_on_every_mesh(bench):
+  report, markdown, tmp_path = bench
+  rows = [r for r in report['variants'] if not r['baseline']]
   assert [(r['mesh'], r['mode']) for r in rows] == [
       ('data 8', 'auto'), ('data 8', 'manual'),
       ('fsdp 2 x tensor 4', 'auto'), ('fsdp 2 x tensor 4', 'manual')]
   config = report['config']
   assert report['tokens_per_step'] == config['data']['global_batch_size'] * config['data'][
       'seq_len']
-  for r in rows:
+  for r in report['variants']:
     assert len(r['step_ms']) == 2 and r['min_ms'] <= r['median_ms'] <= r['max_ms']
     per_device = report['model_flops_per_step'] / (r['median_ms'] / 1e3) / 8
     assert r['mfu'] == pytest.approx(per_device / 0.5e12)
@@ -42,13 +52,63 @@ def test_bench_measures_every_mode_on_every_mesh(tmp_path):
   assert kinds[('data 8', 'manual')] == {('all-reduce', ('data',))}
   assert {('all-gather', ('fsdp',)), ('all-reduce', ('tensor',))} <= kinds[
       ('fsdp 2 x tensor 4', 'manual')]
-  markdown = (tmp_path / 'bench.md').read_text()
-  assert markdown.count('| data 8 |') == 2 and 'MFU' in markdown
-  # --profile: a trace of each variant, in a directory of its own.
+  # Its two rows, the baseline's two and their two lines of the this tree / baseline table.
+  assert markdown.count('| data 8 |') == 6 and 'MFU' in markdown
+  # --profile: a trace of each variant (of this tree), in a directory of its own.
   traces = {p.relative_to(tmp_path / 'trace').parts[0]: p.stat().st_size
             for p in (tmp_path / 'trace').glob('*/plugins/profile/*/*.xplane.pb')}
   assert sorted(traces) == ['data8-auto', 'data8-manual', 'fsdp2_tensor4-auto',
                             'fsdp2_tensor4-manual'] and min(traces.values()) > 0, traces
+
+
+def test_bench_sets_the_model_flops_against_a_calibrated_matmul(bench):
+  report, markdown, _ = bench
+  matmul = report['matmul_flops_per_device']
+  assert 0 < matmul < float('inf')
+  assert f'calibrated matmul: {matmul / 1e12:.4g} TFLOP/s per device' in markdown
+  lines = markdown.splitlines()
+  header = lines[2].split(' | ')
+  assert len(report['variants']) == 8
+  for r, line in zip(report['variants'], lines[4:12]):
+    assert line.startswith(f'| {r["mesh"]} | {r["mode"]} |')
+    achieved = report['model_flops_per_step'] / (r['median_ms'] / 1e3) / 8
+    assert r['of_matmul'] == pytest.approx(achieved / matmul)
+    assert line.split(' | ')[header.index('of matmul')] == f'{100 * achieved / matmul:.1f} %'
+
+
+def test_bench_with_a_baseline_times_the_other_checkouts_variants_too(bench):
+  """--baseline=this tree's root: the same code on the same data, so the same losses."""
+  report, markdown, _ = bench
+  assert [(r['mesh'], r['mode'], r['baseline']) for r in report['variants']] == [
+      (mesh, mode + suffix, bool(suffix)) for mesh in ('data 8', 'fsdp 2 x tensor 4')
+      for suffix in ('', ' (baseline)') for mode in ('auto', 'manual')]
+  rows = {(r['mesh'], r['mode']): r for r in report['variants']}
+  pairs = report['baseline']['comparison']
+  assert report['baseline']['directory'] == str(ROOT)
+  assert [(p['mesh'], p['mode']) for p in pairs] == [
+      (mesh, mode) for mesh in ('data 8', 'fsdp 2 x tensor 4') for mode in ('auto', 'manual')]
+  for p in pairs:
+    ours, theirs = rows[(p['mesh'], p['mode'])], rows[(p['mesh'], p['mode'] + ' (baseline)')]
+    assert len(theirs['step_ms']) == 2 and len(theirs['losses']) == 3  # Warm-up's loss too.
+    assert theirs['losses'] == ours['losses'] and p['max_loss_difference'] == 0
+    assert theirs['collectives'] == ours['collectives']
+    assert p['ratio'] == pytest.approx(ours['median_ms'] / theirs['median_ms'])
+  table = markdown.split('This tree / baseline')[1].splitlines()
+  assert table[-1] == (f'| fsdp 2 x tensor 4 | manual | {ours["median_ms"]:.1f} | '
+                       f'{theirs["median_ms"]:.1f} | '
+                       f'{ours["median_ms"] / theirs["median_ms"]:.3f} | 0 |')
+
+
+def test_a_failing_baseline_child_shows_the_end_of_its_stderr(tmp_path):
+  from engine.analysis import baseline  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'engine').mkdir()
+  (tmp_path / 'engine' / '__init__.py').write_text('raise ImportError("out of cheese")\n')
+  baseline.check_baseline(str(tmp_path))  # A checkout, as far as the flag's check can tell.
+  with pytest.raises(RuntimeError) as raised:
+    baseline.BaselineReference(str(tmp_path), '{}', [''], ['auto'])
+  message = str(raised.value)
+  assert f'the baseline ({tmp_path}) did not start (status 1)' in message
+  assert message.endswith('ImportError: out of cheese')
 
 
 def test_import_engine_applies_the_allocator_settings_unless_told_not_to():

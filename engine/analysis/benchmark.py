@@ -78,8 +78,8 @@ def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
 def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSetup]],
                  num_steps: int, warmup: int = 2, observe: Callable | None = None,
                  each_round: Callable[[bool], None] | None = None,
-                 batch_sizes: list[int] | None = None,
-                 profile: str | None = None) -> list[ModeRun]:
+                 batch_sizes: list[int] | None = None, profile: str | None = None,
+                 before_rounds: Callable[[], None] | None = None) -> list[ModeRun]:
   """Compiles every (mode, setup), then runs their steps interleaved on the same batches.
 
   `observe(step, run, state, host_batch)` is called after each variant's step, outside the timed
@@ -87,7 +87,8 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
   round like one more variant (an external reference's step, for instance). `batch_sizes`
   (default: the config's for all) gives each variant its global batch: the first rows of each
   host's share of the largest. `profile` (a directory): after the timed rounds, each variant's
-  trace of PROFILE_STEPS more steps into profile/<variant_directory>.
+  trace of PROFILE_STEPS more steps into profile/<variant_directory>. `before_rounds()` runs
+  once between the compiles and the first round (a calibration, for instance).
   """
   seq_len = config.data.seq_len
   batch_sizes = batch_sizes or [config.data.global_batch_size] * len(variants)
@@ -97,6 +98,8 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
   processes = jax.process_count()
   batches = data.batches(corpus, config.data, 'train', max(batch_sizes), config.seed,
                          jax.process_index(), processes)
+  if before_rounds:
+    before_rounds()
   for i in range(warmup + num_steps):
     # Whoever runs first in a round finds the caches cold after the others; rotating the order
     # every round spreads that over all of them.
@@ -198,23 +201,26 @@ def _collectives_cell(rows: list[dict]) -> str:
 
 def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
   """The table: one line per variant; `vs first` is the ratio of median step times to the first
-  mode on the same mesh."""
+  mode on the same mesh, `of matmul` the model FLOP/s per device over the calibrated matmul's
+  (row['of_matmul'], engine.analysis.calibration; n/a without)."""
   label = lambda r: r['mesh'] + (' (dense equivalent)' if r.get('dense_equivalent') else '')
   first = {}
   for row in rows:
     first.setdefault(label(row), row['median_ms'])
   lines = [f'## {title}', '',
            '| mesh | mode | median ms | min | max | vs first | tokens/s | compile s | '
-           'model TFLOP/s/device | MFU | args MiB | temp MiB | peak MiB | collectives per step |',
-           '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|']
+           'model TFLOP/s/device | MFU | of matmul | args MiB | temp MiB | peak MiB | '
+           'collectives per step |',
+           '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|']
   for r in rows:
     m = r['memory']
     mfu = f'{100 * r["mfu"]:.1f} %' if r['mfu'] is not None else 'n/a'
+    of_matmul = f'{100 * r["of_matmul"]:.1f} %' if r.get('of_matmul') is not None else 'n/a'
     lines.append(
         f'| {label(r)} | {r["mode"]} | {r["median_ms"]:.1f} | {r["min_ms"]:.1f} | '
         f'{r["max_ms"]:.1f} | {r["median_ms"] / first[label(r)]:.3f} | '
         f'{r["tokens_per_s"]:,.0f} | {r["compile_s"]:.1f} | {r["model_tflops_per_device"]:.4f} | '
-        f'{mfu} | {m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
+        f'{mfu} | {of_matmul} | {m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("temp_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("peak_estimate_bytes", 0) / 2**20:.1f} | {_collectives_cell(r["collectives"])} |')
   if any(c.get('ops_in_unknown_loops') for r in rows for c in r['collectives']):
@@ -286,7 +292,7 @@ def check_torch_python(python: str) -> None:
                       'a Python that has it.')
 
 
-def _tail(file, lines: int = 10) -> str:
+def stderr_tail(file, lines: int = 10) -> str:
   file.seek(0)
   text = file.read().decode(errors='replace').strip().splitlines()[-lines:]
   return '\n'.join(text) or '(nothing on stderr)'
@@ -320,7 +326,7 @@ class TorchReference:
     except subprocess.TimeoutExpired:
       self.process.kill()
     raise RuntimeError(f'the PyTorch reference {what} (status {self.process.poll()}): '
-                       f'{self.command}\nIts stderr ends:\n{_tail(self.stderr)}')
+                       f'{self.command}\nIts stderr ends:\n{stderr_tail(self.stderr)}')
 
   def __call__(self, timed: bool) -> None:
     try:
