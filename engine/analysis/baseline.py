@@ -30,7 +30,7 @@ SUFFIX = ' (baseline)'  # After the mode, in its rows.
 def check_baseline(directory: str) -> None:
   """DIR must be the root of a checkout (DIR/engine/__init__.py), before anything compiles."""
   init = os.path.join(directory, 'engine', '__init__.py')
-  if not os.path.isfile(init):
+  if not directory or not os.path.isfile(init):  # '' would quietly mean the current directory.
     raise ConfigError(f'--baseline={directory} is not a checkout of the engine (no {init}); give '
                       'the root of one, e.g. a git worktree: git worktree add --detach '
                       '/tmp/before HEAD')
