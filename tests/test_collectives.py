@@ -1,6 +1,7 @@
 """The collective counter, on hand-written HLO and on the compiled manual steps."""
 
 import collections
+import math
 
 import jax
 import pytest
@@ -127,18 +128,26 @@ def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
   assert kinds == {'all-gather', 'reduce-scatter', 'all-reduce'}
   assert all(c.axes == ('fsdp',) for c in found)
   params = train_setup.parameters()
-  sharded = {p.shape for p in params if 'fsdp' in spec_axes(p.spec)}
+  sharded_params = [p for p in params if 'fsdp' in spec_axes(p.spec)]
+  sharded = {p.shape for p in sharded_params}
   replicated = [p for p in params if 'fsdp' not in spec_axes(p.spec)]
   # Exactly the replicated parameters' gradients (norms, biases) are all-reduced, each once; a
   # full gradient of a sharded parameter would be one buffer too many.
   assert _reduced_per_step(found) == _each_once(replicated)
   assert sharded
-  # Layer weights are gathered once per layer in the forward pass and again in the backward one.
+  # A layer's split weights travel together (engine/parallel/flat_gather.py): one all-gather
+  # of every device's shards, flat, per layer in the forward pass and again in the backward one,
+  # and one reduce-scatter of their gradients.
   layers = tiny_config().model.num_layers
-  w_up = (32, 64)  # Full per-layer shape of blocks/w_up_DF.
-  assert sum(c.executions for c in found
-             if c.kind == 'all-gather' and c.shapes == (w_up,)) == 2 * layers
-  assert any(c.kind == 'reduce-scatter' and c.shapes == ((4, 64),) for c in found)
+  per_layer = sum(math.prod(p.shape) for p in params
+                  if LAYERS in p.logical_axes and 'fsdp' in spec_axes(p.spec)) // layers
+  in_layers = lambda kind: [c.shapes for c in found if c.kind == kind and c.executions == layers]
+  assert in_layers('all-gather') == [((8, per_layer // 8),)] * 2
+  assert in_layers('reduce-scatter') == [((1, per_layer // 8),)]
+  # Outside the layers, the embeddings' tables: gathered once, together, and scattered once.
+  top = sum(math.prod(p.shape) for p in sharded_params if LAYERS not in p.logical_axes)
+  assert [c.shapes for c in found if c.kind == 'all-gather' and c.executions == 1] == [
+      ((8, top // 8),)]
 
 
 def test_fsdp_memory_falls_with_the_fsdp_axis():

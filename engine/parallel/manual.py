@@ -3,11 +3,12 @@
 The collectives come from the same rules that give auto mode its shardings:
 
 - A parameter dimension whose logical name maps to mesh axes in the parameter rules but not in
-  the activation rules (FSDP's `embed` -> fsdp) is `all_gather`ed before use: a stacked layer's
-  parameters when that layer starts (`ops.layer`, inside the layer scan and under remat, so only
-  one layer's gathered weights are alive at a time and the backward pass gathers again), every
-  other parameter once before the model runs. The transpose of the gather is a `psum_scatter`:
-  the gradient arrives reduce-scattered. The model reads parameters the plain Flax way.
+  the activation rules (FSDP's `embed` -> fsdp) is `all_gather`ed before use, the weights split
+  alike in one collective (engine/parallel/flat_gather.py): a stacked layer's when that layer
+  starts (`ops.layer`, in the layer scan and under remat: one layer's gathered weights alive at a
+  time, gathered again in the backward pass), the others once before the model runs. The
+  gather's transpose, a `psum_scatter`, reduce-scatters the gradients. The model reads
+  parameters the plain Flax way.
 - A contraction over a dimension that the activation rules shard (Megatron's row-parallel
   attention-out and MLP-down over `heads` / `mlp` -> tensor) ends with a `psum` over those axes.
   Its column-parallel partner needs nothing in the forward pass; JAX's varying-axes types turn the
@@ -41,11 +42,13 @@ from jax.sharding import PartitionSpec as P
 
 from engine.models import moe_dispatch
 from engine.models.ops import LocalOps, reduce_losses
-from engine.parallel import context, expert_exchange, pipeline
+from engine.parallel import context, expert_exchange, flat_gather, pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
-                                   kept_count, map_params, next_token_loss)
+                                   kept_count, map_params, map_params_together, next_token_loss)
 from engine.sharding import named, spec_axes
 from engine.state import TrainSetup
+
+_NOT_KEPT = frozenset({'all_gather', 'split', 'reshape', 'transpose', 'convert_element_type'})
 
 
 class ManualOps(LocalOps):
@@ -76,30 +79,24 @@ class ManualOps(LocalOps):
     self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
     self.gather = gather
     keep = REMAT_POLICIES[setup.options.remat] or jax.checkpoint_policies.everything_saveable
-    # Gathered weights are never kept for the backward pass, whatever the policy: peak memory
-    # holds one layer's full parameters, and the backward pass gathers them again.
+    # Gathered weights, nor the cuts and casts that make them (flat_gather), are never kept for
+    # the backward pass, whatever the policy: peak memory holds one layer's full parameters.
     self.remat_policy = lambda prim, *args, **params: (
-        prim.name != 'all_gather' and keep(prim, *args, **params))
+        prim.name not in _NOT_KEPT and keep(prim, *args, **params))
 
-  def gathered(self, value: jax.Array, logical_axes) -> jax.Array:
-    """The parameter with its FSDP-split dimensions all-gathered, in the reduction dtype (the
-    gather's transpose, a reduce-scatter, then moves the gradient in that dtype)."""
-    splits = [(dim, self.rules.gather_axes(name)) for dim, name in enumerate(logical_axes)]
-    splits = [(dim, axes) for dim, axes in splits if axes]
-    if splits:
-      value = value.astype(self.reduce_dtype)
-    for dim, axes in splits:
-      value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
-    return value
+  def gathered(self, values: list, logical_axes: list) -> list:
+    """The parameters with their FSDP-split dimensions all-gathered, those split alike in one
+    all_gather (engine/parallel/flat_gather.py), in the reduction dtype (the gather's transpose,
+    a reduce-scatter, then moves the gradient in that dtype)."""
+    splits = [flat_gather.splits(self.rules, axes) for axes in logical_axes]
+    values = [v.astype(self.reduce_dtype) if s else v for v, s in zip(values, splits)]
+    return flat_gather.gather_together(values, splits)
 
-  def scattered(self, grad: jax.Array, logical_axes) -> jax.Array:
-    """The transpose of `gathered` for a gradient of the whole parameter: each FSDP-split
+  def scattered(self, grads: list, logical_axes: list) -> list:
+    """The transpose of `gathered` for gradients of the whole parameters: each FSDP-split
     dimension summed over its axes and scattered back to this device's shard."""
-    for dim, name in enumerate(logical_axes):
-      axes = self.rules.gather_axes(name)
-      if axes:
-        grad = jax.lax.psum_scatter(grad, axes, scatter_dimension=dim, tiled=True)
-    return grad
+    splits = [flat_gather.splits(self.rules, axes) for axes in logical_axes]
+    return flat_gather.scatter_together(grads, splits)
 
   def batch_reduction(self, logical_axes) -> tuple[tuple[str, ...], int]:
     """For a parameter with these (storage) logical axes: the batch axes it is replicated over,
@@ -109,16 +106,16 @@ class ManualOps(LocalOps):
     replicated = tuple(a for a in self.batch_axes if a not in stored)
     return replicated, math.prod(self.mesh_shape[a] for a in self.batch_axes if a in stored)
 
-  def _prepared(self, value, logical_axes):
+  def _prepared(self, values: list, logical_axes: list) -> list:
     if self.average_in_backward:
-      value = _averaged_in_backward(value, *self.batch_reduction(logical_axes),
-                                    self.reduce_dtype)
+      values = [_averaged_in_backward(v, *self.batch_reduction(axes), self.reduce_dtype)
+                for v, axes in zip(values, logical_axes)]
     if self.gather:
-      value = self.gathered(value, logical_axes)
-    return value.astype(self.compute_dtype)
+      values = self.gathered(values, logical_axes)
+    return [v.astype(self.compute_dtype) for v in values]
 
   def prepare_params(self, module, skip_stacked=True):
-    return map_params(module, self._prepared, skip_stacked)
+    return map_params_together(module, self._prepared, skip_stacked)
 
   def layer(self, fn):
     def prepared_layer(layer, *args):
@@ -253,9 +250,11 @@ class _Gradients:
     self.gathers = any(setup.rules.gather_axes(name) for p in setup.parameters()
                        for name in p.logical_axes)
 
-  def map_param_values(self, tree, fn):
-    """fn(value, logical axes) on a tree laid out like the parameters."""
-    module = map_params(nnx.merge(self.setup.graphdef, tree), fn)
+  def map_param_values(self, tree, fn, together: bool = False):
+    """fn(value, logical axes) on a tree laid out like the parameters; `together`:
+    fn(values, logical axes of each) on all of them at once."""
+    module = (map_params_together if together else map_params)(
+        nnx.merge(self.setup.graphdef, tree), fn)
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
   def average(self, grads):
@@ -288,7 +287,7 @@ class _Gradients:
     gradients w.r.t. the gathered copies accumulate locally, so each is reduce-scattered (and
     averaged) once per optimizer step rather than once per micro-batch. The price is ZeRO-2
     memory: whole weights and whole gradients on every device during the step."""
-    whole = self.map_param_values(params, self.ops.gathered)
+    whole = self.map_param_values(params, self.ops.gathered, together=True)
     # all_gather leaves its result typed as varying over the gathered axes; cast over the other
     # batch axes too, so the gradients w.r.t. these copies stay local.
     whole = self.map_param_values(whole, lambda w, axes: _cast_to_varying(
@@ -297,7 +296,8 @@ class _Gradients:
     value, grads = accumulate_gradients(
         jax.value_and_grad(lambda p, t: self.local_loss(p, t, count, pregathered), has_aux=True),
         whole, tokens_BL1, self.microbatches)
-    return value, self.average(self.map_param_values(grads, self.ops.scattered))
+    scattered = self.map_param_values(grads, self.ops.scattered, together=True)
+    return value, self.average(scattered)
 
   def __call__(self, params, tokens_BL1):
     """(mean loss over the global batch, synchronised gradients)."""
@@ -317,8 +317,7 @@ class _Gradients:
     return self.batch_mean(loss), grads, stats
 
   def batch_mean(self, loss):
-    batch_axes = self.ops.batch_axes
-    return jax.lax.pmean(loss, batch_axes) if batch_axes else loss
+    return self.ops.batch_mean(loss)
 
   def global_norm(self, grads):
     # Each shard's squared norm is summed over the axes that split that parameter.

@@ -166,15 +166,20 @@ def map_params(module: nnx.Module, fn: Callable, skip_stacked: bool = False) -> 
 
   With `skip_stacked`, parameters stacked along the LAYERS axis are left alone: those are
   prepared one layer at a time, inside ops.layer."""
+  return map_params_together(
+      module, lambda values, axes: [fn(v, a) for v, a in zip(values, axes)], skip_stacked)
+
+
+def map_params_together(module: nnx.Module, fn: Callable,
+                        skip_stacked: bool = False) -> nnx.Module:
+  """`map_params` with one call `fn(values, logical axes of each) -> new values` for all the
+  parameters it maps, which it can then treat together (manual FSDP gathers them in one
+  collective)."""
   graphdef, state = nnx.split(module)
-
-  def visit(variable):
-    if not isinstance(variable, nnx.Param):
-      return variable
-    axes = logical_axes_of(variable)
-    if skip_stacked and LAYERS in axes:
-      return variable
-    return variable.replace(fn(variable[...], axes))
-
-  state = jax.tree.map(visit, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return nnx.merge(graphdef, state)
+  variables, treedef = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  mapped = [i for i, v in enumerate(variables) if isinstance(v, nnx.Param)
+            and not (skip_stacked and LAYERS in logical_axes_of(v))]
+  values = fn([variables[i][...] for i in mapped], [logical_axes_of(variables[i]) for i in mapped])
+  for i, value in zip(mapped, values):
+    variables[i] = variables[i].replace(value)
+  return nnx.merge(graphdef, jax.tree.unflatten(treedef, variables))
