@@ -15,6 +15,8 @@ kind and mesh axes.
 --profile=DIR also traces a few steps of each variant with jax.profiler, after the timed
 rounds (so the profiler's cost stays out of the times), into DIR/<mesh>-<mode>, e.g.
 DIR/data8-manual: `tensorboard --logdir=DIR` with tensorboard-plugin-profile shows each as a run.
+The report then adds each variant's self time per step by op, split into compute, collectives
+and waiting (engine/analysis/op_profile.py), so where a variant's time goes needs no viewer.
 
 --torch_python=PYTHON (a Python that has torch) also runs the PyTorch version of the GPT model
 (engine/analysis/torch_reference.py) in a child process that takes a turn in every round; that
@@ -46,8 +48,8 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from engine import config as config_lib
-from engine import parallel
-from engine.analysis import baseline, benchmark, calibration
+from engine import parallel, profiling
+from engine.analysis import baseline, benchmark, calibration, op_profile
 from engine.assemble import assemble
 from engine.cli import check_out_prefix, run_command
 
@@ -178,6 +180,10 @@ def report(config, runs: list, tokens: int, matmul: float | None, external: dict
   pairs = baseline.comparison(rows) if _BASELINE.value else None
   if pairs is not None:
     text += '\n\n' + baseline.comparison_markdown(pairs, _BASELINE.value)
+  ops = profiled_ops(runs) if _PROFILE.value else {}
+  if ops:
+    text += ('\n\nSelf time per step by op, summed over the device threads, from the --profile '
+             'traces (engine/analysis/op_profile.py):\n\n' + op_profile.markdown(list(ops.items())))
   print(text)
   if _OUT.value:
     with open(_OUT.value + '.md', 'w') as f:
@@ -188,8 +194,22 @@ def report(config, runs: list, tokens: int, matmul: float | None, external: dict
                  'peak_flops_per_device': peak, 'matmul_flops_per_device': matmul,
                  'config': json.loads(config.to_json()), 'variants': rows, 'external': external,
                  'baseline': pairs and {'directory': os.path.abspath(_BASELINE.value),
-                                        'comparison': pairs}}, f, indent=1)
+                                        'comparison': pairs},
+                 'ops_seconds_per_step': ops}, f, indent=1)
     logging.info('Wrote %s.md and %s.json', _OUT.value, _OUT.value)
+
+
+def profiled_ops(runs: list) -> dict[str, dict[str, float]]:
+  """{'<mesh> <mode>': op_profile.op_totals} of this tree's variants' --profile traces."""
+  ops = {}
+  for run in runs:
+    directory = profiling.trace_directory(os.path.join(_PROFILE.value,
+                                                       benchmark.variant_directory(run)))
+    path = op_profile.trace_file(directory)
+    if not run.mode.endswith(baseline.SUFFIX) and path:
+      ops[f'{run.mesh} {run.mode}'] = op_profile.op_totals(
+          path, min(benchmark.PROFILE_STEPS, _STEPS.value))
+  return ops
 
 
 if __name__ == '__main__':

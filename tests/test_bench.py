@@ -1,5 +1,6 @@
 """`python -m engine.bench` end to end on a tiny model, and the chip table behind its MFU."""
 
+import collections
 import json
 import os
 import pathlib
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from engine import chips
+from engine.analysis import op_profile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -59,6 +61,14 @@ def test_bench_measures_every_mode_on_every_mesh(bench):
             for p in (tmp_path / 'trace').glob('*/plugins/profile/*/*.xplane.pb')}
   assert sorted(traces) == ['data8-auto', 'data8-manual', 'fsdp2_tensor4-auto',
                             'fsdp2_tensor4-manual'] and min(traces.values()) > 0, traces
+  # ... and each trace's ops, by self time: every variant computes and communicates.
+  ops = report['ops_seconds_per_step']
+  assert sorted(ops) == ['data 8 auto', 'data 8 manual', 'fsdp 2 x tensor 4 auto',
+                         'fsdp 2 x tensor 4 manual']
+  for totals in ops.values():
+    sums = op_profile.split(totals)
+    assert sums['compute'] > 0 and sums['collectives'] > 0, totals
+  assert 'Self time per step by op' in markdown and '| data 8 manual |' in markdown
 
 
 def test_bench_sets_the_model_flops_against_a_calibrated_matmul(bench):
@@ -93,7 +103,7 @@ def test_bench_with_a_baseline_times_the_other_checkouts_variants_too(bench):
     assert theirs['losses'] == ours['losses'] and p['max_loss_difference'] == 0
     assert theirs['collectives'] == ours['collectives']
     assert p['ratio'] == pytest.approx(ours['median_ms'] / theirs['median_ms'])
-  table = markdown.split('This tree / baseline')[1].splitlines()
+  table = markdown.split('This tree / baseline')[1].split('\n\n')[1].splitlines()
   assert table[-1] == (f'| fsdp 2 x tensor 4 | manual | {ours["median_ms"]:.1f} | '
                        f'{theirs["median_ms"]:.1f} | '
                        f'{ours["median_ms"] / theirs["median_ms"]:.3f} | 0 |')
@@ -183,3 +193,18 @@ def test_dense_equivalent_has_the_active_parameters_and_folds_the_expert_axis():
       row('data 2 x expert 4', {'data': 2, 'expert': 4}, 300.0, False),
       row('data 8', {'data': 8, 'expert': 1}, 1200.0, True)])
   assert table.splitlines()[-1] == '| data 2 x expert 4 | manual | 300 | data 8 | 1,200 | 0.25 |'
+
+
+class _Event:
+  def __init__(self, start, end, name):
+    self.start_ns, self.duration_ns, self.name = start, end - start, name
+
+
+def test_op_self_times_subtract_nested_events():
+  """A [0, 10] holds B [2, 5] and C [6, 8]; D [12, 13] after them; B and C are both `fusion`."""
+  totals = collections.Counter()
+  op_profile._add_self_times([_Event(6, 8, 'fusion.2'), _Event(0, 10, 'while.1'),
+                              _Event(12, 13, 'all-reduce.3'), _Event(2, 5, 'fusion.1')], totals)
+  assert dict(totals) == {'while': 5, 'fusion': 5, 'all-reduce': 1}
+  assert op_profile.split({'fusion': 2.0, 'all-reduce': 1.0, 'Rendezvous': 0.5}) == {
+      'compute': 2.0, 'collectives': 1.0, 'waiting': 0.5}
