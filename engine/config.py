@@ -17,6 +17,7 @@ SOURCES = ('embedded', 'file', 'synthetic', 'shards')
 TOKENIZERS = ('byte', 'char', 'hf', 'sentencepiece')
 MESH_AXES = ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert')
 DTYPES = ('float32', 'bfloat16')
+FSDP_GATHERS = ('auto', 'per_layer', 'per_weight')  # parallelism.fsdp_gather
 
 
 class ConfigError(ValueError):
@@ -157,6 +158,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.parallelism.rules = 'auto'  # A preset in engine.sharding.RULE_PRESETS; 'auto' follows the mesh.
   # Manual mode: dtype of the gradient reductions and of the FSDP gathers they transpose.
   c.parallelism.grad_reduce_dtype = 'float32'  # float32 | bfloat16
+  # Manual FSDP: per_layer gathers a layer's split weights in one all_gather (and reduce-scatters
+  # their gradients in one), per_weight one collective per weight; auto: per_layer on CPU
+  # devices, whose compiler combines neither, per_weight on GPU / TPU, whose compilers do.
+  c.parallelism.fsdp_gather = 'auto'  # auto | per_layer | per_weight
 
   c.train = ml_collections.ConfigDict()
   c.train.num_steps = 300  # Optimizer steps in all (a resumed run continues to it).

@@ -50,6 +50,10 @@ class StepOptions:
   # Manual mode: the dtype of gradient reductions (and of the FSDP gathers whose transposes
   # they are) [parallelism.grad_reduce_dtype].
   grad_reduce_dtype: str = 'float32'
+  # Manual FSDP: a layer's split weights gathered in one all_gather, their gradients
+  # reduce-scattered in one (engine/parallel/flat_gather.py), rather than one collective per
+  # weight [parallelism.fsdp_gather; auto: on CPU devices].
+  flat_gather: bool = False
   # A step whose loss or gradient norm is not finite leaves parameters and optimizer state as
   # they were (the loop counts it) [train.skip_nonfinite_steps > 0].
   skip_nonfinite: bool = False

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from engine import config_help, models, parallel, profiling, sharding, text_files
-from engine.config import DTYPES, SOURCES, TOKENIZERS, ConfigError, resolve_mesh_shape
+from engine.config import (DTYPES, FSDP_GATHERS, SOURCES, TOKENIZERS, ConfigError,
+                           resolve_mesh_shape)
 from engine.models import attention, llama
 from engine.validation_attention import check_splash
 from engine.validation_moe import check_moe
@@ -263,6 +264,7 @@ def _check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rul
   """The rules, and what the mode, context and stage axes ask of the model."""
   parallelism = config.parallelism
   _choose(parallelism, 'grad_reduce_dtype', 'parallelism.grad_reduce_dtype', DTYPES)
+  _choose(parallelism, 'fsdp_gather', 'parallelism.fsdp_gather', FSDP_GATHERS)
   if parallelism.rules not in sharding.RULE_PRESETS and parallelism.rules != 'auto':
     raise ConfigError(f'parallelism.rules={parallelism.rules!r} is unknown; choose '
                       f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")

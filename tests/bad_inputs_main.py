@@ -176,6 +176,9 @@ BAD_INPUTS = [
      "model.name='gpt3' is unknown; choose one of ['gpt', 'llama']."),
     ([TINY, RUN, '--config.parallelism.mode=pipeline'], 2,
      "parallelism.mode='pipeline' is unknown; choose one of ['auto', 'manual']."),
+    ([TINY, RUN, '--config.parallelism.fsdp_gather=flat'], 2,
+     "parallelism.fsdp_gather='flat' is unknown; choose one of ('auto', 'per_layer', "
+     "'per_weight')."),
     ([TINY, RUN, '--config.parallelism.rules=zero3'], 2, "parallelism.rules='zero3' is unknown; "
      "choose 'auto' or one of ['data_parallel', 'fsdp', 'fsdp_tensor', 'tensor']."),
     ([TINY, RUN, '--config.data.source=hf'], 2,

@@ -60,9 +60,10 @@ def test_loop_bodies_count_once_per_iteration_and_tuples_per_buffer():
                                               'ops_in_unknown_loops': 0}
 
 
-def _compiled_manual_step(mesh, **model):
+def _compiled_manual_step(mesh, fsdp_gather='auto', **model):
   config = tiny_config(mesh=mesh)
   config.model.update(model)
+  config.parallelism.fsdp_gather = fsdp_gather
   train_setup = lay_out(config, 256)
   steps = parallel.STEP_BUILDERS['manual'](train_setup)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
@@ -122,26 +123,33 @@ def test_tensor_parallel_step_has_two_all_reduces_per_block_each_way():
   assert not any(s and s[-1] == 256 for c in found for s in c.shapes)  # Logits never gathered.
 
 
-def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
-  _, found, train_setup = _compiled_manual_step((1, 8, 1))
+@pytest.mark.parametrize('fsdp_gather', ['auto', 'per_weight'])
+def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients(fsdp_gather):
+  _, found, train_setup = _compiled_manual_step((1, 8, 1), fsdp_gather)
   kinds = {c.kind for c in found}
   assert kinds == {'all-gather', 'reduce-scatter', 'all-reduce'}
   assert all(c.axes == ('fsdp',) for c in found)
   params = train_setup.parameters()
   sharded_params = [p for p in params if 'fsdp' in spec_axes(p.spec)]
-  sharded = {p.shape for p in sharded_params}
   replicated = [p for p in params if 'fsdp' not in spec_axes(p.spec)]
   # Exactly the replicated parameters' gradients (norms, biases) are all-reduced, each once; a
   # full gradient of a sharded parameter would be one buffer too many.
   assert _reduced_per_step(found) == _each_once(replicated)
-  assert sharded
-  # A layer's split weights travel together (engine/parallel/flat_gather.py): one all-gather
-  # of every device's shards, flat, per layer in the forward pass and again in the backward one,
-  # and one reduce-scatter of their gradients.
+  assert sharded_params
   layers = tiny_config().model.num_layers
+  in_layers = lambda kind: [c.shapes for c in found if c.kind == kind and c.executions == layers]
+  if fsdp_gather == 'per_weight':
+    # Each layer weight gathered once per layer in the forward pass and again in the backward
+    # one, and its gradient reduce-scattered once.
+    w_up = (32, 64)  # Full per-layer shape of blocks/w_up_DF.
+    assert in_layers('all-gather').count((w_up,)) == 2
+    assert in_layers('reduce-scatter').count(((4, 64),)) == 1
+    return
+  # On CPU devices (auto) a layer's split weights travel together (flat_gather.py): one
+  # all-gather of every device's shards, flat, per layer in the forward pass and again in the
+  # backward one, and one reduce-scatter of their gradients.
   per_layer = sum(math.prod(p.shape) for p in params
                   if LAYERS in p.logical_axes and 'fsdp' in spec_axes(p.spec)) // layers
-  in_layers = lambda kind: [c.shapes for c in found if c.kind == kind and c.executions == layers]
   assert in_layers('all-gather') == [((8, per_layer // 8),)] * 2
   assert in_layers('reduce-scatter') == [((1, per_layer // 8),)]
   # Outside the layers, the embeddings' tables: gathered once, together, and scattered once.

@@ -41,6 +41,15 @@ def test_matches_single_device(mesh, mode, reference):
   assert_same_run(engine_run(_config(mesh), mode, STEPS), reference)
 
 
+@pytest.mark.parametrize('mesh', [(1, 8, 1), (2, 2, 2)], ids=['1x8x1', '2x2x2'])
+def test_fsdp_gathers_one_weight_at_a_time_match_too(mesh, reference):
+  """parallelism.fsdp_gather=per_weight (what GPU and TPU get by default; CPU devices gather
+  each layer's weights together): the same numbers."""
+  config = _config(mesh)
+  config.parallelism.fsdp_gather = 'per_weight'
+  assert_same_run(engine_run(config, 'manual', STEPS), reference)
+
+
 def test_a_summed_gradient_fails_the_check(reference, monkeypatch):
   def summed(grad, replicated_axes, *_):  # The bug: psum where pmean belongs.
     return jax.lax.psum(grad, replicated_axes) if replicated_axes else grad

@@ -12,6 +12,11 @@ dtype, travel together: their local shards are flattened into one buffer, gather
 `psum_scatter` of the layer's gradients. Same bytes, one collective instead of seven, at the
 price of a copy of the gathered weights (the cut, and a transpose for a weight split on a
 dimension other than its first).
+
+Only where that pays: parallelism.fsdp_gather=auto (engine/assemble.py: flat_gather) groups on
+CPU devices. XLA:TPU and XLA:GPU have combiner passes for all-gathers and reduce-scatters of
+their own; compiled for TPU v5p (the 8B plan in BUILD.md) the per-weight gathers needed less
+memory and less time on the interconnect than the flat ones.
 """
 
 from __future__ import annotations
@@ -40,9 +45,13 @@ def gather(value: jax.Array, splits: Splits) -> jax.Array:
   return value
 
 
-def gather_together(values: Sequence[jax.Array], splits: Sequence[Splits]) -> list[jax.Array]:
-  """Every value with its `splits` dimensions all-gathered: those split on one dimension over
-  the same axes and of one dtype in a single all_gather; the rest one by one (`gather`)."""
+def gather_together(values: Sequence[jax.Array], splits: Sequence[Splits],
+                    flat: bool = True) -> list[jax.Array]:
+  """Every value with its `splits` dimensions all-gathered; with `flat`, those split on one
+  dimension over the same axes and of one dtype in a single all_gather; the rest (all, without
+  `flat`) one by one (`gather`)."""
+  if not flat:
+    return [gather(v, split) for v, split in zip(values, splits)]
   out = list(values)
   for i, split in enumerate(splits):
     if len(split) > 1:
@@ -98,9 +107,12 @@ def scatter(grad: jax.Array, splits: Splits) -> jax.Array:
   return grad
 
 
-def scatter_together(grads: Sequence[jax.Array], splits: Sequence[Splits]) -> list[jax.Array]:
+def scatter_together(grads: Sequence[jax.Array], splits: Sequence[Splits],
+                     flat: bool = True) -> list[jax.Array]:
   """The transpose of `gather_together` for gradients of whole weights (grouped the same way):
   one psum_scatter per group where the gather had one all_gather."""
+  if not flat:
+    return [scatter(g, split) for g, split in zip(grads, splits)]
   out = list(grads)
   for (axes, _, _), members in _groups(grads, splits).items():
     if len(members) == 1:

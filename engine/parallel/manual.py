@@ -78,6 +78,7 @@ class ManualOps(LocalOps):
     self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
     self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
     self.gather = gather
+    self.flat_gather = setup.options.flat_gather
     keep = REMAT_POLICIES[setup.options.remat] or jax.checkpoint_policies.everything_saveable
     # Gathered weights, nor the cuts and casts that make them (flat_gather), are never kept for
     # the backward pass, whatever the policy: peak memory holds one layer's full parameters.
@@ -90,13 +91,13 @@ class ManualOps(LocalOps):
     a reduce-scatter, then moves the gradient in that dtype)."""
     splits = [flat_gather.splits(self.rules, axes) for axes in logical_axes]
     values = [v.astype(self.reduce_dtype) if s else v for v, s in zip(values, splits)]
-    return flat_gather.gather_together(values, splits)
+    return flat_gather.gather_together(values, splits, self.flat_gather)
 
   def scattered(self, grads: list, logical_axes: list) -> list:
     """The transpose of `gathered` for gradients of the whole parameters: each FSDP-split
     dimension summed over its axes and scattered back to this device's shard."""
     splits = [flat_gather.splits(self.rules, axes) for axes in logical_axes]
-    return flat_gather.scatter_together(grads, splits)
+    return flat_gather.scatter_together(grads, splits, self.flat_gather)
 
   def batch_reduction(self, logical_axes) -> tuple[tuple[str, ...], int]:
     """For a parameter with these (storage) logical axes: the batch axes it is replicated over,
