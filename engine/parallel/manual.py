@@ -80,7 +80,7 @@ class ManualOps(LocalOps):
     self.gather = gather
     self.flat_gather = setup.options.flat_gather
     keep = REMAT_POLICIES[setup.options.remat] or jax.checkpoint_policies.everything_saveable
-    # Gathered weights, nor the cuts and casts that make them (flat_gather), are never kept for
+    # Neither gathered weights nor the cuts and casts that make them (flat_gather) are kept for
     # the backward pass, whatever the policy: peak memory holds one layer's full parameters.
     self.remat_policy = lambda prim, *args, **params: (
         prim.name not in _NOT_KEPT and keep(prim, *args, **params))
