@@ -21,7 +21,7 @@ from typing import NoReturn
 import numpy as np
 
 from engine.analysis import collectives
-from engine.analysis.benchmark import ModeRun, stderr_tail
+from engine.analysis.benchmark import ModeRun, child_failed
 from engine.config import ConfigError
 
 SUFFIX = ' (baseline)'  # After the mode, in its rows.
@@ -66,12 +66,8 @@ class BaselineReference:
       self._failed(failure)
 
   def _failed(self, what: str) -> NoReturn:
-    try:
-      self.process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      self.process.kill()
-    raise RuntimeError(f'the baseline ({self.directory}) {what} (status {self.process.poll()}): '
-                       f'{self.command}\nIts stderr ends:\n{stderr_tail(self.stderr)}')
+    child_failed(self.process, self.stderr, f'the baseline ({self.directory}) {what}',
+                 self.command)
 
   def __call__(self, timed: bool) -> None:
     self._send('step')

@@ -298,6 +298,17 @@ def stderr_tail(file, lines: int = 10) -> str:
   return '\n'.join(text) or '(nothing on stderr)'
 
 
+def child_failed(process: subprocess.Popen, stderr, what: str, command: str) -> NoReturn:
+  """Raises `what` with the child's status, its command and the end of its stderr (a file),
+  once it has exited (killed if it does not within 10 s)."""
+  try:
+    process.wait(timeout=10)
+  except subprocess.TimeoutExpired:
+    process.kill()
+  raise RuntimeError(f'{what} (status {process.poll()}): {command}\nIts stderr ends:\n'
+                     f'{stderr_tail(stderr)}')
+
+
 class TorchReference:
   """The PyTorch version of the GPT model (engine/analysis/torch_reference.py) in a child
   process run by a Python that has torch; one of its steps runs after each round of ours."""
@@ -321,12 +332,7 @@ class TorchReference:
     self.step_ms: list[float] = []
 
   def _failed(self, what: str) -> NoReturn:
-    try:
-      self.process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      self.process.kill()
-    raise RuntimeError(f'the PyTorch reference {what} (status {self.process.poll()}): '
-                       f'{self.command}\nIts stderr ends:\n{stderr_tail(self.stderr)}')
+    child_failed(self.process, self.stderr, f'the PyTorch reference {what}', self.command)
 
   def __call__(self, timed: bool) -> None:
     try:
