@@ -32,7 +32,7 @@ import jax.numpy as jnp
 Splits = Sequence[tuple[int, tuple[str, ...]]]
 
 
-def splits(rules, logical_axes) -> list[tuple[int, tuple[str, ...]]]:
+def split_dims(rules, logical_axes) -> list[tuple[int, tuple[str, ...]]]:
   """(dimension, mesh axes) for each FSDP-split dimension of a parameter with these logical
   axes under `rules` (engine.sharding.Rules.gather_axes)."""
   return [(dim, axes) for dim, name in enumerate(logical_axes) if (axes := rules.gather_axes(name))]

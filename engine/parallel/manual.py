@@ -89,14 +89,14 @@ class ManualOps(LocalOps):
     """The parameters with their FSDP-split dimensions all-gathered, those split alike in one
     all_gather (engine/parallel/flat_gather.py), in the reduction dtype (the gather's transpose,
     a reduce-scatter, then moves the gradient in that dtype)."""
-    splits = [flat_gather.splits(self.rules, axes) for axes in logical_axes]
+    splits = [flat_gather.split_dims(self.rules, axes) for axes in logical_axes]
     values = [v.astype(self.reduce_dtype) if s else v for v, s in zip(values, splits)]
     return flat_gather.gather_together(values, splits, self.flat_gather)
 
   def scattered(self, grads: list, logical_axes: list) -> list:
     """The transpose of `gathered` for gradients of the whole parameters: each FSDP-split
     dimension summed over its axes and scattered back to this device's shard."""
-    splits = [flat_gather.splits(self.rules, axes) for axes in logical_axes]
+    splits = [flat_gather.split_dims(self.rules, axes) for axes in logical_axes]
     return flat_gather.scatter_together(grads, splits, self.flat_gather)
 
   def batch_reduction(self, logical_axes) -> tuple[tuple[str, ...], int]:
