@@ -203,10 +203,11 @@ def profiled_ops(runs: list) -> dict[str, dict[str, float]]:
   """{'<mesh> <mode>': op_profile.op_totals} of this tree's variants' --profile traces."""
   ops = {}
   for run in runs:
-    directory = profiling.trace_directory(os.path.join(_PROFILE.value,
-                                                       benchmark.variant_directory(run)))
-    path = op_profile.trace_file(directory)
-    if not run.mode.endswith(baseline.SUFFIX) and path:
+    if run.mode.endswith(baseline.SUFFIX):  # The baseline's steps are not traced.
+      continue
+    path = op_profile.trace_file(profiling.trace_directory(
+        os.path.join(_PROFILE.value, benchmark.variant_directory(run))))
+    if path:
       ops[f'{run.mesh} {run.mode}'] = op_profile.op_totals(
           path, min(benchmark.PROFILE_STEPS, _STEPS.value))
   return ops
