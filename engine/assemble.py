@@ -22,14 +22,17 @@ import jax
 import ml_collections
 
 from engine import config as config_lib
-from engine import data, hf, models, parallel, run_tokenizer, validation
-from engine import workdir as workdir_lib
+from engine import data, models, parallel, validation
+from engine.hf import load as hf
+from engine.workdir import tokenizer as run_tokenizer
+from engine.workdir import run_dir as workdir_lib
 from engine.data import tokenizers
 from engine.mesh import make_mesh
 from engine.optimizer import make_optimizer
 from engine.parallel.steps import Steps
 from engine.sharding import rules_for
 from engine.state import StepOptions, TrainSetup, make_setup
+from engine.errors import ConfigError
 
 # How much of the data a command reads (see the module docstring).
 CORPUS, TOKENIZER, VOCABULARY = 'corpus', 'tokenizer', 'vocabulary'
@@ -73,7 +76,7 @@ def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
   if model_config.vocab_size == -1:
     return math.ceil(tokenizer_vocab / model_config.vocab_multiple) * model_config.vocab_multiple
   if model_config.vocab_size < tokenizer_vocab:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'model.vocab_size={model_config.vocab_size} is smaller than the tokenizer\'s '
         f'{tokenizer_vocab} tokens; raise it or set it to -1.')
   return model_config.vocab_size
@@ -84,7 +87,7 @@ def documents_eos_id(config: ml_collections.ConfigDict, tokenizer) -> int | None
   if not config.data.document_masking:
     return None
   if tokenizer is None or tokenizer.eos_id is None:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f'data.document_masking=true needs the tokenizer\'s end-of-text id to find where '
         f'documents end, but data.tokenizer={config.data.tokenizer!r} has none; use a tokenizer '
         'with one (hf or sentencepiece), or set --config.data.document_masking=false.')
@@ -176,7 +179,7 @@ def assemble_finished_run(workdir: str, mesh: str, where: str = '--mesh',
                           reads: str = TOKENIZER) -> Run:
   """A finished run's config (WORKDIR/config.json) laid out on `mesh` (a mesh string, on the
   first devices of this machine that it needs): what generation, evaluation and export restore
-  its checkpoint into. The tokenizer is the copy the workdir keeps (engine/run_tokenizer.py),
+  its checkpoint into. The tokenizer is the copy the workdir keeps (engine/workdir/tokenizer.py),
   where it has one: a corpus read for evaluation is checked against it, and nothing else is
   read for the others."""
   config = workdir_lib.read_run_config(workdir)

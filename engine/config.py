@@ -1,8 +1,8 @@
 """The config schema and its defaults, experiment arguments, and mesh sizes.
 
 Every experiment file starts from `default_config()` and overrides what it needs, so the schema
-lives here once. engine/validation.py checks a whole tree against it before anything compiles,
-raising the `ConfigError` defined here.
+lives here once. engine/validation/__init__.py checks a whole tree against it before anything compiles,
+raising `engine.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ import re
 import ml_collections
 from ml_collections import ConfigDict
 
+from engine.errors import ConfigError
+
 SOURCES = ('embedded', 'file', 'synthetic', 'shards')
 TOKENIZERS = ('byte', 'char', 'hf', 'sentencepiece')
 MESH_AXES = ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert')
 DTYPES = ('float32', 'bfloat16')
 FSDP_GATHERS = ('auto', 'per_layer', 'per_weight')  # parallelism.fsdp_gather
-
-
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the key and the fix."""
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -190,7 +188,7 @@ def default_config() -> ml_collections.ConfigDict:
   # TensorBoard's profile plugin (docs/training.md, "Profiling"). '': no trace.
   c.train.profile_steps = ''
   # N > 0: every N steps, after the eval, log a sample of the model's text from the live
-  # parameters (engine/train_samples.py, as nanoGPT does); 0: none.
+  # parameters (engine/train/samples.py, as nanoGPT does); 0: none.
   c.train.sample_every = 0
   # The sample's prompt; '': the tokenizer's beginning-of-text token, or a newline without one.
   c.train.sample_prompt = ''

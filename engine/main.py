@@ -1,8 +1,8 @@
 """Entry point: `python -m engine.main --config=experiments/x.py[:arg] --workdir=DIR`.
 
 Parses flags, starts jax.distributed where there are several processes, and calls
-engine.train.train; nothing else lives here (`--print_config` prints the config and stops
-before all of it: engine/config_help.py). Bad input (a flag, the experiment file, a config
+engine.train.loop.train; nothing else lives here (`--print_config` prints the config and stops
+before all of it: engine/cli/config_help.py). Bad input (a flag, the experiment file, a config
 value) ends the run with one line, `error: ...`, and exit status 2; `run(argv)` does all of it
 inside a process, for tests.
 """
@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
-from engine import config_help, distributed, train
-from engine.checkpoint import DISK_FULL, CheckpointError, is_disk_full
-from engine.config import ConfigError
-from engine.finiteness import NonFiniteError
-from engine.cli import MAIN, fail, innermost, parse_flags
-from engine.library_output import quiet_library_output
+from engine.cli import config_help
+from engine.distributed import startup as distributed
+from engine.train import loop as train
+from engine.errors import CheckpointError, ConfigError, DISK_FULL, is_disk_full
+from engine.train.finiteness import NonFiniteError
+from engine.cli.command_line import MAIN, fail, innermost, parse_flags
+from engine.runtime.library_output import quiet_library_output
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment config file, optionally with :arg.', lock_config=True)

@@ -34,7 +34,9 @@ steps=N.
 
 import os
 
-from engine.config import ConfigError, apply_run_args, default_config, parse_run_arg
+from engine.config import apply_run_args, default_config, parse_run_arg
+
+from engine.errors import ConfigError
 
 
 def get_config(arg=None):

@@ -6,17 +6,17 @@
 
 Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (read by
 engine.distributed), ENGINE_RUN_TOKEN (a fresh random secret per launch, the same for all: the
-start-up roll call admits only its holders, engine/roll_call.py) and XLA_FLAGS for K simulated
+start-up roll call admits only its holders, engine/distributed/roll_call.py) and XLA_FLAGS for K simulated
 devices. Their output is streamed with a `[pI]` prefix, less Gloo's connection notices
 (GlooFilter). If any process fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace_s: JAX traps SIGTERM as a preemption notice, so a process blocked in a collective only
 goes at the SIGKILL) and the launcher exits with that process's status, naming it. SIGTERM or
 Ctrl-C to the launcher is forwarded to every process as SIGTERM: each finishes its step, writes
-a checkpoint of it and exits 0 (engine/preemption.py); what is still running after
+a checkpoint of it and exits 0 (engine/train/preemption.py); what is still running after
 --stop_grace_s is killed.
 
 It is for trying multi-process behaviour, not for speed: the collectives between processes run
-on the CPU through Gloo (TCP), and steps run in lockstep (engine/train.py), so expect several
+on the CPU through Gloo (TCP), and steps run in lockstep (engine/train/loop.py), so expect several
 times less throughput than one process with the same devices (tiny.py at mesh=2x2x2 on 2 cores:
 1.9 steps/s against 11).
 """

@@ -47,7 +47,7 @@ def batch_script(command: list[str], nodes: int, gpus_per_node: int, tasks: str,
     lines.append('#SBATCH --gpus-per-task=1')  # Each process sees only its own GPU.
   lines += [f'#SBATCH --time={time_limit}', f'#SBATCH --output={job_name}-%j.out',
             # SIGTERM to every task this long before the time limit: each finishes its step,
-            # checkpoints it and exits 0 (engine/preemption.py).
+            # checkpoints it and exits 0 (engine/train/preemption.py).
             f'#SBATCH --signal=TERM@{stop_grace_s}']
   if requeue:  # A preempted or timed-out job goes back in the queue and resumes from there.
     lines += ['#SBATCH --requeue', '#SBATCH --open-mode=append']

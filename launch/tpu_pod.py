@@ -18,7 +18,7 @@ What it does, in order (print it with --dry_run):
 
 Stopping: SIGTERM or Ctrl-C to this launcher while the command runs sends SIGTERM to the
 command on every worker (another `ssh --worker=all`, running pkill): each process finishes its
-step, checkpoints it and exits 0 (engine/preemption.py); whatever still runs after
+step, checkpoints it and exits 0 (engine/train/preemption.py); whatever still runs after
 --stop_grace_s is left to the ssh session's end. A preempted or maintained TPU VM is handled on
 the workers themselves by JAX's preemption service.
 """

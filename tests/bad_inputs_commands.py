@@ -22,7 +22,7 @@ def _moe_run() -> str:
 
 
 def _kept_run(sha256: str) -> str:
-  """A run's config.json whose record of the kept tokenizer (engine/run_tokenizer.py) has
+  """A run's config.json whose record of the kept tokenizer (engine/workdir/tokenizer.py) has
   `sha256`."""
   saved = json.loads(default_config().to_json())
   saved['tokenizer'] = {'kind': 'hf', 'file': 'tokenizer/tokenizer.json', 'sha256': sha256}
@@ -143,7 +143,7 @@ COMMAND_ROWS = {
         (['--workdir=$T/moe_run', '--out=$T/export'], 2,
          "--workdir=$T/moe_run trained model.moe_router='topk_softmax' (MixtralForCausalLM "
          'routes softmax_topk: a softmax over every expert, the top k renormalised), which '
-         '--format=hf cannot write as MixtralForCausalLM; use the run with engine.generate and '
+         'a Hugging Face export cannot write as MixtralForCausalLM; use the run with engine.generate and '
          'engine.evaluate.'),
         ([RUN, '--out='], 2, '--out is empty; pass the directory to write, e.g. '
          '--out=/tmp/hf_export.'),

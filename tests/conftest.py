@@ -6,7 +6,7 @@ about two thirds of each compile. XLA's HLO optimisations, which decide the coll
 fusions and the memory the tests check, run as usual; subprocesses the tests start inherit the
 flags (a later --xla_force_host_platform_device_count overrides the count).
 
-The allocator settings that `import engine` applies for faster CPU steps (engine/host.py) are
+The allocator settings that `import engine` applies for faster CPU steps (engine/runtime/allocator.py) are
 off: they made the suite's many multi-threaded compiles 15-20 % slower, and tests measure
 numbers, not step time.
 """

@@ -26,7 +26,12 @@ import time
 # that defines its flags on import (running it as __main__ would define them twice).
 import jax
 import numpy  # noqa: F401
-from engine import assemble, cli, generate, export, evaluate, plan  # noqa: F401
+from engine import assemble  # noqa: F401
+from engine.export import exporter as export
+from engine.evaluate import scoring as evaluate
+from engine.cli import command_line as cli
+from engine.generate import sampling as generate
+from engine.plan import planner as plan
 from engine.data import prepare, train_tokenizer  # noqa: F401
 
 COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # One per XLA compile.

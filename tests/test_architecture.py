@@ -66,16 +66,17 @@ def test_models_depend_on_nothing_but_models():
       assert not outside, f'{name} depends on {outside}'
 
 
-# Tools' commands that live at the top of the package for a short name (`python -m engine.bench`).
-TOOL_COMMANDS = {'engine.bench', 'engine.plan'}
+# Tools' commands that are packages of their own for a short name (`python -m engine.bench`).
+TOOL_COMMANDS = ('engine.bench', 'engine.plan')
 
 
 def _is_tool(name: str) -> bool:
-  return name.startswith('engine.analysis') or name in TOOL_COMMANDS
+  return any(name == tool or name.startswith(tool + '.')
+             for tool in ('engine.analysis', *TOOL_COMMANDS))
 
 
 def test_the_core_never_imports_the_analysis_tools():
-  assert TOOL_COMMANDS <= set(GRAPH)
+  assert set(TOOL_COMMANDS) <= set(GRAPH)
   for name in GRAPH:
     if not _is_tool(name):
       tools = {m for m in _reachable(name) if _is_tool(m)}
@@ -141,9 +142,10 @@ def test_no_parameter_name_outside_the_models():
 
 
 # Every command: its module, and the module its work starts in.
-COMMANDS = ('engine.main', 'engine.bench', 'engine.plan', 'engine.generate', 'engine.evaluate',
-            'engine.export', 'engine.analysis.compare', 'engine.analysis.bubble',
-            'engine.analysis.show_layout', 'engine.analysis.hf_check', 'engine.sweep')
+COMMANDS = ('engine.main', 'engine.bench.__main__', 'engine.plan.__main__',
+            'engine.generate.__main__', 'engine.evaluate.__main__', 'engine.export.__main__',
+            'engine.analysis.compare', 'engine.analysis.bubble', 'engine.analysis.show_layout',
+            'engine.analysis.hf_check', 'engine.sweep.__main__')
 # What only the run path does (engine.assemble): validate, build a mesh or a model, compile a
 # train step.
 RUN_PATH_CALLS = ('validation.validate(', 'validate(config', 'make_mesh(', 'models.build(',
@@ -157,3 +159,17 @@ def test_every_command_starts_from_the_one_run_path():
             for module, path in MODULES.items()
             if module not in ('engine.assemble', 'engine.validation', 'engine.mesh')}
   assert not {m: c for m, c in copies.items() if c}, copies
+
+
+def test_no_module_imports_a_command():
+  """A command's `__main__` defines its flags when it loads: importing it from anywhere else
+  would define them twice, or in a process that runs another command."""
+  mains = {name for name in GRAPH if name.endswith('.__main__')}
+  assert {'engine.generate.__main__', 'engine.plan.__main__'} <= mains  # The check sees them.
+  importers = {name: sorted(GRAPH[name] & mains) for name in GRAPH if GRAPH[name] & mains}
+  assert not importers, importers
+
+
+def test_the_training_loop_imports_the_generation_library_not_the_command():
+  assert 'engine.generate.sampling' in _reachable('engine.train.loop')
+  assert 'engine.generate.__main__' not in _reachable('engine.train.loop')

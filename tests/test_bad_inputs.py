@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from engine import main as engine_main
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from tests.bad_input_checks import (ROOT, all_rows, bad_inputs_tables, check_nothing_written,
                                     check_output, doc_rows, make_scratch, snapshot, substitute)
 from tests.bad_inputs_main import BAD_INPUTS, SCRATCH, TINY

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from engine import chips
-from engine.analysis import op_profile
+from engine.bench import op_profile
+from engine.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -110,7 +111,7 @@ def test_bench_with_a_baseline_times_the_other_checkouts_variants_too(bench):
 
 
 def test_a_failing_baseline_child_shows_the_end_of_its_stderr(tmp_path):
-  from engine.analysis import baseline  # pylint: disable=g-import-not-at-top
+  from engine.bench import baseline  # pylint: disable=g-import-not-at-top
   (tmp_path / 'engine').mkdir()
   (tmp_path / 'engine' / '__init__.py').write_text('raise ImportError("out of cheese")\n')
   baseline.check_baseline(str(tmp_path))  # A checkout, as far as the flag's check can tell.
@@ -122,7 +123,7 @@ def test_a_failing_baseline_child_shows_the_end_of_its_stderr(tmp_path):
 
 
 def test_import_engine_applies_the_allocator_settings_unless_told_not_to():
-  code = 'import engine.host as h, os; print(h.tune_malloc())'
+  code = 'import engine.runtime.allocator as h, os; print(h.tune_malloc())'
   results = {}
   for value in ('1', '0'):
     env = dict(os.environ, ENGINE_TUNE_MALLOC=value)
@@ -185,7 +186,7 @@ def test_dense_equivalent_has_the_active_parameters_and_folds_the_expert_axis():
   D, layers = config.model.embed_dim, config.model.num_layers
   assert moe_flops - dense_flops == pytest.approx(6 * layers * D * 8)
   config.model.num_experts = 0
-  with pytest.raises(config_lib.ConfigError, match='not a mixture of experts'):
+  with pytest.raises(ConfigError, match='not a mixture of experts'):
     benchmark.dense_equivalent(config)
   row = lambda mesh, shape, tokens, dense: {'mesh': mesh, 'mode': 'manual', 'mesh_shape': shape,
                                             'tokens_per_s': tokens, 'dense_equivalent': dense}

@@ -14,11 +14,11 @@ import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
 
-from engine import workdir as workdir_lib
-from engine.checkpoint import (CHECKSUMS_FILE, CheckpointError, Checkpointer, file_checksums,
-                               find_damage)
-from engine.metrics import JsonLines
-from engine.train import train
+from engine.workdir import run_dir as workdir_lib
+from engine.workdir.checkpoint import CHECKSUMS_FILE, Checkpointer, file_checksums, find_damage
+from engine.errors import CheckpointError
+from engine.train.metrics import JsonLines
+from engine.train.loop import train
 from tests.helpers import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

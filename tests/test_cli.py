@@ -20,7 +20,7 @@ TINY_OVERRIDES = ['--config.model.embed_dim=32', '--config.model.mlp_dim=64',
 
 def _run(*args, devices=1):
   # As a user runs it: no JAX_PLATFORMS (conftest sets it for this process), so the engine
-  # chooses the platform itself (engine/platforms.py).
+  # chooses the platform itself (engine/runtime/platforms.py).
   env = dict(os.environ, XLA_FLAGS=(
       os.environ['XLA_FLAGS'] + f' --xla_force_host_platform_device_count={devices}'))
   env.pop('JAX_PLATFORMS', None)

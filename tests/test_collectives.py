@@ -8,7 +8,7 @@ import pytest
 
 from engine import parallel
 from engine.analysis import collectives
-from engine.metrics import log_memory
+from engine.train.metrics import log_memory
 from engine.models.ops import LAYERS
 from engine.sharding import spec_axes
 from engine.assemble import lay_out

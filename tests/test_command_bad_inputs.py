@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from engine import train
+from engine.train import loop as train
 from experiments import tiny
 from tests.bad_input_checks import (ROOT, check_nothing_written, check_output, make_scratch,
                                     snapshot, substitute)

@@ -12,7 +12,7 @@ import pytest
 
 from engine import config as config_lib
 from engine.assemble import assemble_finished_run
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '--config=experiments/tiny.py'

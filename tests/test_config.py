@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from engine import workdir
-from engine.config import ConfigError, default_config, parse_arg, resolve_mesh_shape
+from engine.workdir import run_dir as workdir
+from engine.config import default_config, parse_arg, resolve_mesh_shape
+from engine.errors import ConfigError
 from engine.validation import validate
 from tests.helpers import tiny_config
 

@@ -8,7 +8,8 @@ import jax
 import pytest
 from ml_collections import ConfigDict
 
-from engine import config as config_lib, config_help
+from engine import config as config_lib
+from engine.cli import config_help
 from engine import main as engine_main
 from tests.bad_input_checks import ROOT
 

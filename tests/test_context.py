@@ -7,7 +7,7 @@ import pytest
 
 from engine import parallel
 from engine.analysis import collectives, comm_theory
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.validation import validate
 from engine.assemble import lay_out
 from tests.helpers import (assert_same_run, compiled_run, engine_run, single_device_run,

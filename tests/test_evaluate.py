@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine import train
+from engine.train import loop as train
 from engine.assemble import CORPUS, assemble_finished_run, lay_out
-from engine.checkpoint import restore_params
+from engine.workdir.checkpoint import restore_params
 from engine.data import tokenizers as tokenizer_lib
 from engine.data.prepare import prepare
 from engine.data.train_tokenizer import train as train_bpe
-from engine.evaluate import decoding_tokenizer, evaluate, heldout_windows, score
+from engine.evaluate.scoring import decoding_tokenizer, evaluate, heldout_windows, score
 from tests.helpers import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

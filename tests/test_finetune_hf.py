@@ -7,9 +7,9 @@ import json
 import numpy as np
 
 from engine.data.train_tokenizer import train as train_bpe
-from engine.evaluate import evaluate
-from engine.export import export_files
-from engine.generate import load_run
+from engine.evaluate.scoring import evaluate
+from engine.export.exporter import export_files
+from engine.generate.sampling import load_run
 from engine.main import run as run_main
 from tests.test_hf_families import FAMILIES, _checkpoint
 

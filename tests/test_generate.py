@@ -12,10 +12,12 @@ import optax
 import pytest
 from flax import nnx
 
-from engine.config import ConfigError, default_config
+from engine.config import default_config
+
+from engine.errors import ConfigError
 from engine.data import tokenizers as tokenizer_lib
-from engine.evaluate import evaluate
-from engine.generate import (Generator, Sampling, encode_prompts, load_run, prompts_and_slots,
+from engine.evaluate.scoring import evaluate
+from engine.generate.sampling import (Generator, Sampling, encode_prompts, load_run, prompts_and_slots,
                              resolve_new_tokens)
 from engine.main import run as run_main
 from engine.assemble import lay_out

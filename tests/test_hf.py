@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out (engine/hf.py, engine/export.py), against a NumPy
+"""Hugging Face Llama checkpoints in and out (engine/hf/load.py, engine/export/exporter.py), against a NumPy
 Llama written from Hugging Face's modeling code, on a checkpoint the test writes itself."""
 
 import json
@@ -12,9 +12,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from engine import hf, hf_save, parallel
-from engine.checkpoint import restore_params
-from engine.export import export
+from engine import parallel
+from engine.hf import load as hf
+from engine.hf import save as hf_save
+from engine.workdir.checkpoint import restore_params
+from engine.export.exporter import export
 from engine.main import run as run_main
 from engine.assemble import lay_out
 from tests.helpers import tiny_config

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from engine.analysis import hf_check, hf_compare
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from tests.test_hf import HF_CONFIG, _random_checkpoint, _reference_logits
 
 MODES = ('auto', 'manual')

@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from engine import hf
+from engine.hf import load as hf
 from engine.assemble import assemble, lay_out
-from engine.config import ConfigError
-from engine.generate import Generator
+from engine.errors import ConfigError
+from engine.generate.sampling import Generator
 from engine.parallel.auto import AutoOps
 from tests.helpers import tiny_config
 

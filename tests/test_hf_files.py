@@ -1,7 +1,7 @@
 """Hugging Face checkpoints as they come and as engine.export writes them.
 
 In: every missing, extra, misshapen or non-float tensor is one ConfigError line from
-engine.hf.load_params before any parameter is read; index files, buffers that are not weights
+engine.hf.load.load_params before any parameter is read; index files, buffers that are not weights
 and tied heads load. Out: a trained run's export holds the config, generation config, weights
 (in --dtype) and tokenizer files that transformers' Auto classes read.
 
@@ -26,12 +26,13 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from engine import hf, hf_save
+from engine.hf import load as hf
+from engine.hf import save as hf_save
 from engine.assemble import lay_out
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.data import tokenizers as tokenizer_lib
 from engine.data.train_tokenizer import train as train_bpe
-from engine.export import export, export_files
+from engine.export.exporter import export, export_files
 from engine.main import run as run_main
 from tests.helpers import tiny_config
 
@@ -47,7 +48,7 @@ LAYERS = 4
 @pytest.fixture(scope='module')
 def exported(tmp_path_factory):
   """A 4-layer grouped-query Llama's abstract parameters (one device) and the tensors and
-  config.json engine.hf_save.save writes for random values of them."""
+  config.json engine.hf.save.save writes for random values of them."""
   config = tiny_config()
   config.model.name, config.model.num_layers, config.model.num_kv_heads = 'llama', LAYERS, 2
   abstract = lay_out(config, 256, jax.devices()[:1]).abstract_state()['params']
@@ -303,7 +304,7 @@ def transformers_check(python: str) -> bool:
   compared; True if everything agrees."""
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from engine.generate import load_run  # pylint: disable=g-import-not-at-top
+  from engine.generate.sampling import load_run  # pylint: disable=g-import-not-at-top
   ok = True
   with tempfile.TemporaryDirectory() as tmp:
     workdir, tokenizer_path = _train_run(pathlib.Path(tmp))

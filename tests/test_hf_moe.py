@@ -12,11 +12,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
-from engine import hf, hf_save, models
+from engine import models
+from engine.hf import load as hf
+from engine.hf import save as hf_save
 from engine.assemble import lay_out
-from engine.checkpoint import restore_params
-from engine.config import ConfigError, default_config
-from engine.export import export
+from engine.workdir.checkpoint import restore_params
+from engine.config import default_config
+from engine.errors import ConfigError
+from engine.export.exporter import export
 from engine.main import run as run_main
 from tests.test_hf_families import (FAMILIES, MOE_NAMES, _checkpoint, _engine_config, _experts,
                                     reference_logits)

@@ -281,7 +281,7 @@ def test_reports_mark_lower_bounds():
 
 
 def test_plan_report_marks_lower_bounds():
-  from engine import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from engine.plan import planner as plan_lib  # pylint: disable=import-outside-toplevel
   runs = _unknown_and_known_runs()
   config = {'model': {'name': 'gpt', 'num_layers': 2, 'embed_dim': 32, 'dtype': 'float32',
                       'remat': 'none'},

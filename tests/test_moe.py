@@ -22,7 +22,7 @@ from engine import models, parallel
 from engine.analysis import collectives, comm_theory
 from engine.analysis.reference import ReferenceRun
 from engine.assemble import lay_out
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.models import moe
 from engine.models.ops import LocalOps
 from engine.parallel import manual

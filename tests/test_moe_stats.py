@@ -20,9 +20,9 @@ from flax import nnx
 
 from engine import parallel
 from engine.assemble import lay_out
-from engine.metrics import MetricsWriter
+from engine.train.metrics import MetricsWriter
 from engine.models.ops import LocalOps
-from engine.train import DeferredMetrics, TrainResult
+from engine.train.loop import DeferredMetrics, TrainResult
 from tests.helpers import Run, assert_same_run, single_device_run, train_batches
 from tests.test_moe import moe_config
 

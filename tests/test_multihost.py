@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from engine.checkpoint import Checkpointer
-from engine.train import train
+from engine.workdir.checkpoint import Checkpointer
+from engine.train.loop import train
 from tests import multihost_experiment
 from tests.helpers import ATOL, single_device_run
 

@@ -24,8 +24,10 @@ import time
 
 import pytest
 
-from engine.checkpoint import Checkpointer, is_disk_full
-from engine.train import train
+from engine.workdir.checkpoint import Checkpointer
+
+from engine.errors import is_disk_full
+from engine.train.loop import train
 from tests import multihost_experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

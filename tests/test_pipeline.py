@@ -11,7 +11,7 @@ import pytest
 from engine import parallel
 from engine.analysis import collectives, comm_theory
 from engine.analysis.benchmark import fit_bubble
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.validation import validate
 from engine.models.layers import LAYERS, REPEATS
 from engine.parallel.pipeline import bubble_fraction

@@ -9,9 +9,9 @@ import ml_collections
 import pytest
 
 from engine import parallel
-from engine import plan as plan_lib
+from engine.plan import planner as plan_lib
 from engine.analysis import collectives, comm_theory
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.main import run as run_main
 from engine.assemble import lay_out
 from experiments import tiny as tiny_experiment

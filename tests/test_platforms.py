@@ -1,4 +1,4 @@
-"""engine.platforms: JAX_PLATFORMS chosen before JAX starts, so that a CPU machine with libtpu
+"""engine.runtime.platforms: JAX_PLATFORMS chosen before JAX starts, so that a CPU machine with libtpu
 installed starts no TPU backend (and prints none of libtpu's start-up errors)."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine import platforms
+from engine.runtime import platforms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What libtpu and JAX printed on a 2-core CPU machine with the tpu extra and JAX_PLATFORMS unset.

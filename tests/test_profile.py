@@ -5,9 +5,9 @@ import pathlib
 
 import pytest
 
-from engine.config import ConfigError
-from engine.profiling import StepProfiler, parse_steps
-from engine.train import train
+from engine.errors import ConfigError
+from engine.train.profiling import StepProfiler, parse_steps
+from engine.train.loop import train
 from tests.helpers import tiny_config
 
 

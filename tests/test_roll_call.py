@@ -1,4 +1,4 @@
-"""The start-up roll call (engine/roll_call.py) against strangers, floods and impostors.
+"""The start-up roll call (engine/distributed/roll_call.py) against strangers, floods and impostors.
 
 Processes are threads calling await_peers directly on a free local port; a stranger is a plain
 socket. Each attack here was measured against the unauthenticated roll call that listened on
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from engine import roll_call
-from engine.roll_call import PeerMissingError, await_peers, mac, run_key
+from engine.distributed import roll_call
+from engine.distributed.roll_call import PeerMissingError, await_peers, mac, run_key
 from launch import local
 
 TOKEN = 'a-secret-of-this-run'

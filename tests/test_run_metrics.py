@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from engine import run_summary
-from engine.metrics import MetricsWriter
-from engine.train import DeferredMetrics, TrainResult, train
+from engine.workdir import summary as run_summary
+from engine.train.metrics import MetricsWriter
+from engine.train.loop import DeferredMetrics, TrainResult, train
 from tests.helpers import ATOL, single_device_run, tiny_config
 
 STEPS = 6

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import workdir as workdir_lib
-from engine.config import ConfigError, default_config
+from engine.workdir import run_dir as workdir_lib
+from engine.config import default_config
+from engine.errors import ConfigError
 from engine.optimizer import learning_rate_schedule, make_optimizer
-from engine.train import train
+from engine.train.loop import train
 from tests.helpers import tiny_config
 
 PEAK, END = 1e-3, 1e-4

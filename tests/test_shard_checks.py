@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import data
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.data import shards
 from engine.data import prepare as prepare_lib
 from engine.data.prepare import prepare

@@ -10,7 +10,7 @@ import pytest
 from engine import data
 from engine.data import shards
 from engine.data import tokenizers as tokenizer_lib
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.main import run as run_main
 from engine.data.prepare import pieces, prepare
 from engine.data.train_tokenizer import train as train_bpe

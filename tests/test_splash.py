@@ -17,7 +17,7 @@ from jax.sharding import SingleDeviceSharding
 
 from engine import parallel
 from engine.analysis import collectives, comm_theory
-from engine import plan as plan_lib
+from engine.plan import planner as plan_lib
 from engine.assemble import lay_out
 from engine.models import attention, splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel

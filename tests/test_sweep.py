@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from engine import sweep_grid
+from engine.sweep import grid as sweep_grid
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOOD, BAD = 'optim.learning_rate=1e-3', 'optim.learning_rate=3e-3'

@@ -7,7 +7,7 @@ gradient norms must match (tolerance: tests/helpers.py).
 import numpy as np
 import pytest
 
-from engine.train import train
+from engine.train.loop import train
 from tests.helpers import ATOL, single_device_run, tiny_config
 
 STEPS = 4

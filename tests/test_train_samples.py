@@ -8,11 +8,13 @@ import logging
 import numpy as np
 import pytest
 
-from engine import train_samples, validation
+from engine import validation
+from engine.train import samples as train_samples
 from engine.assemble import assemble
-from engine.config import ConfigError, default_config
-from engine.generate import Generator, Sampling, load_run
-from engine.train import train
+from engine.config import default_config
+from engine.errors import ConfigError
+from engine.generate.sampling import Generator, Sampling, load_run
+from engine.train.loop import train
 from tests.helpers import tiny_config
 
 STEPS, EVERY = 4, 2

@@ -12,10 +12,10 @@ import pytest
 
 from engine import data, parallel
 from engine.analysis.reference import ReferenceRun
-from engine.checkpoint import Checkpointer
+from engine.workdir.checkpoint import Checkpointer
 from engine.assemble import assemble, lay_out
-from engine.finiteness import NonFiniteError
-from engine.train import train
+from engine.train.finiteness import NonFiniteError
+from engine.train.loop import train
 from tests.helpers import single_device_run, tiny_config, train_batches
 
 

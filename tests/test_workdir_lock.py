@@ -1,4 +1,4 @@
-"""One run per workdir (engine/run_lock.py): a second run is refused in one line naming the
+"""One run per workdir (engine/workdir/lock.py): a second run is refused in one line naming the
 holder, before it writes anything; the lock of a run that was killed is taken over."""
 
 import json
@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from engine import main, run_lock
-from engine.checkpoint import Checkpointer
-from engine.train import train
+from engine import main
+from engine.workdir import lock as run_lock
+from engine.workdir.checkpoint import Checkpointer
+from engine.train.loop import train
 from experiments import tiny
 from launch.local import free_port, process_env
 

@@ -1,4 +1,4 @@
-"""The workdir keeps the run's tokenizer (engine/run_tokenizer.py): a finished run on shards
+"""The workdir keeps the run's tokenizer (engine/workdir/tokenizer.py): a finished run on shards
 generates, evaluates and exports with its original tokenizer file and shard set gone."""
 
 import hashlib
@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from etils import epath
 
-from engine import data, run_tokenizer
+from engine import data
+from engine.workdir import tokenizer as run_tokenizer
 from engine.assemble import CORPUS, VOCABULARY, assemble_finished_run
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.data import tokenizers as tokenizer_lib
 from engine.data.prepare import prepare
 from engine.data.train_tokenizer import train as train_bpe
-from engine.generate import load_run
+from engine.generate.sampling import load_run
 from engine.main import run as run_main
 
 TEXT = 'the 1234 numbers 567, and 89\n'

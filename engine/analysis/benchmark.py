@@ -23,12 +23,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from engine import data, parallel, profiling
+from engine import data, parallel
+from engine.train import profiling
 from engine.assemble import compile_train_step
 from engine import chips
 from engine.analysis import collectives
-from engine.config import MESH_AXES, ConfigError
-from engine.metrics import log_memory
+from engine.config import MESH_AXES
+from engine.errors import ConfigError
+from engine.train.metrics import log_memory
 from engine.state import TrainSetup
 
 
@@ -202,7 +204,7 @@ def _collectives_cell(rows: list[dict]) -> str:
 def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
   """The table: one line per variant; `vs first` is the ratio of median step times to the first
   mode on the same mesh, `of matmul` the model FLOP/s per device over the calibrated matmul's
-  (row['of_matmul'], engine.analysis.calibration; n/a without)."""
+  (row['of_matmul'], engine.bench.calibration; n/a without)."""
   label = lambda r: r['mesh'] + (' (dense equivalent)' if r.get('dense_equivalent') else '')
   first = {}
   for row in rows:
@@ -241,7 +243,7 @@ def dense_equivalent(config):
   folded into data (which then splits the batch as the expert axis did)."""
   if not config.model.get('num_experts', 0):
     raise ConfigError('--dense_equivalent: the config is not a mixture of experts '
-                                 '(model.num_experts=0); set model.num_experts, or drop the flag.')
+                      '(model.num_experts=0); set model.num_experts, or drop the flag.')
   dense = ml_collections.ConfigDict(config.to_dict())
   m = dense.model
   m.mlp_dim = m.experts_per_token * (m.moe_mlp_dim or m.mlp_dim) + m.moe_shared_expert

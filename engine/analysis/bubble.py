@@ -24,8 +24,9 @@ from engine import config as config_lib
 from engine import parallel
 from engine.analysis import benchmark
 from engine.assemble import assemble
-from engine.cli import run_command
+from engine.cli.command_line import run_command
 from engine.parallel.pipeline import bubble_fraction
+from engine.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (a mesh with '
                                           'mesh.stage > 1).', lock_config=False)
@@ -38,13 +39,13 @@ _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps per variant.')
 
 def _counts(config) -> list[int]:
   if not all(m.isdigit() and int(m) > 0 for m in _MICROBATCHES.value):
-    raise config_lib.ConfigError(f'--microbatches={",".join(_MICROBATCHES.value)}: give positive '
-                                 'integers joined by commas, e.g. --microbatches=4,8,12,16.')
+    raise ConfigError(f'--microbatches={",".join(_MICROBATCHES.value)}: give positive '
+                      'integers joined by commas, e.g. --microbatches=4,8,12,16.')
   counts = [int(m) for m in _MICROBATCHES.value] or [
       k * config.train.microbatches for k in (1, 2, 3, 4)]
   if len(set(counts)) < 2:
-    raise config_lib.ConfigError(f'--microbatches={counts}: give at least two different counts '
-                                 'to fit a line through.')
+    raise ConfigError(f'--microbatches={counts}: give at least two different counts '
+                      'to fit a line through.')
   return sorted(set(counts))
 
 
@@ -58,8 +59,8 @@ def measure(config) -> None:
   parallel.check_modes(_MODES.value, '--modes')
   benchmark.check_timing_flags(_STEPS.value, _WARMUP.value)
   if config.mesh.stage < 2:
-    raise config_lib.ConfigError(f'mesh.stage={config.mesh.stage}: the bubble is a pipeline\'s; '
-                                 'use a mesh with stage > 1 (e.g. :mesh=2x1x1x1x4).')
+    raise ConfigError(f'mesh.stage={config.mesh.stage}: the bubble is a pipeline\'s; '
+                      'use a mesh with stage > 1 (e.g. :mesh=2x1x1x1x4).')
   counts = _counts(config)
   first = config.train.microbatches
   rows_per_micro = config.data.global_batch_size // first

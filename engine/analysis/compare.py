@@ -23,11 +23,12 @@ from ml_collections import config_flags
 
 from engine import config as config_lib
 from engine import parallel
-from engine import workdir as workdir_lib
+from engine.workdir import run_dir as workdir_lib
 from engine.analysis import benchmark, collectives, comm_theory, compare_report
 from engine.analysis.reference import ReferenceRun
 from engine.assemble import assemble
-from engine.cli import run_command
+from engine.cli.command_line import run_command
+from engine.errors import ConfigError
 
 
 def flat_params(params) -> dict[str, np.ndarray]:
@@ -192,8 +193,8 @@ def main():
     del argv
     benchmark.check_timing_flags(steps.value, warmup.value)
     if not (math.isfinite(atol.value) and atol.value > 0):
-      raise config_lib.ConfigError(f'--atol={atol.value:g} must be a positive number (the '
-                                   'largest difference from the reference that agrees).')
+      raise ConfigError(f'--atol={atol.value:g} must be a positive number (the '
+                        'largest difference from the reference that agrees).')
     report = compare(config.value, workdir.value, modes.value, steps.value, warmup.value,
                      atol.value)
     print(compare_report.markdown(report))

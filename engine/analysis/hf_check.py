@@ -13,14 +13,14 @@ transformers 5's `rope_parameters` config format, "v5", or rewritten into the ol
 and a tied head, Mixtral's and Qwen3-MoE's experts (the engine's dropless dispatch), every norm
 and bias random). Then, in each mode, this process:
 
-  1. loads the directory as `train.init_from=hf:DIR` does (engine.assemble, engine.hf.load_params)
+  1. loads the directory as `train.init_from=hf:DIR` does (engine.assemble, engine.hf.load.load_params)
      on a DATAxFSDPxTENSOR mesh (default 2x2x2: 8 devices; run directly, this command asks XLA
      for 8 CPU devices itself when XLA_FLAGS does not say);
   2. compares, through each mode's own compiled code: auto, the logits of the auto forward pass
      (as engine.evaluate computes them) against transformers'; both modes, the eval step's mean
      next-token loss, and the loss of one train step, against the cross-entropy of transformers'
      logits (computed here in float64);
-  3. takes that one optimizer step, exports the trained parameters with engine.hf_save.save, has
+  3. takes that one optimizer step, exports the trained parameters with engine.hf.save.save, has
      transformers load the export (AutoModelForCausalLM.from_pretrained) and compute its
      logits, and compares them with the engine's logits of the trained parameters (the auto
      forward pass, for both modes' steps) and the mode's eval loss with their cross-entropy;
@@ -65,8 +65,8 @@ from engine import config as config_lib
 from engine import parallel
 from engine.analysis.hf_compare import (LOGITS_RTOL, LOSS_RTOL, ROWS, SEED, SEQ_LEN, check,
                                         engine_config, make_tokens, mesh_devices, not_checked)
-from engine.cli import run_command
-from engine.config import ConfigError
+from engine.cli.command_line import run_command
+from engine.errors import ConfigError
 
 FAMILIES = ('llama2', 'llama3', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe')
 FORMATS = ('v5', 'legacy')

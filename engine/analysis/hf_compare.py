@@ -3,7 +3,7 @@ as `train.init_from=hf:DIR` does, measured in one mode, and compared with transf
 
   engine_config / measure  the run train.init_from=hf:DIR makes (engine.assemble on the mesh),
                            its logits (auto mode), the mode's eval loss and the loss of one
-                           train step, then the trained parameters exported with engine.hf_save.save
+                           train step, then the trained parameters exported with engine.hf.save.save
   compare                  one row: those numbers against transformers' logits of the
                            checkpoint and of the export, within the tolerances below, and the
                            warnings transformers gave loading the export; the verdict
@@ -25,9 +25,11 @@ import numpy as np
 from flax import nnx
 
 from engine import config as config_lib
-from engine import hf, hf_save, parallel
+from engine import parallel
+from engine.hf import load as hf
+from engine.hf import save as hf_save
 from engine.assemble import VOCABULARY, Run, assemble
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.parallel.auto import AutoOps
 
 # Tolerances. Float32 sums taken in another order (sharded partial sums, other kernels) differ by
@@ -95,7 +97,7 @@ def mesh_devices(config) -> list:
 
 
 def save_export(params_by_path: dict, run: Run, out: str) -> list[str]:
-  """engine.hf_save.save of the host parameters, in float32."""
+  """engine.hf.save.save of the host parameters, in float32."""
   return hf_save.save(params_by_path, run.config.model, run.setup.model.vocab_size, out,
                       dtype='float32')
 

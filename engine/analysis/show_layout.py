@@ -20,7 +20,8 @@ from ml_collections import config_flags
 
 from engine import config as config_lib
 from engine.assemble import VOCABULARY, assemble
-from engine.cli import run_command
+from engine.cli.command_line import run_command
+from engine.errors import ConfigError
 
 
 def visualize(shape, named_sharding: NamedSharding) -> None:
@@ -54,8 +55,8 @@ def main():
     by_path = {p.path: p for p in params}
     name = param_flag.value or max(params, key=lambda p: math.prod(p.shape)).path
     if name not in by_path:  # Before anything is printed: the error is the only line.
-      raise config_lib.ConfigError(f'--param={name} is not a parameter; choose one of '
-                                   f'{sorted(by_path)}.')
+      raise ConfigError(f'--param={name} is not a parameter; choose one of '
+                        f'{sorted(by_path)}.')
     print(f'mesh {dict(train_setup.mesh.shape)}')
     for p in params:
       print(f'{p.path:28s} {str(p.shape):22s} {str(p.logical_axes):46s} {str(p.spec):38s} '

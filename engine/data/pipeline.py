@@ -15,7 +15,7 @@ import grain
 import jax
 import numpy as np
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.data import shard_meta
 from engine.data import shards as shards_lib
 from engine.data import tokenizers as tokenizer_lib

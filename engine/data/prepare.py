@@ -41,8 +41,8 @@ from engine.data import sources
 from engine.data import shard_meta
 from engine.data import shards
 from engine.data import tokenizers as tokenizer_lib
-from engine.config import ConfigError
-from engine.cli import run_command
+from engine.errors import ConfigError
+from engine.cli.command_line import run_command
 
 _TOKENIZER = None  # Each worker process's own.
 # What a directory that holds a shard set, or an interrupted one, may hold.

@@ -17,8 +17,8 @@ import json
 import os
 import re
 
-from engine import paths
-from engine.config import ConfigError
+from engine.data import manifest_paths as paths
+from engine.errors import ConfigError
 
 FORMAT = 'engine-token-shards/1'
 META = 'meta.json'

@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.data.shard_meta import FORMAT, META, PREPARE, read_meta
 
 

@@ -11,8 +11,8 @@ import sysconfig
 
 import numpy as np
 
-from engine import text_files
-from engine.config import ConfigError
+from engine.data import text_files
+from engine.errors import ConfigError
 
 
 def _stdlib_modules() -> list[str]:
@@ -80,7 +80,7 @@ def synthetic_corpus(num_tokens: int, seed: int) -> str:
 
 
 def read_text_file(path: str) -> str:
-  """The file's text; raises ConfigError naming data.path (engine/text_files.py)."""
+  """The file's text; raises ConfigError naming data.path (engine/data/text_files.py)."""
   return text_files.read_text(path, f'data.path={path!r}')
 
 

@@ -25,7 +25,7 @@ import re
 import numpy as np
 
 from engine.config import TOKENIZERS as KINDS  # noqa: F401 (the choices, kept with the schema)
-from engine.config import ConfigError
+from engine.errors import ConfigError
 # Names tried, in order, for a tokenizer.json's end-of-text and beginning-of-text tokens.
 END_OF_TEXT = ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>', '[SEP]')
 BEGIN_OF_TEXT = ('<|begin_of_text|>', '<s>', '<bos>', '[CLS]')

@@ -17,8 +17,8 @@ import time
 from absl import flags, logging
 
 from engine.data import sources
-from engine.config import ConfigError
-from engine.cli import run_command
+from engine.errors import ConfigError
+from engine.cli.command_line import run_command
 
 END_OF_TEXT = '<|endoftext|>'
 

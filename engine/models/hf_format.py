@@ -1,9 +1,9 @@
-"""How a model family describes its Hugging Face checkpoints: the interface engine/hf.py reads.
+"""How a model family describes its Hugging Face checkpoints: the interface engine/hf/load.py reads.
 
 A family that can load and save Hugging Face checkpoints registers an `HFFormat` in
 engine/models/__init__.py (`HF_FORMATS`). It names each of its parameters' Hugging Face tensor
 and layout, and translates the checkpoint's config.json to and from its `model` config keys.
-engine/hf.py then only reads and writes safetensors, slice by slice; it knows no parameter name.
+engine/hf/load.py then only reads and writes safetensors, slice by slice; it knows no parameter name.
 
 Layouts (Hugging Face's `nn.Linear` weights are [out, in]; the engine's are [in, out], with heads
 split out and stacked layers along leading axes):
@@ -33,7 +33,7 @@ LAYER_NDIM = {'same': 1, 'linear': 2, 'heads_out': 3, 'heads_in': 3, 'heads_bias
 
 
 class UnsupportedCheckpoint(ValueError):
-  """A checkpoint the family cannot reproduce exactly; the message names the key (engine/hf.py
+  """A checkpoint the family cannot reproduce exactly; the message names the key (engine/hf/load.py
   reports it as a config error)."""
 
 

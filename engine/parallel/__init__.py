@@ -3,7 +3,7 @@
 Each builder takes an engine.state.TrainSetup and returns engine.parallel.steps.Steps.
 """
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.parallel import auto, manual
 
 STEP_BUILDERS = {'auto': auto.build_steps, 'manual': manual.build_steps}

@@ -1,0 +1,8 @@
+"""Speed of training-step variants, side by side in one process (command: python -m engine.bench).
+
+  __main__.py        the command line and the report
+  calibration.py     the FLOP/s a plain matmul reaches on every device at once
+  baseline.py        another checkout's variants in the same interleaved rounds
+  baseline_child.py  that checkout's side, a child process run by its path (not imported)
+  op_profile.py      each variant's self time per step by op, read from its trace
+"""

@@ -1,0 +1,6 @@
+"""Every command's command line.
+
+  command_line.py  flags parsed, bad input as one `error:` line, `run_command` (every command's
+                   app.run), the flags commands share
+  config_help.py   --print_config, the schema's one-line help, did-you-mean for unknown keys
+"""

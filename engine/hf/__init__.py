@@ -1,0 +1,5 @@
+"""Hugging Face checkpoints read and written (each family's format lives in engine/models/).
+
+  load.py  a Hugging Face directory checked against the model, read slice by slice
+  save.py  parameters, config and tokenizer written as a directory transformers loads
+"""

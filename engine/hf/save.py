@@ -1,0 +1,128 @@
+"""Hugging Face checkpoints out: `engine.export` writes a run's parameters in its model family's
+Hugging Face layout (config.json, generation_config.json, model.safetensors in the chosen dtype)
+and its tokenizer as `AutoTokenizer` loads it. engine/hf/load.py reads them; the family's HFFormat
+(engine/models/hf_format.py) names the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+from absl import logging
+from safetensors.numpy import save_file
+
+from engine import models
+from engine.errors import ConfigError
+from engine.models.hf_format import LAYER_NDIM, tensor_name
+
+
+def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
+  """One layer's engine array in the Hugging Face layout (the inverse of _read_block)."""
+  if layout == 'same':
+    return array
+  if layout == 'linear':
+    return array.T
+  if layout == 'heads_out':  # [D, H, K] -> [H K, D]
+    return array.reshape(array.shape[0], -1).T
+  if layout == 'heads_bias':  # [H, K] -> [H K]
+    return array.reshape(-1)
+  return array.reshape(-1, array.shape[-1]).T  # [H, K, D] -> [D, H K]
+
+
+# --dtype of engine.export: the safetensors dtype written (numpy has no bfloat16: ml_dtypes').
+DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16}
+
+
+def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
+         dtype: str = 'float32', token_ids: dict[str, int | None] | None = None) -> list[str]:
+  """Writes `config.json` and `model.safetensors` of the model family's Hugging Face format
+  (params: engine '/'-paths -> host arrays; stacked parameters [L, ...], or grouped
+  [R, L / R, ...], then [E, ...] for experts), its tensors in `dtype` (a key of DTYPES).
+  `token_ids` ({'bos_token_id', 'eos_token_id'}: the tokenizer's, None where it has none) go
+  into config.json and generation_config.json: a null overrides the architecture's default ids
+  (Llama's 1 and 2), which are other tokens of another vocabulary. Returns the tensor names
+  written."""
+  fmt = models.hf_format_for(model_config)
+  config = fmt.to_hf_config(model_config, vocab_size)
+  tensors = {}
+  for tensor in fmt.tensors:
+    if tensor.path not in params:
+      continue  # A tensor this model does not have (biases, q/k norms).
+    array = np.asarray(params[tensor.path])
+    if '{i}' not in tensor.name:
+      tensors[tensor.name] = to_hf(tensor.layout, array)
+      continue
+    lead = array.shape[:array.ndim - LAYER_NDIM[tensor.layout]]  # Layers (then experts).
+    for at in np.ndindex(*lead):
+      tensors[tensor_name(tensor.name, lead, at)] = np.ascontiguousarray(
+          to_hf(tensor.layout, array[at]))
+  tensors = {name: _cast(name, value, dtype) for name, value in tensors.items()}
+  # transformers 5 reads `dtype`; earlier versions `torch_dtype`.
+  config.update(dtype=dtype, torch_dtype=dtype, **(token_ids or {}))
+  os.makedirs(out, exist_ok=True)
+  save_file(tensors, os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
+  _write_json(os.path.join(out, 'config.json'), config)
+  if token_ids is not None:
+    _write_json(os.path.join(out, 'generation_config.json'), dict(token_ids))
+  logging.info('Wrote %d tensors (%.1f MB, %s) to %s', len(tensors),
+               sum(v.nbytes for v in tensors.values()) / 1e6, dtype, out)
+  return sorted(tensors)
+
+
+def _cast(name: str, value: np.ndarray, dtype: str) -> np.ndarray:
+  """`value` in `dtype`; a ConfigError if a finite value overflows it (float16's 65504)."""
+  if dtype not in DTYPES:
+    raise ConfigError(f'--dtype={dtype}: choose one of {", ".join(DTYPES)}.')
+  with np.errstate(over='ignore'):
+    cast = np.ascontiguousarray(value.astype(DTYPES[dtype]))
+  if not np.isfinite(cast).all() and np.isfinite(value).all():
+    raise ConfigError(f'--dtype={dtype}: {name!r} holds values up to {np.abs(value).max():g}, '
+                      f'beyond {dtype}\'s range; export --dtype=bfloat16 or float32.')
+  return cast
+
+
+def _write_json(path: str, content: dict) -> None:
+  with open(path, 'w') as f:
+    json.dump(content, f, indent=2)
+    f.write('\n')
+
+
+def save_tokenizer(tokenizer, out: str, max_len: int) -> str:
+  """Writes the run's tokenizer as Hugging Face's `AutoTokenizer` loads it, into `out`; returns
+  a line saying what it wrote (nothing for byte and character vocabularies, which have no Hugging
+  Face tokenizer file).
+
+    hf             tokenizer.json (copied) + tokenizer_config.json (PreTrainedTokenizerFast: the
+                   tokenizer.json decides everything, special tokens added or not included);
+    sentencepiece  tokenizer.model (copied) + tokenizer_config.json (LlamaTokenizer, which adds
+                   the beginning-of-text id as engine.data.prepare and engine.generate do; reading
+                   a .model needs the sentencepiece and protobuf packages).
+  """
+  kind = tokenizer.kind
+  if kind not in ('hf', 'sentencepiece'):
+    what = ('UTF-8 bytes' if kind == 'byte' else "the training text's characters, sorted")
+    return (f'no tokenizer files: data.tokenizer={kind} (ids are {what}) has no Hugging Face '
+            'tokenizer file.')
+  ids = {'bos_token': tokenizer.bos_id, 'eos_token': tokenizer.eos_id}
+  if kind == 'hf':
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    name, piece = 'tokenizer.json', tokenizers.Tokenizer.from_file(tokenizer.path).id_to_token
+    config = {'tokenizer_class': 'PreTrainedTokenizerFast'}
+  else:
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+    processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer.path)
+    name, piece = 'tokenizer.model', processor.id_to_piece
+    if processor.unk_id() >= 0:
+      ids['unk_token'] = processor.unk_id()
+    config = {'tokenizer_class': 'LlamaTokenizer', 'add_bos_token': tokenizer.bos_id is not None,
+              'add_eos_token': False}
+  config.update({key: None if i is None else piece(i) for key, i in ids.items()})
+  config['model_max_length'] = max_len
+  shutil.copyfile(tokenizer.path, os.path.join(out, name))
+  _write_json(os.path.join(out, 'tokenizer_config.json'), config)
+  return f'{name} and tokenizer_config.json ({config["tokenizer_class"]}) from {tokenizer.path}.'
+

@@ -1,0 +1,7 @@
+"""A pod run planned on this machine: the real train step compiled for a TPU topology, never run
+(command: python -m engine.plan).
+
+  __main__.py  the command line
+  planner.py   candidates compiled, memory against HBM, collectives against theory, a roofline
+  report.py    the plan as Markdown, with each candidate's training command
+"""

@@ -1,0 +1,49 @@
+"""The command line of engine.plan: `python -m engine.plan --config=EXPERIMENT --topology=v5p:4x4x8` (the planning itself: engine/plan/planner.py)."""
+
+import json
+import sys
+import time
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+from engine.cli.command_line import check_out_prefix, run_command
+from engine.plan.planner import DCN_GB_PER_S, plan
+from engine.plan.report import markdown
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
+                                          lock_config=False)
+_TOPOLOGY = flags.DEFINE_string('topology', None, 'TPU topology VERSION:SHAPE, e.g. v5p:4x4x8.')
+_NUM_SLICES = flags.DEFINE_integer('num_slices', 1, 'Slices joined by the data-centre network '
+                                   '(mesh.dcn_data x mesh.dcn_fsdp must equal it when > 1).')
+_MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compile.')
+_MESHES = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE'
+                            '[xEXPERT]]]; default: the config\'s own.')
+_DCN_GB_PER_S = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
+                                   'Bandwidth between slices, GB/s (gigabytes) per chip.')
+_OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
+
+
+def main(argv):
+  del argv
+  check_out_prefix(_OUT.value)
+  start = time.perf_counter()
+  result = plan(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _MODES.value, _MESHES.value,
+                _DCN_GB_PER_S.value)
+  result['wall_s'] = time.perf_counter() - start
+  config_arg = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
+                    flags.FLAGS['config'].value)
+  overrides = [a for a in sys.argv[1:] if a.startswith('--config.')]
+  result['plan_command'] = ' '.join(['python -m engine.plan', *sys.argv[1:]])
+  report = markdown(result, config_arg, overrides) + f'\nPlanned in {result["wall_s"]:.0f} s.\n'
+  print(report)
+  if _OUT.value:
+    with open(_OUT.value + '.md', 'w') as f:
+      f.write(report)
+    with open(_OUT.value + '.json', 'w') as f:
+      json.dump(result, f, indent=1, default=str)
+    logging.info('Wrote %s.md and %s.json', _OUT.value, _OUT.value)
+
+
+if __name__ == '__main__':
+  run_command(main, 'engine.plan', required=('config', 'topology'))

@@ -1,0 +1,290 @@
+"""Plan a pod run before booking it: the experiment's real train step compiled ahead of time for
+a TPU topology, on this machine, without a TPU (libtpu's compiler: `pip install -e '.[tpu]'`).
+
+  python -m engine.plan --config=experiments/llama_8b.py --topology=v5p:4x4x8 \
+      --meshes=16x8x1,1x32x4,1x128x1 --modes=auto,manual --out=/tmp/plan
+
+For every candidate layout (a mesh from --meshes, or the config's own) and mode, the train step
+is built by the code that trains (engine.assemble and the mode's step builder, on the
+topology's devices instead of this machine's), lowered and compiled, never run. Each candidate
+gets:
+  - memory per device from the compiled program (arguments, temporaries, peak) against the
+    chip's HBM: fits or does not fit (a compile that runs out of HBM is a "does not fit" with
+    the compiler's numbers, not an error);
+  - its collectives by kind and mesh axes (engine.analysis.collectives on the TPU HLO) against
+    the communication theory (engine.analysis.comm_theory);
+  - a roofline estimate of the step time from the compiled cost analysis and the chip's
+    published figures (engine.chips): compute = FLOPs / peak, memory = bytes accessed /
+    HBM bandwidth, communication = each collective's bytes on the wire / interconnect bandwidth
+    (DCN bandwidth for axes split across slices). The step takes at least the largest of the
+    three (perfect overlap) and at most their sum (compute or memory, then communication): both
+    are printed, and the MFU the slower one implies; a mixture of experts' compute also counts
+    the expert rows its dispatch pads (expert_padding_flops), and its row the all-to-all bytes
+    per step and device (the experts' exchange), the theory's and the compiled program's;
+  - the config (JSON) and the command line that trains it.
+Candidates are ranked by the slower estimate, those that fit first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+# The plan compiles for the topology and runs nothing: CPU even on a TPU VM, which `import engine`
+# leaves to JAX (engine/runtime/platforms.py). libtpu still loads: jax.experimental.topologies needs it.
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# Several plans may load libtpu at once (it takes a lock by default); without a TPU host these
+# settings only keep libtpu from guessing (and warning about) one.
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
+
+import ml_collections  # noqa: E402
+
+from engine import chips, parallel, validation  # noqa: E402
+from engine import config as config_lib  # noqa: E402
+from engine.analysis import benchmark, collectives, comm_theory  # noqa: E402
+from engine.analysis.compare import communication_table  # noqa: E402
+from engine.assemble import VOCABULARY, assemble  # noqa: E402
+from engine.errors import ConfigError  # noqa: E402
+from engine.hf import load as hf  # noqa: E402
+from engine.models.moe_dispatch import capacity  # noqa: E402
+from engine.plan.report import markdown, train_command  # noqa: E402,F401
+from engine.train.metrics import log_memory  # noqa: E402
+
+_TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
+# Default bandwidth between slices (data-centre network), GB/s per chip: an assumption, not a
+# published figure; set --dcn_gb_per_s to your network's.
+DCN_GB_PER_S = 12.5
+# Bytes each device sends per byte of a collective's result, for a group of n devices on a ring.
+_WIRE_FACTOR = {
+    'all-reduce': lambda n: 2 * (n - 1) / n,  # Reduce-scatter, then all-gather.
+    'all-gather': lambda n: (n - 1) / n,  # Result: the whole array.
+    'reduce-scatter': lambda n: n - 1,  # Result: one shard.
+    'all-to-all': lambda n: (n - 1) / n,
+    'collective-permute': lambda n: 1,
+}
+
+
+class PlanError(ConfigError):
+  """A plan that cannot start (unknown topology, no libtpu)."""
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list:
+  """The devices of a TPU topology ('v5p:4x4x8'), for compiling, not running."""
+  if not _TOPOLOGY.match(topology):
+    raise PlanError(f'--topology={topology!r} is not a TPU topology; write VERSION:SHAPE with '
+                    'VERSION one of v4, v5e, v5p, v6e and SHAPE its chips per dimension, e.g. '
+                    'v5p:4x4x8 (v5p-256), v5e:4x4 (v5e-16), v6e:8x8.')
+  if num_slices < 1:
+    raise PlanError(f'--num_slices={num_slices} must be >= 1.')
+  try:
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    return list(topologies.get_topology_desc(
+        platform='tpu', topology_name=topology, num_slices=num_slices).devices)
+  except (RuntimeError, ValueError) as e:
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if 'INVALID_ARGUMENT' not in message:
+      raise PlanError(f'--topology={topology!r}: cannot build the TPU compiler ({message}); '
+                      "install it with pip install -e '.[tpu]'.") from e
+    raise PlanError(f'--topology={topology!r} is not a topology libtpu knows ({message}); '
+                    'check the shape against the version\'s slice shapes (v5p: AxBxC, v5e and '
+                    'v6e: AxB).') from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """What the roofline needs to know of the planned devices."""
+  chip: chips.Chip
+  devices_per_chip: int  # TPU v4's topology lists each TensorCore as a device.
+  num_devices: int
+  num_slices: int
+  dcn_gb_per_s: float
+
+  @classmethod
+  def of(cls, devices, dcn_gb_per_s: float = DCN_GB_PER_S) -> Hardware:
+    chip = chips.chip_of(devices[0].device_kind)
+    if chip is None:
+      raise PlanError(f'{devices[0].device_kind!r} is not in engine/chips.py; add its '
+                      'published figures there.')
+    places = {(getattr(d, 'slice_index', 0), tuple(d.coords)) for d in devices}
+    return cls(chip, len(devices) // len(places), len(devices),
+               validation.count_slices(devices), dcn_gb_per_s)
+
+  def per_device(self, per_chip: float) -> float:
+    return per_chip / self.devices_per_chip
+
+  @property
+  def hbm_bytes(self) -> float:
+    return self.per_device(self.chip.hbm_gib * 2**30)
+
+
+def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
+             mesh_shape: dict[str, int], executed_flops: float) -> dict:
+  """Seconds per step for compute, HBM traffic and communication, and the two estimates.
+
+  XLA's cost analysis counts a loop body once, so with scanned layers its FLOPs and bytes cover
+  one layer of each loop: compute uses `executed_flops` (what the step really runs, per device)
+  where that is larger, and the HBM time is a lower bound."""
+  peak = hardware.per_device(hardware.chip.peak_tflops[dtype] * 1e12)
+  flops = max(float(cost.get('flops', 0.0)), executed_flops)
+  compute_s = flops / peak
+  memory_s = float(cost.get('bytes accessed', 0.0)) / hardware.per_device(
+      hardware.chip.hbm_gb_per_s * 1e9)
+  comm_s = {'ici': 0.0, 'dcn': 0.0}
+  sizes = {**mesh_shape, collectives.DCN: hardware.num_slices}
+  for (kind, axes), row in table.items():
+    group = math.prod(sizes[a] for a in axes)
+    if group < 2 or not row['array_bytes'] or kind not in _WIRE_FACTOR:
+      continue
+    wire = row['array_bytes'] * _WIRE_FACTOR[kind](group)
+    if collectives.DCN in axes:  # Between slices: Megascale's sends (engine.analysis.collectives).
+      comm_s['dcn'] += wire / (hardware.dcn_gb_per_s * 1e9)
+    else:
+      comm_s['ici'] += wire / hardware.per_device(hardware.chip.interconnect_gb_per_s * 1e9)
+  communication_s = comm_s['ici'] + comm_s['dcn']
+  return {'compute_s': compute_s, 'memory_s': memory_s, 'ici_s': comm_s['ici'],
+          'dcn_s': comm_s['dcn'], 'overlapped_s': max(compute_s, memory_s, communication_s),
+          'serial_s': max(compute_s, memory_s) + communication_s,
+          'flops_per_device': flops, 'compiled_flops_per_device': float(cost.get('flops', 0.0)),
+          'bytes_accessed_per_device': float(cost.get('bytes accessed', 0.0))}
+
+
+# "... memory required for HLO temporaries (132.87G) exceeds available HBM (95.74G)."
+_OUT_OF_MEMORY = re.compile(r'\(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)')
+
+
+def _out_of_memory(error: Exception) -> dict | None:
+  """The compiler's own figures when a program does not fit in HBM, else None."""
+  text = str(error)
+  if 'RESOURCE_EXHAUSTED' not in text and 'out of memory' not in text.lower():
+    return None
+  scale = {None: 1, '': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}
+  if m := _OUT_OF_MEMORY.search(text):
+    return {'needed_bytes': float(m.group(1)) * scale[m.group(2)],
+            'hbm_bytes': float(m.group(3)) * scale[m.group(4)]}
+  return {'needed_bytes': None, 'hbm_bytes': None}
+
+
+def executed_flops(model_flops: float, config) -> float:
+  """The FLOPs a step executes for the model's `model_flops` (6N + attention): full remat runs
+  every forward pass twice (8N), and a pipeline's stages also compute in the bubble."""
+  flops = model_flops * (4 / 3 if config.model.remat == 'full' else 1)
+  stages, repeats = config.mesh.stage, config.train.pipeline_repeats
+  if stages > 1:
+    work = repeats * config.train.microbatches
+    flops *= (work + stages - 1) / work
+  return flops
+
+
+def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> float:
+  """Training FLOPs a mixture of experts multiplies beyond its k assignments per token (the
+  model's FLOPs count those): the capacity dispatch's E x C slots per sequence (more than L x k
+  when the factor pads, fewer when it drops); on an expert axis of n devices, auto mode's
+  dropless dispatch, the capacity one with C = L (E / k times the useful expert FLOPs), and
+  manual mode's, whose grouped matmuls run over the n exchanged blocks of min(k, E / n) rows per
+  token, padding rows included (XLA:TPU's cost analysis counts them too). Dropless on one
+  device multiplies only the rows routed: none."""
+  experts = train_setup.model.experts
+  if experts is None:
+    return 0.0
+  E, K = experts.num_experts, experts.experts_per_token
+  if experts.capacity_factor:
+    slots = E * capacity(seq_len, K, E, experts.capacity_factor) / (seq_len * K)
+  elif (n := math.prod(train_setup.mesh.shape[a] for a in train_setup.rules.mesh_axes(
+      'experts', activation=True))) > 1:
+    slots = E / K if mode == 'auto' else n * min(K, E // n) / K
+  else:
+    return 0.0
+  # Each token's k experts multiply k / E of the routed weights, 6 FLOPs per weight.
+  routed = sum(math.prod(p.shape) for p in train_setup.parameters() if 'experts' in p.logical_axes)
+  return 6.0 * routed * K / E * tokens * (slots - 1)
+
+
+def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
+                   hardware: Hardware) -> dict:
+  """Compiles one candidate (config with its mesh) for one mode; returns its plan row."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.parallelism.mode = mode
+  row = {'mode': mode, 'config': json.loads(config.to_json())}
+  try:
+    run = assemble(config, devices, reads=VOCABULARY)
+    train_setup = run.setup
+  except ConfigError as e:  # A candidate the engine would refuse: a row, not a stop.
+    sizes = 'x'.join(str(config.mesh[a]) for a in config_lib.MESH_AXES)
+    return {**row, 'mesh': sizes, 'status': 'invalid', 'error': str(e)}
+  mesh_shape = dict(train_setup.mesh.shape)
+  row.update(mesh=benchmark.mesh_name(mesh_shape), mesh_shape=mesh_shape)
+  global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
+  start = time.perf_counter()
+  try:
+    compiled = run.compile_train_step()
+  except Exception as e:  # pylint: disable=broad-except
+    if (oom := _out_of_memory(e)) is None:
+      raise
+    return {**row, 'status': 'does not fit', 'compile_s': time.perf_counter() - start,
+            'memory': {'peak_estimate_bytes': oom['needed_bytes'],
+                       'temp_size_in_bytes': oom['needed_bytes']},
+            'hbm_bytes': hardware.hbm_bytes, 'error': str(e).splitlines()[0][:300]}
+  compile_s = time.perf_counter() - start
+  memory = log_memory(f'{mode} {row["mesh"]} train step', compiled)
+  found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
+  table = collectives.summarize(found)
+  theory = comm_theory.expected_bytes(train_setup, global_batch, seq_len)
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  tokens = global_batch * seq_len
+  model_flops = train_setup.model.flops_per_token(seq_len) * tokens
+  padding = expert_padding_flops(train_setup, mode, tokens, seq_len)
+  estimate = roofline(cost, table, hardware, config.model.dtype, mesh_shape,
+                      executed_flops(model_flops + padding, config) / hardware.num_devices)
+  peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
+  fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
+  run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
+  return {
+      **row, 'status': 'fits' if fits else 'does not fit', 'compile_s': compile_s,
+      'memory': memory, 'hbm_bytes': hardware.hbm_bytes, 'roofline': estimate,
+      'tokens_per_step': tokens, 'model_flops_per_step': model_flops,
+      'expert_padding_flops_per_step': padding,
+      'mfu': model_flops / (hardware.num_devices * peak * estimate['serial_s']),
+      'mfu_overlapped': model_flops / (hardware.num_devices * peak * estimate['overlapped_s']),
+      'communication': communication_table([run], theory),
+      # The experts' exchange per step and device, bytes of the results (theory, compiled).
+      'all_to_all_bytes': {'theory': sum(b for (k, _), b in theory.items() if k == 'all-to-all'),
+                           'compiled': sum(r['array_bytes'] for (k, _), r in table.items()
+                                           if k == 'all-to-all')},
+  }
+
+
+def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, modes: list[str],
+         meshes: list[str], dcn_gb_per_s: float = DCN_GB_PER_S) -> dict:
+  """Every candidate (mesh x mode) compiled for the topology, ranked."""
+  parallel.check_modes(modes, '--modes')
+  if not dcn_gb_per_s > 0:
+    raise ConfigError(f'--dcn_gb_per_s={dcn_gb_per_s:g} must be a positive number.')
+  for mesh in meshes:
+    config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before anything compiles.
+  devices = topology_devices(topology, num_slices)
+  hardware = Hardware.of(devices, dcn_gb_per_s)
+  num_processes = len({d.process_index for d in devices})
+  hf.apply_model_config(config)  # train.init_from=hf:DIR: plan DIR's model, once.
+  rows = []
+  for mesh in meshes or ['']:
+    candidate = ml_collections.ConfigDict(config.to_dict())
+    if mesh:
+      config_lib.set_mesh_shape(candidate, mesh, '--meshes')
+    for mode in modes:
+      logging.info('Compiling %s on %s for %s.', mode, mesh or 'the config\'s mesh', topology)
+      rows.append(plan_candidate(candidate, mode, devices, hardware))
+  if all(row['status'] == 'invalid' for row in rows):
+    raise ConfigError(f'no candidate can run on {topology}; the first, mesh '
+                      f'{rows[0]["mesh"]}: {rows[0]["error"]}')
+  rank = lambda r: (r['status'] != 'fits', r.get('roofline', {}).get('serial_s', math.inf))
+  for place, row in enumerate(sorted(rows, key=rank), 1):
+    row['rank'] = place
+  return {'topology': topology, 'num_slices': num_slices, 'chip': hardware.chip.name,
+          'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
+          'processes': num_processes, 'hbm_bytes_per_device': hardware.hbm_bytes,
+          'dcn_gb_per_s': dcn_gb_per_s, 'candidates': rows}

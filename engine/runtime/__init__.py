@@ -1,0 +1,6 @@
+"""Process settings around JAX, applied before its backends start.
+
+  allocator.py       glibc's malloc kept from returning memory between CPU steps
+  platforms.py       which JAX platforms to start (CPU where libtpu is installed but no TPU is)
+  library_output.py  the libraries' chatter quieted, their tracebacks for explained errors hidden
+"""

@@ -1,0 +1,9 @@
+"""The training loop and the hooks it calls.
+
+  loop.py        `train(config, workdir)`: initial state, compiled steps, the step loop
+  metrics.py     log lines, TensorBoard events and JSON lines; throughput, MFU, memory
+  finiteness.py  a step whose loss or gradient norm is not finite stops (or is skipped)
+  preemption.py  SIGTERM / SIGINT end the run after a checkpoint, every process at one step
+  profiling.py   a jax.profiler trace of a range of steps
+  samples.py     text sampled from the model every train.sample_every steps
+"""

@@ -1,0 +1,95 @@
+"""A jax.profiler trace of a range of training steps (train.profile_steps=A:B, both included).
+
+Each process traces its own devices: into WORKDIR/profile with one process, into
+WORKDIR/profile/process_<i> with several (jax names the trace file after the host, which
+processes sharing a host would overwrite). TensorBoard with its profile plugin, or xprof, reads
+the directory: `tensorboard --logdir=WORKDIR/profile`. engine.bench --profile traces each variant
+with trace_steps.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from absl import logging
+
+from engine.errors import ConfigError
+
+EXAMPLE = '10:12'
+
+
+def parse_steps(text: str, num_steps: int) -> tuple[int, int] | None:
+  """(first, last) step to trace, both included; None for ''. ConfigError if not A:B with
+  1 <= A <= B <= num_steps."""
+  if not text:
+    return None
+  parts = str(text).split(':')
+  try:
+    first, last = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+  except ValueError:
+    first = last = None
+  if first is None:
+    raise ConfigError(f'train.profile_steps={text!r} must be A:B, the first and last step to '
+                      f'trace, e.g. {EXAMPLE}.')
+  if not 1 <= first <= last <= num_steps:
+    raise ConfigError(f'train.profile_steps={text!r} must have 1 <= A <= B <= '
+                      f'train.num_steps={num_steps}; e.g. 10:12 traces steps 10, 11 and 12.')
+  return first, last
+
+
+def trace_directory(base) -> str:
+  """Where this process's trace goes: `base` itself, or base/process_<i> with several."""
+  if jax.process_count() > 1:
+    return os.path.join(str(base), f'process_{jax.process_index()}')
+  return str(base)
+
+
+def trace_steps(directory: str, step, state, batches: list):
+  """Runs `state, metrics = step(state, batch)` for each batch under a trace into `directory`,
+  started once the device is idle and stopped once the last step is done; the final state."""
+  state = jax.block_until_ready(state)
+  jax.profiler.start_trace(directory)
+  try:
+    for batch in batches:
+      state, metrics = step(state, batch)
+    jax.block_until_ready((state, metrics))
+  finally:
+    jax.profiler.stop_trace()
+  return state
+
+
+class StepProfiler:
+  """Starts a trace before step `first` is dispatched and stops it once step `last` is done.
+  The loop compares each step with two ints; the rest runs twice per run at most.
+
+  A run resumed inside the range traces its remaining steps; one resumed past it traces none."""
+
+  def __init__(self, text: str, num_steps: int, start_step: int, workdir):
+    steps = parse_steps(text, num_steps)
+    self.first = self.last = -1  # No step matches: nothing traced.
+    if steps is not None and start_step < steps[1]:
+      self.first, self.last = max(steps[0], start_step + 1), steps[1]
+    self.base = str(workdir / 'profile')
+    self.directory = trace_directory(self.base) if self.first > 0 else ''
+    self.active = False
+
+  def before(self, step: int, state) -> None:
+    if step == self.first:
+      jax.block_until_ready(state)  # Earlier steps' device work stays out of the trace.
+      jax.profiler.start_trace(self.directory)
+      self.active = True
+
+  def after(self, step: int, state, metrics) -> None:
+    if step == self.last:
+      jax.block_until_ready((state, metrics))  # The trace holds the last step's device work.
+      self.stop()
+      logging.info('Profiled steps %d to %d into %s; open it with `tensorboard --logdir=%s` '
+                   '(pip install tensorboard tensorboard-plugin-profile; the Profile tab).',
+                   self.first, self.last, self.directory, self.base)
+
+  def stop(self) -> None:
+    """Ends a trace in progress (also when the run stops inside the range)."""
+    if self.active:
+      self.active = False
+      jax.profiler.stop_trace()

@@ -1,0 +1,150 @@
+"""The run's working directory: checks, the recorded config, and paths that may be remote.
+
+Every read and write of the workdir goes through `etils.epath` (as Orbax's do), so a workdir may
+be a local path or a bucket URI such as gs://bucket/run (remote schemes need their filesystem
+package: gcsfs for gs://, see docs/training.md). Local paths are made absolute; URIs are kept as given.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_collections
+from etils import epath
+
+from engine.errors import ConfigError
+
+CONFIG_FILE = 'config.json'
+
+
+def is_remote(path: str | epath.Path) -> bool:
+  return '://' in str(path)
+
+
+def resolve(path: str | epath.Path) -> epath.Path:
+  """`path` as an epath.Path: local paths made absolute, URIs (gs://...) untouched."""
+  path = epath.Path(path)
+  return path if is_remote(path) else path.expanduser().absolute()
+
+
+def prepare(workdir: str) -> epath.Path:
+  """The workdir, created if missing; it must be a directory this process can write."""
+  path = resolve(workdir)
+  if path.exists() and not path.is_dir():
+    raise ConfigError(f'--workdir={workdir} is a file, not a directory; pass a new path or the '
+                      'directory of the run to resume.')
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f'.write_test.{jax.process_index()}'
+    probe.write_text('')
+    probe.unlink()
+  except OSError as error:
+    raise ConfigError(f'--workdir={workdir} cannot be written ({error.strerror or error}); pass '
+                      'a path under a writable directory, or fix its permissions.') from error
+  return path
+
+
+def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
+  """Refuses to resume a checkpoint whose model or data config differ from this one: the state
+  would not fit, or the run would silently change; so does a learning-rate schedule whose end
+  would move with train.num_steps. Mesh, mode and the optim keys may change (but not the
+  circular pipeline's layer grouping)."""
+  path = workdir / CONFIG_FILE
+  if not path.exists():
+    return
+  saved = json.loads(path.read_text())
+  for section in ('model', 'data'):
+    if saved.get(section) != json.loads(config[section].to_json()):
+      raise ConfigError(
+          f'--workdir={workdir} holds checkpoints of a run with a different {section} config; '
+          f'use a new --workdir, or the {section} settings of {path}.')
+  # The circular pipeline stores stacked parameters in groups: another grouping would not fit.
+  repeats = saved.get('train', {}).get('pipeline_repeats', 1)
+  if repeats != config.train.pipeline_repeats:
+    raise ConfigError(
+        f'--workdir={workdir} holds checkpoints stored for train.pipeline_repeats={repeats}; '
+        f'resume with --config.train.pipeline_repeats={repeats}, or use a new --workdir.')
+  _check_schedule_end(config, saved, workdir)
+
+
+def _check_schedule_end(config: ml_collections.ConfigDict, saved: dict, workdir) -> None:
+  """Refuses a resume whose schedule ends at a train.num_steps other than the saved run's
+  schedule end: extending a finished cosine run would otherwise stretch the decay, raising the
+  learning rate back up. An end given as optim.decay_steps, or a constant schedule, may change."""
+  saved_optim = saved.get('optim', {})
+  if (config.optim.decay_steps != -1 or config.optim.schedule == 'constant' or
+      saved_optim.get('schedule', 'cosine') == 'constant'):
+    return
+  saved_steps = saved.get('train', {}).get('num_steps', config.train.num_steps)
+  saved_decay = saved_optim.get('decay_steps', -1)
+  # A schedule ends one step after its warmup at the earliest (engine/optimizer.py): runs
+  # shorter than that share one schedule, and the end it reports is a valid decay_steps.
+  saved_warmup = saved_optim.get('warmup_steps', config.optim.warmup_steps)
+  saved_end = max(saved_decay if saved_decay > 0 else saved_steps, saved_warmup + 1)
+  num_steps = config.train.num_steps
+  if max(num_steps, config.optim.warmup_steps + 1) == saved_end:
+    return
+  keep = (f'--config.train.num_steps={saved_steps} to finish it as planned, '
+          if saved_steps == saved_end else '')
+  raise ConfigError(
+      f'--workdir={workdir} holds a run whose learning-rate schedule ends at step {saved_end}, '
+      f'and train.num_steps={num_steps} would move that end to step {num_steps} '
+      f'(optim.schedule={config.optim.schedule} with optim.decay_steps=-1 ends at '
+      f'train.num_steps); pass --config.optim.decay_steps={saved_end} to keep it (the rate stays '
+      f'at its end value after step {saved_end}), {keep}or start a fresh schedule from its '
+      f'weights in a new --workdir with --config.train.init_from={workdir}.')
+
+
+def read_saved(workdir: str) -> dict:
+  """A finished run's WORKDIR/config.json as written (the config, and the record of the
+  tokenizer it keeps: engine/workdir/tokenizer.py)."""
+  path = resolve(workdir) / CONFIG_FILE
+  if not path.exists():
+    raise ConfigError(f'--workdir={workdir} holds no {CONFIG_FILE}; pass the --workdir of a '
+                      'training run.')
+  try:
+    return json.loads(path.read_text())
+  except ValueError as error:
+    raise ConfigError(f'--workdir={workdir}: {CONFIG_FILE} is not valid JSON ({error}); it is '
+                      'not a file a training run wrote: restore it, or pass another --workdir.'
+                      ) from None
+
+
+def read_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """A finished run's config, as its WORKDIR/config.json recorded it (engine.assemble lays it
+  out on another mesh for generation, evaluation and export)."""
+  saved = read_saved(workdir)
+  sections = ('model', 'data', 'train', 'mesh', 'parallelism', 'optim')
+  missing = [s for s in sections if not isinstance(saved, dict) or
+             not isinstance(saved.get(s), dict)]
+  if missing:
+    raise ConfigError(f'--workdir={workdir}: {CONFIG_FILE} has no {missing[0]} section; it is '
+                      'not a config a training run wrote: restore it, or pass the --workdir of '
+                      'a training run.')
+  saved.pop('tokenizer', None)  # The kept tokenizer's record (engine/workdir/tokenizer.py).
+  config = ml_collections.ConfigDict(saved)
+  # Older runs lack these keys.
+  config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)
+  config.optim.schedule = config.optim.get('schedule', 'cosine')
+  config.optim.decay_fraction = config.optim.get('decay_fraction', 0.2)
+  config.mesh.expert = config.mesh.get('expert', 1)
+  return config
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: epath.Path,
+                 tokenizer: dict | None = None) -> None:
+  """Records the config once the run is known to start (never for a run that failed early),
+  with `tokenizer`, the record of the tokenizer the workdir keeps (engine/workdir/tokenizer.py)."""
+  if jax.process_index() == 0:
+    saved = json.loads(config.to_json())
+    if tokenizer is not None:
+      saved['tokenizer'] = tokenizer
+    write_text_atomically(workdir / CONFIG_FILE, json.dumps(saved, indent=2))
+
+
+def write_text_atomically(path: epath.Path, text: str) -> None:
+  """Writes `path` whole or not at all: to a temporary name, then renamed over it."""
+  tmp = path.parent / f'{path.name}.tmp'
+  tmp.write_text(text)
+  tmp.replace(path)
