@@ -27,7 +27,8 @@ from engine.train import profiling
 from engine.data import text_files
 from engine.config import DTYPES, FSDP_GATHERS, SOURCES, TOKENIZERS, resolve_mesh_shape
 from engine.errors import ConfigError
-from engine.models import attention, llama
+from engine.models import attention as model_attention
+from engine.models import llama
 from engine.validation.attention import check_splash
 from engine.validation.moe import check_moe
 from engine.validation.optim import check_optim
@@ -137,8 +138,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
 
 def _check_model(model: ConfigDict) -> None:
   _choose(model, 'dtype', 'model.dtype', DTYPES)
-  _choose(model, 'attention', 'model.attention', attention.IMPLEMENTATIONS)
-  _choose(model, 'attention_scale_on', 'model.attention_scale_on', attention.SCALE_ON)
+  _choose(model, 'attention', 'model.attention', model_attention.IMPLEMENTATIONS)
+  _choose(model, 'attention_scale_on', 'model.attention_scale_on', model_attention.SCALE_ON)
   _choose(model, 'remat', 'model.remat', tuple(parallel.steps.REMAT_POLICIES))
   _require_finite(model, 'model', ['init_std', 'norm_eps', 'rope_base'])
   _require_positive(model, 'model', ['num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'max_len',
