@@ -28,9 +28,11 @@ Candidates are ranked by the slower estimate, those that fit first.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
+import time
 
 # The plan compiles for the topology and runs nothing: CPU even on a TPU VM, which `import engine`
 # leaves to JAX (engine/runtime/platforms.py). libtpu still loads: jax.experimental.topologies needs it.
@@ -42,6 +44,7 @@ os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
 os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5p-8')
 
 import ml_collections  # noqa: E402
+from absl import logging  # noqa: E402
 
 from engine import chips, parallel, validation  # noqa: E402
 from engine import config as config_lib  # noqa: E402
