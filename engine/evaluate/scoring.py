@@ -15,9 +15,10 @@ of data.seq_len + 1 tokens (the last partial one dropped).
 
 The loss is the mean next-token cross-entropy over every predicted token (with
 data.document_masking, the training's masking: the predictions from an end-of-text token
-skipped), the perplexity its exponential (per token of that tokenizer); bits per byte, the
-summed cross-entropy in bits over the UTF-8 bytes those predicted tokens stand for (special
-tokens: none), compares tokenizers.
+skipped), summed per window by the run's mode's own eval loss on the --mesh layout
+(Steps.window_losses, engine/parallel/steps.py), the perplexity its exponential (per token of
+that tokenizer); bits per byte, the summed cross-entropy in bits over the UTF-8 bytes those
+predicted tokens stand for (special tokens: none), compares tokenizers.
 """
 
 from __future__ import annotations
