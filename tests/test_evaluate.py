@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from engine import parallel
 from engine.train import loop as train
 from engine.assemble import CORPUS, assemble_finished_run, lay_out
 from engine.workdir.checkpoint import restore_params
@@ -146,3 +147,35 @@ def test_bits_per_byte_of_byte_and_bpe_tokens_on_a_file(bpe):
       assert num_bytes > result['tokens']
       assert any('\ufffd' in bpe.decode([t]) for t in tokens)  # Part of a character alone.
   assert bpe.byte_lengths(np.array([bpe.eos_id, bpe.eos_id])).tolist() == [0, 0]
+
+
+def _documents_layout(mesh=(1, 1, 1, 1, 1)):
+  """A tiny Llama with packed documents (end-of-text id 0), on `mesh` (data, fsdp, tensor,
+  context, stage)."""
+  config = tiny_config(mesh=mesh[:3])
+  config.mesh.context, config.mesh.stage = mesh[3:]
+  config.model.name, config.model.num_kv_heads = 'llama', 2
+  config.data.global_batch_size, config.data.document_masking = 8, True
+  return lay_out(config, 32, jax.devices()[:int(np.prod(mesh))], eos_id=0)
+
+
+@pytest.mark.parametrize('mode, mesh', [
+    ('manual', (2, 1, 2, 2, 1)), ('auto', (2, 1, 2, 2, 1)),  # Vocabulary and sequence split.
+    ('manual', (2, 1, 2, 1, 2)),  # A pipeline.
+], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_window_losses_are_the_eval_steps_loss_per_window(mode, mesh):
+  one = _documents_layout()
+  params = one.init(0)[0]['params']
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(1, 32, (8, 17))
+  tokens[rng.random((8, 17)) < 1 / (2 + np.arange(8)[:, None])] = 0  # Unequal counts per row.
+  want_sums, want_counts = parallel.STEP_BUILDERS['auto'](one).window_losses(params, tokens)
+  setup = _documents_layout(mesh)
+  steps = parallel.STEP_BUILDERS[mode](setup)
+  params = jax.device_put(jax.device_get(params), setup.state_shardings()['params'])
+  sums, counts = jax.device_get(steps.window_losses(params, tokens))
+  assert counts.tolist() == (tokens[:, :-1] != 0).sum(-1).tolist()  # By hand.
+  assert np.asarray(want_counts).tolist() == counts.tolist()
+  np.testing.assert_allclose(sums, want_sums, rtol=1e-5)
+  assert len(set(np.round(sums / counts, 3))) > 1  # Rows differ: a mixed-up row would show.
+  assert sums.sum() / counts.sum() == pytest.approx(float(steps.eval(params, tokens)), abs=1e-5)

@@ -15,20 +15,17 @@ of data.seq_len + 1 tokens (the last partial one dropped).
 
 The loss is the mean next-token cross-entropy over every predicted token (with
 data.document_masking, the training's masking: the predictions from an end-of-text token
-skipped), the perplexity its exponential (per token of that tokenizer); bits per byte, the
-summed cross-entropy in bits over the UTF-8 bytes those predicted tokens stand for (special
-tokens: none), compares tokenizers.
+skipped), summed per window by the run's mode's own eval loss on the --mesh layout
+(Steps.window_losses, engine/parallel/steps.py), the perplexity its exponential (per token of
+that tokenizer); bits per byte, the summed cross-entropy in bits over the UTF-8 bytes those
+predicted tokens stand for (special tokens: none), compares tokenizers.
 """
 
 from __future__ import annotations
 
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 
 from engine import config as config_lib
 from engine import data
@@ -36,8 +33,8 @@ from engine.assemble import CORPUS, Run, assemble_finished_run
 from engine.workdir.checkpoint import restore_params
 from engine.data import tokenizers as tokenizer_lib
 from engine.generate.sampling import bos_ids, encode_prompts
-from engine.parallel.auto import AutoOps
-from engine.parallel.steps import packed_documents
+from engine.parallel import auto
+from engine.parallel.steps import Steps, kept_tokens
 from engine.data.text_files import read_text
 from engine.errors import ConfigError
 
@@ -50,40 +47,35 @@ def check_length(tokens: np.ndarray, seq_len: int, what: str = 'the text') -> No
         f'1 = {seq_len + 1}; pass a longer text.')
 
 
-def window_losses(setup, params, windows: np.ndarray, batch: int):
+def window_losses(setup, params, windows: np.ndarray, batch: int, steps: Steps | None = None):
   """Each [seq_len + 1] window's summed next-token loss and the number of predictions summed
   (all of them; with packed documents, data.document_masking, those from an end-of-text token
-  skipped, as training does), `batch` windows per compiled call; and which targets count."""
-  ops, eos_id = AutoOps(setup), setup.options.eos_id
-
-  @jax.jit
-  def row_losses(params, tokens_BL1):
-    keep_BL, doc_ops = jnp.ones(tokens_BL1[:, 1:].shape, bool), ops
-    if eos_id is not None:
-      doc_ops, keep_BL = packed_documents(ops, tokens_BL1, eos_id)
-    model = ops.prepare_params(nnx.merge(setup.graphdef, params))
-    losses_BL = optax.softmax_cross_entropy_with_integer_labels(
-        model(tokens_BL1[:, :-1], doc_ops).astype(jnp.float32), tokens_BL1[:, 1:])
-    return jnp.where(keep_BL, losses_BL, 0.0).sum(axis=-1), keep_BL
-
-  sums, keeps = [], []
+  skipped, as training does): the eval step's loss per window (Steps.window_losses of `steps`,
+  the run's mode's; by default auto mode's on `setup`), `batch` windows per compiled call
+  (rounded up to the mesh's batch devices; the last call padded with copies of its last row)."""
+  program = (steps or auto.build_steps(setup)).window_losses
+  ways = math.prod(setup.mesh.shape[a] for a in setup.rules.mesh_axes('batch', True))
+  batch = -(-batch // ways) * ways
+  sums, counts = [], []
   for start in range(0, len(windows), batch):
     rows = windows[start:start + batch]
     padded = np.concatenate([rows, np.repeat(rows[-1:], batch - len(rows), axis=0)])
-    summed, keep = row_losses(params, padded)
+    summed, count = program(params, padded)
     sums.append(np.asarray(summed, np.float64)[:len(rows)])
-    keeps.append(np.asarray(keep)[:len(rows)])
-  return np.concatenate(sums), np.concatenate(keeps)
+    counts.append(np.asarray(count)[:len(rows)])
+  return np.concatenate(sums), np.concatenate(counts)
 
 
-def score(setup, params, windows: np.ndarray, batch: int, tokenizer=None) -> dict:
+def score(setup, params, windows: np.ndarray, batch: int, tokenizer=None,
+          steps: Steps | None = None) -> dict:
   """Loss and perplexity over `windows` (and bits per byte, given the tokenizer that decodes
-  their ids)."""
-  sums, keep = window_losses(setup, params, windows, batch)
-  loss = float(sums.sum() / max(keep.sum(), 1))  # The mean over every counted prediction.
+  their ids), from window_losses."""
+  sums, counts = window_losses(setup, params, windows, batch, steps)
+  loss = float(sums.sum() / max(counts.sum(), 1))  # The mean over every counted prediction.
   result = {'loss': loss, 'perplexity': math.exp(loss), 'windows': len(windows),
-            'tokens': int(keep.sum())}
+            'tokens': int(counts.sum())}
   if tokenizer is not None:
+    keep = kept_tokens(windows, setup.options.eos_id)[:, :-1]  # Of the targets windows[:, 1:].
     num_bytes = int(tokenizer.byte_lengths(windows[:, 1:][keep]).sum())
     nats = float(sums.sum())
     result['bytes'] = num_bytes
@@ -92,12 +84,12 @@ def score(setup, params, windows: np.ndarray, batch: int, tokenizer=None) -> dic
 
 
 def evaluate(setup, params, tokens: np.ndarray, seq_len: int, batch: int,
-             tokenizer=None) -> dict:
+             tokenizer=None, steps: Steps | None = None) -> dict:
   """score() over the consecutive windows of `tokens`."""
   check_length(tokens, seq_len)
   count = (len(tokens) - 1) // seq_len
   windows = np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(count)])
-  return score(setup, params, windows, batch, tokenizer)
+  return score(setup, params, windows, batch, tokenizer, steps)
 
 
 def heldout_windows(run: Run, num_batches: int) -> np.ndarray:
@@ -140,7 +132,7 @@ def run_heldout(workdir: str, mesh: str, batch: int, eval_batches: int | None) -
   windows = heldout_windows(loaded, num_batches)
   params = restore_params(workdir, loaded.setup.abstract_state()['params'])
   tokenizer = decoding_tokenizer(loaded)
-  result = score(loaded.setup, params, windows, batch, tokenizer)
+  result = score(loaded.setup, params, windows, batch, tokenizer, loaded.steps)
   batches = (f"the training eval's {num_batches} batches" if eval_batches is None else
              f"{num_batches} eval batches (the training eval's: the first "
              f'{config.train.eval_batches})')
@@ -157,5 +149,6 @@ def run_text_file(workdir: str, mesh: str, batch: int, text_file: str, add_bos: 
   check_length(tokens, config.data.seq_len, f'--text_file={text_file}')
   params = restore_params(workdir, loaded.setup.abstract_state()['params'])
   bos = ', the beginning-of-text token first' if bos_ids(tokenizer, add_bos) else ''
-  result = evaluate(loaded.setup, params, tokens, config.data.seq_len, batch, tokenizer)
+  result = evaluate(loaded.setup, params, tokens, config.data.seq_len, batch, tokenizer,
+                    loaded.steps)
   return _line(result, f'text file {text_file}', config.data.seq_len, tokenizer, bos)

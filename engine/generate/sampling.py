@@ -7,10 +7,12 @@ max_new_tokens positions, so the prefill (all prompt positions at once) and the 
 new token per row) each compile once, whatever the prompts. Row b's prompt of n_b tokens fills
 cache slots [0, n_b); its t-th new token sits at position n_b + t, writes its keys and values to
 that slot and attends to the slots before it (the padding slots past n_b are overwritten before
-anything reads them). The model is the training code's own (`DecodeOps` gives it per-row
-positions and the cached attention); parameters and cache are laid out by the run's rules on
-the generation mesh (`--mesh`; heads over `tensor` shard the cache too). The cache holds the N
-key / value heads (Llama's num_kv_heads): H / N times fewer bytes than one per query head.
+anything reads them). The model is the training code's own (engine/parallel/decode.py's
+DecodeOps gives it per-row positions and the cached attention, and compiles the two steps);
+parameters and cache are laid out by the run's rules on the generation mesh (`--mesh`; heads
+over `tensor` shard the cache too). The cache holds the N key / value heads (Llama's
+num_kv_heads): H / N times fewer bytes than one per query head. This module sizes the cache,
+encodes the prompts, samples, and drives the steps (Generator).
 
 Sampling: greedy at temperature 0, else softmax(logits / temperature) restricted to the top_k
 tokens and the top_p probability mass, from a key folded from --seed and the step: the same
@@ -30,79 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from flax import nnx
-from jax.sharding import NamedSharding
 
 from engine import config as config_lib
 from engine.assemble import Run, assemble_finished_run
 from engine.workdir.checkpoint import restore_params
 from engine.data import tokenizers as tokenizer_lib
-from engine.models.attention import grouped_logits, grouped_values, prescale
-from engine.models.layers import LAYERS, layer_group, num_groups, one_layer
-from engine.parallel.auto import AutoOps
+from engine.models.layers import LAYERS
+from engine.parallel.decode import build_decode_steps, cache_axes
 from engine.state import TrainSetup
 from engine.data.text_files import read_text
 from engine.errors import ConfigError
-
-# The cache: [layers, batch, slots, kv heads, head_dim] for keys and for values ('kv_heads':
-# split over `tensor` where they divide; a model without them, GPT, caches its 'heads').
-CACHE_AXES = (None, 'batch', None, 'kv_heads', 'head_dim')
-
-
-def cache_axes(setup: TrainSetup) -> tuple:
-  """CACHE_AXES, with 'heads' for a model whose parameters name no 'kv_heads'."""
-  grouped = any('kv_heads' in p.logical_axes for p in setup.parameters())
-  return CACHE_AXES if grouped else CACHE_AXES[:3] + ('heads', 'head_dim')
-
-
-class DecodeOps(AutoOps):
-  """Auto mode's layout, with each row's own positions and attention through the cache."""
-
-  def __init__(self, setup: TrainSetup, cache: dict, positions_BL: jax.Array):
-    super().__init__(setup)
-    self.cache, self.positions_BL = dict(cache), positions_BL
-    self.cache_axes = cache_axes(setup)
-    self._layer = 0
-
-  def kv_for_query_heads(self, kv_BLNK, num_heads):
-    # All the key / value heads, laid out as the cache: the attention groups the query heads.
-    del num_heads
-    return self.constrain(kv_BLNK, ('batch', 'length', 'kv_heads', 'head_dim'))
-
-  def positions(self, length):
-    del length
-    return self.positions_BL
-
-  def stack(self, run, layers, x):
-    # Layer by layer in Python (not the model's scan, whose trace the cache must not leave),
-    # each attending through its own slice of the cache. No remat: nothing is differentiated.
-    del run
-    self._layer = 0
-    for group in ([layers] if num_groups(layers) == 1 else
-                  [layer_group(layers, r) for r in range(num_groups(layers))]):
-      for index in range(jax.tree.leaves(nnx.state(group))[0].shape[0]):
-        layer = self.prepare_params(one_layer(group, index), skip_stacked=False)
-        x = layer(x, self)
-        self._layer += 1
-    return x
-
-  def attention(self, q_BLHK, k_BLNK, v_BLNK, scale_on='queries', implementation='einsum',
-                scale=None):
-    del implementation
-    rows = jnp.arange(q_BLHK.shape[0])[:, None]
-    for name, new in (('k', k_BLNK), ('v', v_BLNK)):
-      cache = self.cache[name].at[self._layer, rows, self.positions_BL].set(
-          new.astype(self.cache[name].dtype))
-      self.cache[name] = self.constrain(cache, self.cache_axes)
-    keys_BSNK, values_BSNK = self.cache['k'][self._layer], self.cache['v'][self._layer]
-    q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
-    logits_BHQS = grouped_logits(q_BLHK, keys_BSNK.astype(q_BLHK.dtype)) * scale
-    slots_S = jnp.arange(keys_BSNK.shape[1])
-    visible_BQS = slots_S[None, None, :] <= self.positions_BL[:, :, None]
-    logits_BHQS = jnp.where(visible_BQS[:, None], logits_BHQS, jnp.finfo(jnp.float32).min)
-    probs_BHQS = jax.nn.softmax(logits_BHQS, axis=-1).astype(q_BLHK.dtype)
-    return grouped_values(probs_BHQS, values_BSNK.astype(q_BLHK.dtype))
-
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -131,7 +70,8 @@ def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
 
 
 class Generator:
-  """The compiled prefill and decode step of one setup, prompt length and cache size."""
+  """The compiled prefill and decode step of one setup, prompt length and cache size
+  (engine.parallel.decode), with this sampling, and the loop that drives them."""
 
   def __init__(self, setup: TrainSetup, max_prompt_len: int, max_new_tokens: int,
                sampling: Sampling = Sampling(), tokenizer_vocab: int | None = None):
@@ -146,19 +86,8 @@ class Generator:
         (p.shape[p.logical_axes.index(heads_axis)], p.shape[p.logical_axes.index('head_dim')])
         for p in setup.parameters()
         if LAYERS in p.logical_axes and {heads_axis, 'head_dim'} <= set(p.logical_axes))
-    mesh, spec = setup.mesh, setup.rules.spec
-    params = setup.state_shardings()['params']
-    rows = NamedSharding(mesh, spec(('batch', None), activation=True))
-    row = NamedSharding(mesh, spec(('batch',), activation=True))
-    cache = NamedSharding(mesh, spec(cache_axes(setup), activation=True))
-    self.prefill = jax.jit(self._prefill, in_shardings=(params, rows, row, None),
-                           out_shardings=({'k': cache, 'v': cache}, row))
-    self.decode = jax.jit(self._decode, in_shardings=(params, {'k': cache, 'v': cache}, row, row,
-                                                      None),
-                          out_shardings=({'k': cache, 'v': cache}, row), donate_argnums=1)
-
-  def _model(self, params, ops):
-    return ops.prepare_params(nnx.merge(self.setup.graphdef, params))
+    steps = build_decode_steps(setup, self._empty_cache, self._pick)
+    self.prefill, self.decode = steps.prefill, steps.decode
 
   def _empty_cache(self, batch: int) -> dict:
     shape = (self.setup.model.num_layers, batch, self.slots) + self.heads_shape
@@ -170,18 +99,8 @@ class Generator:
     cache = jax.eval_shape(lambda: self._empty_cache(batch))
     return sum(a.size * a.dtype.itemsize for a in cache.values())
 
-  def _prefill(self, params, tokens_BP, lengths_B, key):
-    batch = tokens_BP.shape[0]
-    positions_BP = jnp.broadcast_to(jnp.arange(tokens_BP.shape[1]), tokens_BP.shape)
-    ops = DecodeOps(self.setup, self._empty_cache(batch), positions_BP)
-    logits_BPV = self._model(params, ops)(tokens_BP, ops)
-    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return ops.cache, sample(self._known(last_BV), key, self.sampling)
-
-  def _decode(self, params, cache, tokens_B, positions_B, key):
-    ops = DecodeOps(self.setup, cache, positions_B[:, None])
-    logits_BV = self._model(params, ops)(tokens_B[:, None], ops)[:, 0]
-    return ops.cache, sample(self._known(logits_BV), key, self.sampling)
+  def _pick(self, logits_BV, key):
+    return sample(self._known(logits_BV), key, self.sampling)
 
   def _known(self, logits_BV):
     if self.tokenizer_vocab is None or self.tokenizer_vocab >= logits_BV.shape[-1]:

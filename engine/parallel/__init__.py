@@ -1,6 +1,14 @@
-"""Train-step builders, one per parallelism mode: a plain dict registry.
+"""Every compiled program on a layout. Train-step builders, one per parallelism mode: a plain
+dict registry; each takes an engine.state.TrainSetup and returns engine.parallel.steps.Steps.
 
-Each builder takes an engine.state.TrainSetup and returns engine.parallel.steps.Steps.
+  steps.py            Steps (train, eval, gradients, window losses) and the loss both modes share
+  auto.py             auto mode: jax.jit with shardings from the rules (AutoOps)
+  manual.py           manual mode: the step inside shard_map, every collective written (ManualOps)
+  decode.py           generation's cached-attention ops (DecodeOps), compiled prefill and decode
+  context.py          manual context parallelism: the split sequence, ring attention
+  pipeline.py         pipeline stages over `stage`, in either mode
+  flat_gather.py      manual FSDP's gathers, one collective per group of weights
+  expert_exchange.py  manual expert parallelism: the experts' token exchange (all_to_all)
 """
 
 from engine.errors import ConfigError

@@ -14,7 +14,7 @@ from engine.models.attention import causal_attention
 from engine.models.ops import LocalOps
 from engine.parallel import pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
-                                   kept_count, map_params, next_token_loss)
+                                   kept_count, map_params, next_token_loss, window_losses)
 from engine.state import TrainSetup
 
 
@@ -153,6 +153,7 @@ def build_steps(setup: TrainSetup) -> Steps:
     loss, grads, stats = gradients_and_stats(state['params'], tokens_BL1)
     return apply_update(setup, state, loss, grads, optax.tree.norm(grads), stats)
 
+  rows = NamedSharding(setup.mesh, P(batch.spec[0]))  # [B], split like the windows.
   return Steps(
       train=jax.jit(train_step, in_shardings=(state_shardings, batch),
                     out_shardings=(state_shardings, replicated), donate_argnums=0),
@@ -160,4 +161,7 @@ def build_steps(setup: TrainSetup) -> Steps:
           params, setup.graphdef, tokens_BL1, ops, with_aux=False, eos_id=eos_id),
                    in_shardings=(params_shardings, batch), out_shardings=replicated),
       gradients=jax.jit(gradients, in_shardings=(params_shardings, batch),
-                        out_shardings=(replicated, params_shardings)))
+                        out_shardings=(replicated, params_shardings)),
+      window_losses=jax.jit(lambda params, tokens_BL1: window_losses(
+          params, setup.graphdef, tokens_BL1, ops, eos_id),
+                            in_shardings=(params_shardings, batch), out_shardings=(rows, rows)))

@@ -44,7 +44,8 @@ from engine.models import moe_dispatch
 from engine.models.ops import LocalOps, reduce_losses
 from engine.parallel import context, expert_exchange, flat_gather, pipeline
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
-                                   kept_count, map_params, map_params_together, next_token_loss)
+                                   kept_count, map_params, map_params_together, next_token_loss,
+                                   window_losses)
 from engine.sharding import named, spec_axes
 from engine.state import TrainSetup
 
@@ -351,11 +352,21 @@ def build_steps(setup: TrainSetup) -> Steps:
                                                 gradients.ops, with_aux=False,
                                                 eos_id=setup.options.eos_id))
 
+  def window_losses_step(params, tokens_BL1):
+    # Each device sums its positions of its rows; a split sequence adds its devices' sums.
+    sums = window_losses(params, setup.graphdef, tokens_BL1, gradients.ops,
+                         setup.options.eos_id)
+    axis = gradients.ops.context_axis
+    return jax.tree.map(lambda x: jax.lax.psum(x, axis), sums) if axis else sums
+
+  rows_spec = P(batch_spec[0])  # [B], split like the windows.
   return Steps(
       train=_shard_mapped(setup, train_step, (state_specs, batch_spec), (state_specs, P()),
                           donate=True),
       eval=_shard_mapped(setup, eval_step, (param_specs, batch_spec), P()),
-      gradients=_shard_mapped(setup, gradients, (param_specs, batch_spec), (P(), param_specs)))
+      gradients=_shard_mapped(setup, gradients, (param_specs, batch_spec), (P(), param_specs)),
+      window_losses=_shard_mapped(setup, window_losses_step, (param_specs, batch_spec),
+                                  (rows_spec, rows_spec)))
 
 
 def _averaged_in_backward(param, replicated_axes, scatter_factor, reduce_dtype):

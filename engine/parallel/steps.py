@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -33,10 +34,13 @@ class Steps:
   gradients(params, tokens_BL1) -> (mean loss, gradients of the mean loss, sharded like params):
     what `train` computes before it clips and updates, for checking a layout against a
     reference.
+  window_losses(params, tokens_BL1) -> (each window's summed cross-entropy [B] float32, the
+    predictions it sums [B] int32): `eval`'s loss before its mean (engine.evaluate).
   """
   train: Callable
   eval: Callable
   gradients: Callable
+  window_losses: Callable
 
 
 # What a stacked layer keeps for the backward pass (config key model.remat): everything ('none':
@@ -62,17 +66,45 @@ def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
   within each, positions restart at each, and the predictions from an end-of-text token (whose
   target is the next document's) are skipped: the loss is their sum / `count` (kept_count's,
   by default this batch's)."""
-  model = ops.prepare_params(nnx.merge(graphdef, params))
-  inputs_BL, targets_BL = ops.inputs_and_targets(tokens_BL1)
-  keep_BL = None
+  model, ops, inputs_BL, targets_BL, keep_BL = _predictions(params, graphdef, tokens_BL1, ops,
+                                                            eos_id)
   if eos_id is not None:
-    ops, keep_BL = packed_documents(ops, tokens_BL1, eos_id)
     count = kept_count(ops, tokens_BL1, eos_id) if count is None else count
   if not with_aux:
     return ops.cross_entropy(model(inputs_BL, ops), targets_BL, keep_BL, count)
   logits_BLV, aux_loss, stats = logits_aux_loss_and_stats(model, inputs_BL, ops)
   loss = ops.cross_entropy(logits_BLV, targets_BL, keep_BL, count) + aux_loss
   return (loss, stats) if with_stats else loss
+
+
+def window_losses(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
+                  eos_id: int | None = None):
+  """Each window's summed cross-entropy over the predictions the loss keeps, and how many it
+  sums ([B] each, over this device's positions): next_token_loss's evaluation loss (no
+  auxiliary loss) before it divides, the layout's own cross-entropy applied row by row."""
+  model, ops, inputs_BL, targets_BL, keep_BL = _predictions(params, graphdef, tokens_BL1, ops,
+                                                            eos_id)
+  if keep_BL is None:
+    keep_BL = jnp.ones(targets_BL.shape, bool)
+
+  def row_sum(logits_LV, targets_L, keep_L):  # The kept losses' sum / 1.
+    return ops.cross_entropy(logits_LV[None], targets_L[None], keep_L[None], 1.0)
+
+  summed_B = jax.vmap(row_sum)(model(inputs_BL, ops), targets_BL, keep_BL)
+  return summed_B, keep_BL.sum(axis=-1, dtype=jnp.int32)
+
+
+def _predictions(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
+                 eos_id: int | None):
+  """(the model prepared by `ops`, ops with the packed documents, inputs [B, L], targets
+  [B, L], which predictions the loss keeps [B, L] or None without documents): what both losses
+  above start from."""
+  model = ops.prepare_params(nnx.merge(graphdef, params))
+  inputs_BL, targets_BL = ops.inputs_and_targets(tokens_BL1)
+  keep_BL = None
+  if eos_id is not None:
+    ops, keep_BL = packed_documents(ops, tokens_BL1, eos_id)
+  return model, ops, inputs_BL, targets_BL, keep_BL
 
 
 def packed_documents(ops, tokens_BL1: jax.Array, eos_id: int):
@@ -82,7 +114,17 @@ def packed_documents(ops, tokens_BL1: jax.Array, eos_id: int):
   segments_BL1, positions_BL1 = segments_and_positions(tokens_BL1, eos_id)
   local = lambda x_BL1: ops.inputs_and_targets(x_BL1)[0]
   return (ops.with_documents(local(segments_BL1), local(positions_BL1)),
-          local(tokens_BL1 != eos_id))
+          local(kept_tokens(tokens_BL1, eos_id)))
+
+
+def kept_tokens(tokens_BL1, eos_id: int | None):
+  """Whether the loss keeps the prediction made from each token of the windows ([B, L1]; the
+  last column predicts nothing): every one, or with packed documents all but those from an
+  end-of-text token, whose target is the next document's. NumPy windows give a NumPy mask
+  (engine.evaluate counts the bytes of the kept targets)."""
+  if eos_id is None:
+    return np.ones(tokens_BL1.shape, bool)
+  return tokens_BL1 != eos_id
 
 
 def kept_count(ops, tokens_BL1: jax.Array, eos_id: int | None, microbatches: int = 1):
@@ -91,7 +133,7 @@ def kept_count(ops, tokens_BL1: jax.Array, eos_id: int | None, microbatches: int
   the step's average of them is the global sum / the global count. None without documents."""
   if eos_id is None:
     return None
-  keep_BL = ops.inputs_and_targets(tokens_BL1 != eos_id)[0]
+  keep_BL = ops.inputs_and_targets(kept_tokens(tokens_BL1, eos_id))[0]
   count = ops.batch_mean(keep_BL.sum(dtype=jnp.float32)) / microbatches
   return jnp.where(count > 0, count, 1.0)  # Nothing kept: a loss of 0, not 0 / 0.
 
