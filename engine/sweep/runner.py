@@ -51,6 +51,7 @@ class Stopped(Exception):
 
 
 def stop(signum, frame) -> None:
+  """The sweep's SIGTERM handler: run_all records the running variant as preempted."""
   del signum, frame
   raise Stopped()
 
