@@ -261,6 +261,16 @@ def parse_mesh(text: str, where: str = 'mesh') -> dict[str, int]:
   return {axis: given.get(axis, 1) for axis in MESH_AXES}
 
 
+def format_mesh(sizes, all_axes: bool = False) -> str:
+  """Mesh sizes (a dict or the mesh section; an axis left out is 1) as parse_mesh reads them:
+  '2x2x2', with context, stage and expert only up to the last that is not 1, or all six with
+  `all_axes`."""
+  values = [int(sizes.get(axis, 1)) for axis in MESH_AXES]
+  while not all_axes and len(values) > 3 and values[-1] == 1:
+    values.pop()
+  return 'x'.join(str(size) for size in values)
+
+
 def set_mesh_shape(config: ml_collections.ConfigDict, shape: str, where: str = 'mesh') -> None:
   """Sets all six mesh axes from a mesh string (parse_mesh): an axis the string leaves out is
   1, whatever the config held before."""

@@ -7,13 +7,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 from typing import NoReturn
 
-
-def fail(message: str) -> NoReturn:
-  print(f'error: {message}', file=sys.stderr)
-  sys.exit(2)
+from engine.cli.argv import fail
 
 
 class Parser(argparse.ArgumentParser):

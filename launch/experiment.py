@@ -8,18 +8,9 @@ import importlib.util
 import math
 import os
 
-from launch.command import fail
-
-
-def flag_value(command: list[str], name: str) -> str | None:
-  """The value of `--name=V` or `--name V` in `command` (the last one given), else None."""
-  value = None
-  for i, arg in enumerate(command):
-    if arg.startswith(f'--{name}='):
-      value = arg.split('=', 1)[1]
-    elif arg == f'--{name}' and i + 1 < len(command):
-      value = command[i + 1]
-  return value
+from engine import config as config_lib
+from engine.cli.argv import fail, flag_value
+from engine.errors import ConfigError
 
 
 def command_mesh(command: list[str]) -> tuple[dict, str] | None:
@@ -58,11 +49,14 @@ def check_job_fits_mesh(command: list[str], processes: int, devices_per_process:
     return
   mesh, given = found
   devices = processes * devices_per_process
-  axes = ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert')  # engine.config.MESH_AXES
-  sizes = [mesh.get(a, 1) for a in axes]
+  sizes = [mesh.get(axis, 1) for axis in config_lib.MESH_AXES]
   fixed = math.prod(s for s in sizes if s != -1)
-  shape = 'x'.join(str(s) for s in sizes)
-  if (-1 in sizes and devices % fixed) or (-1 not in sizes and devices != fixed):
+  try:  # The sizes themselves, as the engine checks them (any valid mesh fills `fixed`).
+    config_lib.resolve_mesh_shape(mesh, fixed)
+  except ConfigError as error:
+    fail(f'--config={given} (in the command): {error}')
+  if not _fills(mesh, devices):
+    shape = config_lib.format_mesh(mesh, all_axes=True)
     needs = f'a multiple of {fixed}' if -1 in sizes else str(fixed)
     fail(f'the job has {processes} processes x {devices_per_process} devices = {devices} '
          f'devices ({how}), but the mesh of --config={given} is {shape}, which needs {needs}; '
@@ -72,3 +66,12 @@ def check_job_fits_mesh(command: list[str], processes: int, devices_per_process:
     fail(f'the job has {processes} processes ({how}), but mesh.dcn_data*mesh.dcn_fsdp={hosts} '
          f'in --config={given} asks for {hosts}, one per host; run one process per host '
          f'(--tasks=per_host), or set mesh.dcn_data*mesh.dcn_fsdp to {processes} or 1.')
+
+
+def _fills(mesh: dict, devices: int) -> bool:
+  """Whether the mesh's sizes (one -1 filled in) make `devices` devices."""
+  try:
+    config_lib.resolve_mesh_shape(mesh, devices)
+  except ConfigError:
+    return False
+  return True

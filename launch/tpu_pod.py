@@ -32,9 +32,9 @@ import signal
 import subprocess
 import sys
 
+from engine.cli.argv import flag_value
 from launch.command import (Parser, add_command_argument, check_at_least, check_tool,
                             command_after_dashes, fail)
-from launch.experiment import flag_value
 
 ARCHIVE = '/tmp/engine_code.tgz'
 _EXAMPLE = {'tpu': '--tpu=my-v5e-32', 'zone': '--zone=us-west4-a',

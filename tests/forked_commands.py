@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 
-# Imported once here, inherited by every child: what the commands import, but no command module
-# that defines its flags on import (running it as __main__ would define them twice).
+# Imported once here, inherited by every child: the commands' libraries, but no command module
+# (each defines its flags on import: running it as __main__ would define them twice).
 import jax
 import numpy  # noqa: F401
 from engine import assemble  # noqa: F401
@@ -32,7 +32,9 @@ from engine.evaluate import scoring as evaluate
 from engine.cli import command_line as cli
 from engine.generate import sampling as generate
 from engine.plan import planner as plan
-from engine.data import prepare, train_tokenizer  # noqa: F401
+from engine.analysis import comparison, hf_checker, layout  # noqa: F401
+from engine.data import bpe_trainer, shard_writer  # noqa: F401
+from engine.sweep import runner  # noqa: F401
 
 COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'  # One per XLA compile.
 TIMEOUT_S = 300

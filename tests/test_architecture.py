@@ -2,6 +2,7 @@
 source: every `import` of an engine module, at module level or inside a function."""
 
 import ast
+import importlib.util
 import pathlib
 import sys
 
@@ -173,3 +174,114 @@ def test_no_module_imports_a_command():
 def test_the_training_loop_imports_the_generation_library_not_the_command():
   assert 'engine.generate.sampling' in _reachable('engine.train.loop')
   assert 'engine.generate.__main__' not in _reachable('engine.train.loop')
+
+
+# Flags are defined one way: at module level of a command module (engine/main.py, a __main__.py,
+# or a module run as __main__ that no engine module imports). A flag defined when a library is
+# imported, or inside a function, would clash with another command's flag of that name in a
+# process that imports both, or be defined twice. The one exception: the definers of the flags
+# several commands share, in engine/cli/ (add_bos_flag), which commands call at module level.
+_GUARD = "__name__ == '__main__'"
+
+
+def _trees() -> dict[str, ast.Module]:
+  return {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+
+
+def _definers(trees: dict[str, ast.Module]) -> set[str]:
+  """The functions of engine/cli/ that define a flag when called."""
+  return {node.name for name, tree in trees.items() if name.startswith('engine.cli')
+          for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+          and any(_defines(call, set()) for call in ast.walk(node) if isinstance(call, ast.Call))}
+
+
+def _defines(call: ast.Call, definers: set[str]) -> bool:
+  name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, 'id', '')
+  return name.startswith('DEFINE_') or name in definers
+
+
+def _flag_definitions(tree: ast.Module, definers: set[str]) -> list[tuple[int, str | None]]:
+  """(line, the function or class it is in; None at module level) of each flag definition."""
+  found = []
+
+  def visit(node: ast.AST, inside: str | None) -> None:
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.Call) and _defines(child, definers):
+        found.append((child.lineno, inside))
+      scope = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
+      visit(child, getattr(child, 'name', '<lambda>') if scope else inside)
+
+  visit(tree, None)
+  return found
+
+
+def _command_modules(trees: dict[str, ast.Module], graph: dict[str, set[str]]) -> set[str]:
+  imported = set().union(*graph.values())
+  runs_as_main = {name for name, tree in trees.items() if any(
+      isinstance(node, ast.If) and ast.unparse(node.test) == _GUARD for node in tree.body)}
+  named = {name for name in trees if name == 'engine.main' or name.endswith('.__main__')}
+  return named | (runs_as_main - imported)
+
+
+def _misplaced_flags(trees: dict[str, ast.Module], graph: dict[str, set[str]]) -> list[str]:
+  definers = _definers(trees)
+  commands = _command_modules(trees, graph)
+  imported = set().union(*graph.values())
+  wrong = []
+  for name, tree in trees.items():
+    for line, inside in _flag_definitions(tree, definers):
+      if inside is not None and not (name.startswith('engine.cli') and inside in definers):
+        wrong.append(f'{name}:{line} defines a flag inside {inside}')
+      elif inside is None and name not in commands:
+        wrong.append(f'{name}:{line} defines a flag, but is not a command module')
+      elif inside is None and name in imported:
+        wrong.append(f'{name}:{line} defines a flag, and engine modules import it')
+  return wrong
+
+
+def test_flags_are_defined_at_module_level_of_command_modules_only():
+  trees = _trees()
+  commands = _command_modules(trees, GRAPH)
+  # The check sees the commands of each kind, and not their libraries.
+  assert {'engine.main', 'engine.sweep.__main__', 'engine.analysis.compare',
+          'engine.data.prepare'} <= commands
+  assert not {'engine.analysis.comparison', 'engine.data.shard_writer'} & commands
+  assert 'add_bos_flag' in _definers(trees)
+  assert not _misplaced_flags(trees, GRAPH)
+
+
+def test_the_flag_check_finds_planted_definitions():
+  trees, graph = _trees(), dict(GRAPH)
+  planted = {
+      'engine.analysis.planted_library': (
+          'from absl import flags\n\ndef main():\n  flags.DEFINE_string("x", None, "")\n'),
+      'engine.analysis.planted_import': 'from absl import flags\nflags.DEFINE_bool("y", 1, "")\n',
+      'engine.analysis.planted_command': (
+          'from engine.cli.command_line import add_bos_flag\n_BOS = add_bos_flag()\n'
+          'if __name__ == \'__main__\':\n  pass\n'),
+      'engine.analysis.planted_shared': (
+          'from engine.cli.command_line import add_bos_flag\n\nclass A:\n  B = add_bos_flag()\n'),
+  }
+  trees.update({name: ast.parse(text) for name, text in planted.items()})
+  graph.update({name: set() for name in planted})
+  wrong = _misplaced_flags(trees, graph)
+  assert wrong == ['engine.analysis.planted_library:4 defines a flag inside main',
+                   'engine.analysis.planted_import:2 defines a flag, but is not a command module',
+                   'engine.analysis.planted_shared:4 defines a flag inside A']
+  # A command module that an engine module imports is no longer a command.
+  graph['engine.analysis.planted_import'] = {'engine.analysis.planted_command'}
+  assert ('engine.analysis.planted_command:2 defines a flag, but is not a command module'
+          in _misplaced_flags(trees, graph))
+  graph['engine.analysis.planted_import'] = {'engine.main'}
+  assert ('engine.main:' in ' '.join(_misplaced_flags(trees, graph))
+          and 'engine modules import it' in ' '.join(_misplaced_flags(trees, graph)))
+
+
+def test_the_forked_command_runner_imports_no_command_module():
+  """tests/forked_commands.py runs each command as __main__ in a child of a process that has
+  imported the commands' libraries: had it imported a command module, the flags would be defined
+  twice."""
+  path = pathlib.Path(importlib.util.find_spec('tests.forked_commands').origin)
+  imported = _imports(path)
+  assert {'engine.assemble', 'engine.data.shard_writer'} <= imported  # The check sees them.
+  assert not imported & _command_modules(_trees(), GRAPH), imported

@@ -9,7 +9,8 @@ import sys
 import jax
 import numpy as np
 
-from engine.config import MESH_AXES
+from engine.cli.argv import bool_flag, config_overrides, flag_args, flag_value
+from engine.config import MESH_AXES, format_mesh, parse_mesh
 from tests.test_platforms import TPU_NOISE, require_cpu_only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,3 +96,22 @@ def test_show_layout_prints_every_parameter_and_draws_the_layout():
   assert batch == [[{0, 1}], [{2, 3}], [{4, 5}], [{6, 7}]]
   pictures = _pictures(out)
   assert pictures == {'blocks/w_up_DF': weight, 'input batch': batch}, out
+
+
+def test_argv_is_read_as_absl_reads_it():
+  """engine/cli/argv.py, which the checks before absl, the sweep and the launchers share."""
+  argv = ['prog', '-config=a.py', '--workdir', '/tmp/w', '--config=b.py:x', '--debug',
+          '--nodebug', '--', '--config=c.py']
+  assert flag_args(argv)[-1] == '--nodebug'  # Nothing after a lone '--'.
+  assert flag_value(argv, 'config') == 'b.py:x' and flag_value(argv, 'workdir') == '/tmp/w'
+  assert flag_value(argv, 'out') is None and flag_value(['prog', '--out'], 'out') == ''
+  assert not bool_flag(argv, 'debug') and bool_flag(['prog', '-debug=True'], 'debug')
+  assert config_overrides(['prog', '--config=x.py', '--config.seed', '3', '--noconfig.a.b',
+                           '--config.c=1', '--', '--config.d=2']) == [
+                               '--config.seed=3', '--noconfig.a.b', '--config.c=1']
+
+
+def test_format_mesh_writes_what_parse_mesh_reads():
+  for text in ('2x2x2', '-1x1x2', '2x1x1x1x2', '1x1x1x1x1x4'):
+    assert format_mesh(parse_mesh(text)) == text
+  assert format_mesh({'data': 2, 'tensor': 4}, all_axes=True) == '2x1x4x1x1x1'

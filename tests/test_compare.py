@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from engine import parallel
-from engine.analysis import collectives, comm_theory, compare, compare_report
+from engine.analysis import collectives, comm_theory, compare_report, comparison
 from engine.parallel import manual
 from engine.assemble import lay_out
 from tests.helpers import tiny_config
@@ -23,7 +23,7 @@ def _counts_from_compiled(config, mode):
 
 def test_report_agrees_counts_collectives_and_writes_plots(tmp_path):
   config = tiny_config(mesh=(2, 2, 2), steps=3)
-  report = compare.compare(config, str(tmp_path), ['auto', 'manual'], steps=2, warmup=1)
+  report = comparison.compare(config, str(tmp_path), ['auto', 'manual'], steps=2, warmup=1)
   assert 'auto: AGREES' in report['verdict'] and 'manual: AGREES' in report['verdict']
   assert len(report['losses']['manual']) == 3 and len(report['reference_losses']) == 3
   assert report['speed']['ratio']['median'] > 0
@@ -55,8 +55,8 @@ def test_summed_instead_of_averaged_gradients_are_reported_as_diverging(tmp_path
     return jax.lax.psum(grad, replicated_axes) if replicated_axes else grad
 
   monkeypatch.setattr(manual, '_average_over_batch', summed)
-  report = compare.compare(tiny_config(mesh=(8, 1, 1), steps=3), str(tmp_path),
-                           ['auto', 'manual'], steps=1, warmup=1)
+  report = comparison.compare(tiny_config(mesh=(8, 1, 1), steps=3), str(tmp_path),
+                              ['auto', 'manual'], steps=1, warmup=1)
   assert 'auto: AGREES' in report['verdict']
   assert 'manual: DIVERGES' in report['verdict']
   divergence = report['numerics']['manual']['first_divergence']

@@ -19,8 +19,8 @@ from engine.train import loop as train
 from engine.assemble import CORPUS, assemble_finished_run, lay_out
 from engine.workdir.checkpoint import restore_params
 from engine.data import tokenizers as tokenizer_lib
-from engine.data.prepare import prepare
-from engine.data.train_tokenizer import train as train_bpe
+from engine.data.shard_writer import prepare
+from engine.data.bpe_trainer import train as train_bpe
 from engine.evaluate.scoring import decoding_tokenizer, evaluate, heldout_windows, score
 from tests.helpers import tiny_config
 

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from engine.data.train_tokenizer import train as train_bpe
+from engine.data.bpe_trainer import train as train_bpe
 from engine.evaluate.scoring import evaluate
 from engine.export.exporter import export_files
 from engine.generate.sampling import load_run

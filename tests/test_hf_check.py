@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from engine.analysis import hf_check, hf_compare
+from engine.analysis import hf_checker, hf_compare
 from engine.errors import ConfigError
 from tests.test_hf import HF_CONFIG, _random_checkpoint, _reference_logits
 
@@ -99,7 +99,7 @@ def test_a_perturbed_reference_fails(checkpoint, measured):
   assert row['failed'] == ['export logits']  # Too small a change for the loss to show.
   row = _row(checkpoint, measured, 'auto', warnings=['WARNING: lm_head.weight MISSING'])
   assert row['failed'] == ['load warnings']
-  table = hf_check.markdown([row], 'check')
+  table = hf_checker.markdown([row], 'check')
   assert 'FAIL (load warnings)' in table and '1: WARNING: lm_head.weight MISSING' in table
 
 
@@ -127,7 +127,7 @@ def test_a_checkpoint_the_engine_refuses_is_a_row(tmp_path):
                        lambda d: pytest.fail('nothing to reload'), str(tmp_path / 'export'))
   assert row['verdict'] == 'REFUSED'
   assert row['status'].startswith('refused: ') and "rope_type='yarn'" in row['status']
-  table = hf_check.markdown([row], 'check')
+  table = hf_checker.markdown([row], 'check')
   assert "| llama3 | legacy | manual | refused: " in table and table.endswith('| REFUSED |')
 
 
@@ -156,33 +156,33 @@ class _FakeChild:
 
 def test_run_checks_gives_every_row(checkpoint, measured, monkeypatch, tmp_path):
   monkeypatch.setattr(hf_compare, 'measure', _measure_as(measured))
-  rows, made = hf_check.run_checks(_FakeChild(tmp_path, checkpoint), ['llama2', 'qwen3'],
-                                   ['v5', 'legacy'], list(MODES), '2x2x2', str(tmp_path))
+  rows, made = hf_checker.run_checks(_FakeChild(tmp_path, checkpoint), ['llama2', 'qwen3'],
+                                     ['v5', 'legacy'], list(MODES), '2x2x2', str(tmp_path))
   assert [(r['family'], r['format'], r['mode'], r['verdict']) for r in rows] == [
       ('llama2', 'v5', 'auto', 'PASS'), ('llama2', 'v5', 'manual', 'PASS'),
       ('llama2', 'legacy', 'auto', 'PASS'), ('llama2', 'legacy', 'manual', 'PASS'),
       ('qwen3', 'v5', 'auto', 'ERROR'), ('qwen3', 'v5', 'manual', 'ERROR'),
       ('qwen3', 'legacy', 'auto', 'ERROR'), ('qwen3', 'legacy', 'manual', 'ERROR')]
   assert set(made) == {'llama2'} and 'no such model' in rows[-1]['status']
-  table = hf_check.markdown(rows, 'title').splitlines()
+  table = hf_checker.markdown(rows, 'title').splitlines()
   assert len(table) == 6 + len(rows) and table[6].startswith('| llama2 | v5 | auto | ')
 
 
 def test_bad_lists_and_a_python_without_torch_are_config_errors(tmp_path):
-  assert hf_check.chosen(['qwen2', ' llama3'], hf_check.FAMILIES, '--families') == [
+  assert hf_checker.chosen(['qwen2', ' llama3'], hf_checker.FAMILIES, '--families') == [
       'qwen2', 'llama3']
   with pytest.raises(ConfigError, match=r"--families: 'gemma' is unknown; choose from llama2,"):
-    hf_check.chosen(['llama2', 'gemma'], hf_check.FAMILIES, '--families')
+    hf_checker.chosen(['llama2', 'gemma'], hf_checker.FAMILIES, '--families')
   with pytest.raises(ConfigError, match='--formats is empty'):
-    hf_check.chosen([], hf_check.FORMATS, '--formats')
+    hf_checker.chosen([], hf_checker.FORMATS, '--formats')
   with pytest.raises(ConfigError, match='cannot run it'):
-    hf_check.check_torch_python(str(tmp_path / 'no-python'))
+    hf_checker.check_torch_python(str(tmp_path / 'no-python'))
   fake = tmp_path / 'python'  # A "Python" whose imports fail, as one without torch.
   fake.write_text('#!/bin/sh\necho "ModuleNotFoundError: No module named \'torch\'" >&2\n'
                   'exit 1\n')
   fake.chmod(0o755)
   with pytest.raises(ConfigError, match=r"cannot import torch.*No module named 'torch'"):
-    hf_check.check_torch_python(str(fake))
+    hf_checker.check_torch_python(str(fake))
 
 
 def test_the_command_reports_bad_flags_in_one_line():

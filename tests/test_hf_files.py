@@ -31,7 +31,7 @@ from engine.hf import save as hf_save
 from engine.assemble import lay_out
 from engine.errors import ConfigError
 from engine.data import tokenizers as tokenizer_lib
-from engine.data.train_tokenizer import train as train_bpe
+from engine.data.bpe_trainer import train as train_bpe
 from engine.export.exporter import export, export_files
 from engine.main import run as run_main
 from tests.helpers import tiny_config

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from engine.analysis import benchmark, collectives, compare, compare_report, hlo_loops
+from engine.analysis import benchmark, collectives, compare_report, comparison, hlo_loops
 
 # A loop over (counter, data, bound): `bound` is carried from the entry's second parameter, so a
 # loop compared with it has no constant bound. {start}, {step}, {update} and {compare} are the
@@ -257,7 +257,7 @@ def _unknown_and_known_runs():
 def test_reports_mark_lower_bounds():
   runs = _unknown_and_known_runs()
   theory = {('all-reduce', ('data',)): 5 * 512}
-  (row,) = compare.communication_table(runs, theory)
+  (row,) = comparison.communication_table(runs, theory)
   assert row['auto'] == {'executions': 5, 'bytes': 5 * 512, 'ratio': 1.0, 'unexpected': False,
                          'lower_bound': False}
   assert row['manual']['executions'] == 1 and row['manual']['lower_bound']
@@ -290,7 +290,8 @@ def test_plan_report_marks_lower_bounds():
                      'dcn_data': 1, 'dcn_fsdp': 1}}
   candidates = []
   for rank, run in enumerate(runs, 1):
-    (communication,) = compare.communication_table([run], {('all-reduce', ('data',)): 5 * 512})
+    (communication,) = comparison.communication_table(
+        [run], {('all-reduce', ('data',)): 5 * 512})
     candidates.append({
         'rank': rank, 'mode': run.mode, 'mesh': 'data 8', 'mesh_shape': config['mesh'],
         'status': 'fits', 'config': config, 'memory': {}, 'compile_s': 1.0,

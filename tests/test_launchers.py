@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from launch import local, slurm, tpu_pod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,3 +174,33 @@ def test_the_readme_slurm_example_fits_its_mesh():
   dashes = argv.index('--')
   code, out = _output(slurm.main, argv[:dashes] + ['--dry_run'] + argv[dashes:])
   assert code == 0 and '--config.mesh.dcn_data=2' in out
+
+
+def test_the_mesh_check_fills_the_minus_one_as_the_engine_does(monkeypatch, capsys):
+  monkeypatch.chdir(ROOT)
+  engine_main = ['--', 'python', '-m', 'engine.main', '--workdir=/tmp/run']
+  # 2 nodes x 8 GPUs: 16 devices, which -1x1x2 fills (-1 is 8) and 3x1x1 cannot.
+  code, _ = _output(slurm.main, ['--nodes=2', '--dry_run', *engine_main,
+                                 '--config=experiments/tiny.py:mesh=-1x1x2'])
+  assert code == 0
+  for mesh, said in (('3x1x1', 'is 3x1x1x1x1x1, which needs 3;'),
+                     ('-1x3x2', 'is -1x3x2x1x1x1, which needs a multiple of 6;'),
+                     ('-1x-1x2', 'mesh: only one axis may be -1')):
+    with pytest.raises(SystemExit) as exit_:
+      slurm.main(['--nodes=2', '--dry_run', *engine_main,
+                  f'--config=experiments/tiny.py:mesh={mesh}'])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err, mesh
+  # An override read as the engine reads it: one dash, and the value as the next argument.
+  with pytest.raises(SystemExit):
+    slurm.main(['--nodes=2', '--dry_run', *engine_main, '--config=experiments/tiny.py',
+                '-config.mesh.data', '0'])
+  assert 'mesh.data=0: axis sizes must be positive' in capsys.readouterr().err
+
+
+def test_the_launchers_start_no_jax():
+  """A launcher runs on a login node or a laptop: it reads the engine's mesh rules (engine.config,
+  engine.cli.argv), never JAX."""
+  code = 'import sys, launch.local, launch.slurm, launch.tpu_pod; print("jax" in sys.modules)'
+  done = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 0 and done.stdout.strip() == 'False', done.stderr[-2000:]

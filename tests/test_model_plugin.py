@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine import models
-from engine.analysis import compare
+from engine.analysis import comparison
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
 from engine.assemble import assemble
@@ -107,7 +107,7 @@ def test_trains_like_its_single_device_run_on_2x2x2(mode, reference):
 
 
 def test_compare_report_and_theory_need_no_parameter_names(tmp_path):
-  report = compare.compare(_config((2, 2, 2)), str(tmp_path), ['manual'], steps=1, warmup=0)
+  report = comparison.compare(_config((2, 2, 2)), str(tmp_path), ['manual'], steps=1, warmup=0)
   assert 'manual: AGREES' in report['verdict']
   ratios = {(r['kind'], r['axes']): r['manual']['ratio'] for r in report['communication']}
   # Every collective the theory predicts from the spec is there, in the predicted amount.

@@ -15,9 +15,9 @@ import pytest
 from engine import data
 from engine.errors import ConfigError
 from engine.data import shards
-from engine.data import prepare as prepare_lib
-from engine.data.prepare import prepare
-from engine.data.train_tokenizer import train as train_bpe
+from engine.data import shard_writer as prepare_lib
+from engine.data.shard_writer import prepare
+from engine.data.bpe_trainer import train as train_bpe
 from tests.helpers import tiny_config
 
 

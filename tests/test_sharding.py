@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from engine import sharding
-from engine.analysis import show_layout
+from engine.analysis import layout
 from engine.mesh import make_mesh
 from engine.assemble import assemble
 from tests.helpers import tiny_config
@@ -118,7 +118,6 @@ def test_visualize_draws_every_device():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     spec = train_setup.rules.spec(('layers', None, 'embed', 'heads', 'head_dim'))
-    show_layout.visualize((2, 3, 32, 4, 8),
-                          jax.sharding.NamedSharding(train_setup.mesh, spec))
+    layout.visualize((2, 3, 32, 4, 8), jax.sharding.NamedSharding(train_setup.mesh, spec))
   for device in range(8):
     assert f'{device}' in out.getvalue()

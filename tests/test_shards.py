@@ -12,8 +12,8 @@ from engine.data import shards
 from engine.data import tokenizers as tokenizer_lib
 from engine.errors import ConfigError
 from engine.main import run as run_main
-from engine.data.prepare import pieces, prepare
-from engine.data.train_tokenizer import train as train_bpe
+from engine.data.shard_writer import pieces, prepare
+from engine.data.bpe_trainer import train as train_bpe
 from tests.helpers import tiny_config
 
 SEQ = 16

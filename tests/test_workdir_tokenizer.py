@@ -15,8 +15,8 @@ from engine.workdir import tokenizer as run_tokenizer
 from engine.assemble import CORPUS, VOCABULARY, assemble_finished_run
 from engine.errors import ConfigError
 from engine.data import tokenizers as tokenizer_lib
-from engine.data.prepare import prepare
-from engine.data.train_tokenizer import train as train_bpe
+from engine.data.shard_writer import prepare
+from engine.data.bpe_trainer import train as train_bpe
 from engine.generate.sampling import load_run
 from engine.main import run as run_main
 

@@ -8,12 +8,15 @@ imports them.
   benchmark.py       step time, FLOP/s, memory and collectives of modes x meshes, interleaved
                      in one run (command: python -m engine.bench)
   torch_reference.py the GPT in PyTorch, a child process the bench can interleave (not imported)
-  compare.py         auto against manual against the reference: numerics, speed, memory, bytes
+  comparison.py      auto against manual against the reference: numerics, speed, memory, bytes
+  compare.py         comparison's command (python -m engine.analysis.compare)
   compare_report.py  the comparison as Markdown, JSON and plots
-  show_layout.py     prints where every parameter and the batch live on the mesh
+  layout.py          prints and draws where every parameter and the batch live on the mesh
+  show_layout.py     layout's command (python -m engine.analysis.show_layout)
   bubble.py          measures a pipeline's bubble from step times at several micro-batch counts
   hf_check.py        the engine against transformers itself on each Hugging Face family
                      (command: python -m engine.analysis.hf_check --torch_python=PY)
+  hf_checker.py      hf_check's runs: the transformers child, every family checked, the report
   hf_compare.py      hf_check's engine side: one checkpoint loaded, measured and compared
   hf_reference.py    the transformers side of hf_check, a child process (not imported)
 """

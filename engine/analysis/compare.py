@@ -13,194 +13,39 @@ report is printed and written to WORKDIR as report.md, report.json and PNG plots
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
-import jax
-import numpy as np
-from absl import flags, logging
+from absl import flags
 from ml_collections import config_flags
 
-from engine import config as config_lib
-from engine import parallel
-from engine.workdir import run_dir as workdir_lib
-from engine.analysis import benchmark, collectives, comm_theory, compare_report
-from engine.analysis.reference import ReferenceRun
-from engine.assemble import assemble
+from engine.analysis import benchmark, compare_report
+from engine.analysis.comparison import compare
 from engine.cli.command_line import run_command
 from engine.errors import ConfigError
 
-
-def flat_params(params) -> dict[str, np.ndarray]:
-  """'blocks/w_up_DF' -> host array, for every parameter."""
-  return {'/'.join(str(k.key) for k in path): np.asarray(value)
-          for path, value in jax.tree_util.tree_leaves_with_path(jax.device_get(params))}
-
-
-@dataclasses.dataclass
-class Divergence:
-  step: int
-  parameter: str  # Or 'loss'.
-  abs_diff: float
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Where report.md, report.json and plots go.')
+_MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compare, in order.')
+_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps per mode, after --warmup steps.')
+_WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps (their numerics still count).')
+_ATOL = flags.DEFINE_float(
+    'atol', 1e-4, 'Largest difference from the single-device reference that still agrees: '
+    'absolute for parameters and the loss, relative for gradient norms above 1.')
 
 
-@dataclasses.dataclass
-class ModeNumerics:
-  """How far one mode is from the reference: per step, and per parameter after the last step."""
-  max_abs_diff_per_step: list[float] = dataclasses.field(default_factory=list)
-  final_abs: dict[str, float] = dataclasses.field(default_factory=dict)
-  final_rel: dict[str, float] = dataclasses.field(default_factory=dict)
-  first_divergence: Divergence | None = None
-
-
-class NumericsObserver:
-  """Steps the reference on each batch and measures every mode's parameters against it.
-
-  Relative difference of a parameter = max |mode - reference| / max |reference|, i.e. relative
-  to the parameter's scale (elementwise ratios blow up at entries near zero)."""
-
-  def __init__(self, reference: ReferenceRun, atol: float):
-    self.reference = reference
-    self.atol = atol
-    self.reference_losses: list[float] = []
-    self.reference_grad_norms: list[float] = []
-    self.modes: dict[str, ModeNumerics] = {}
-    self._reference_params: dict[str, np.ndarray] = {}
-
-  def __call__(self, step: int, run: benchmark.ModeRun, state, host_batch) -> None:
-    if len(self.reference_losses) < step:
-      metrics = self.reference.step(host_batch)
-      self.reference_losses.append(metrics['loss'])
-      self.reference_grad_norms.append(metrics['grad_norm'])
-      self._reference_params = flat_params(self.reference.params)
-    numerics = self.modes.setdefault(run.mode, ModeNumerics())
-    params = flat_params(state['params'])
-    worst = 0.0
-    for path, ref in self._reference_params.items():
-      diff = float(np.abs(params[path] - ref).max())
-      worst = max(worst, diff)
-      numerics.final_abs[path] = diff
-      numerics.final_rel[path] = diff / max(float(np.abs(ref).max()), 1e-30)
-      if diff > self.atol and numerics.first_divergence is None:
-        numerics.first_divergence = Divergence(step, path, diff)
-    # Adam's update hardly depends on the gradient's scale, so a wrongly scaled gradient (summed
-    # instead of averaged) barely shows in the parameters: the gradient norm catches it.
-    for name, mine, ref in (('loss', run.losses, self.reference_losses),
-                            ('gradient norm', run.grad_norms, self.reference_grad_norms)):
-      diff = abs(mine[step - 1] - ref[step - 1])
-      if diff > self.atol * max(1.0, abs(ref[step - 1])) and numerics.first_divergence is None:
-        numerics.first_divergence = Divergence(step, name, diff)
-    numerics.max_abs_diff_per_step.append(worst)
-
-
-def verdict(numerics: dict[str, ModeNumerics], atol: float, steps: int) -> str:
-  lines = []
-  for mode, n in numerics.items():
-    if n.first_divergence is None:
-      worst = max(n.max_abs_diff_per_step)
-      lines.append(f'{mode}: AGREES with the single-device reference within atol={atol:g} on the '
-                   f'loss, the gradient norm and every parameter after each of {steps} steps '
-                   f'(largest parameter difference {worst:.2e}).')
-    else:
-      d = n.first_divergence
-      lines.append(f'{mode}: DIVERGES from the single-device reference: {d.parameter} first '
-                   f'exceeds atol={atol:g} at step {d.step} (max abs difference {d.abs_diff:.2e}).')
-  return '\n'.join(lines)
-
-
-def communication_table(runs, theory: dict) -> list[dict]:
-  """One row per (kind, axes): each mode's measured bytes, the theory, ratios and flags.
-  `lower_bound`: some of the mode's collectives of that row sit in a loop whose trip count is
-  unknown (counted once), so its executions, bytes and ratio are lower bounds."""
-  measured = {run.mode: collectives.summarize(run.collectives) for run in runs}
-  keys = sorted(set(theory) | {k for table in measured.values() for k in table
-                                if table[k]['array_bytes']})  # Scalar-only rows say nothing.
-  rows = []
-  for kind, axes in keys:
-    row = {'kind': kind, 'axes': ','.join(axes) or '-', 'theory_bytes': theory.get((kind, axes), 0)}
-    for mode, table in measured.items():
-      entry = table.get((kind, axes), {'executions': 0, 'array_bytes': 0, 'bytes': 0,
-                                       'ops_in_unknown_loops': 0})
-      row[mode] = {'executions': entry['executions'], 'bytes': entry['array_bytes'],
-                   'ratio': (entry['array_bytes'] / row['theory_bytes']
-                             if row['theory_bytes'] else None),
-                   # Not in the theory and moving arrays, not just a loss or a norm.
-                   'unexpected': not row['theory_bytes'] and entry['array_bytes'] > 0,
-                   'lower_bound': entry['ops_in_unknown_loops'] > 0}
-    rows.append(row)
-  return rows
-
-
-def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
-            atol: float = 1e-4) -> dict:
-  """Runs the comparison and writes the report; returns the report's data."""
-  parallel.check_modes(modes, '--modes')
-  run = assemble(config)
-  corpus, train_setup = run.corpus, run.setup
-  workdir_lib.prepare(workdir)  # A directory this process can write, before anything runs.
-  observer = None
-  if jax.process_count() == 1:
-    reference = ReferenceRun(train_setup.model, config.optim, config.train.num_steps,
-                             config.seed)
-    observer = NumericsObserver(reference, atol)
-  else:
-    logging.warning('Several processes: the single-device reference is skipped.')
-  runs = benchmark.run_interleaved(config, corpus, train_setup, modes, steps, warmup, observer)
-  tokens = config.data.global_batch_size * config.data.seq_len
-  theory = comm_theory.expected_bytes(train_setup, config.data.global_batch_size,
-                                      config.data.seq_len)
-  report = {
-      'mesh': dict(train_setup.mesh.shape), 'modes': modes, 'steps': warmup + steps,
-      'timed_steps': steps, 'warmup': warmup, 'atol': atol, 'tokens_per_step': tokens,
-      'microbatches': config.train.microbatches,
-      'pipeline_repeats': config.train.pipeline_repeats, 'dtype': config.model.dtype,
-      'losses': {run.mode: run.losses for run in runs},
-      'speed': {run.mode: {
-          'compile_s': run.compile_seconds, 'median_ms': run.median_ms(),
-          'min_ms': 1e3 * min(run.step_seconds), 'max_ms': 1e3 * max(run.step_seconds),
-          'tokens_per_s': tokens / (run.median_ms() / 1e3),
-          'step_ms': [1e3 * s for s in run.step_seconds]} for run in runs},
-      'memory': {run.mode: run.memory for run in runs},
-      'attention_heads': train_setup.attention_heads(),
-      'communication': communication_table(runs, theory),
-  }
-  if len(runs) == 2:
-    report['speed']['ratio'] = {'of': f'{runs[1].mode}/{runs[0].mode}',
-                                'median': runs[1].median_ms() / runs[0].median_ms()}
-  if observer:
-    report['reference_losses'] = observer.reference_losses
-    report['reference_grad_norms'] = observer.reference_grad_norms
-    report['grad_norms'] = {run.mode: run.grad_norms for run in runs}
-    report['numerics'] = {mode: dataclasses.asdict(n) for mode, n in observer.modes.items()}
-    report['verdict'] = verdict(observer.modes, atol, warmup + steps)
-  compare_report.write(workdir, report)
-  return report
-
-
-def main():
-  """Command line; flags are defined here, not at import, so tests and tools can import this."""
-  config = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
-                                           lock_config=True)
-  workdir = flags.DEFINE_string('workdir', None, 'Where report.md, report.json and plots go.')
-  modes = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compare, in order.')
-  steps = flags.DEFINE_integer('steps', 10, 'Timed steps per mode, after --warmup steps.')
-  warmup = flags.DEFINE_integer('warmup', 2, 'Untimed first steps (their numerics still count).')
-  atol = flags.DEFINE_float(
-      'atol', 1e-4, 'Largest difference from the single-device reference that still agrees: '
-      'absolute for parameters and the loss, relative for gradient norms above 1.')
-
-  def run(argv):
-    del argv
-    benchmark.check_timing_flags(steps.value, warmup.value)
-    if not (math.isfinite(atol.value) and atol.value > 0):
-      raise ConfigError(f'--atol={atol.value:g} must be a positive number (the '
-                        'largest difference from the reference that agrees).')
-    report = compare(config.value, workdir.value, modes.value, steps.value, warmup.value,
-                     atol.value)
-    print(compare_report.markdown(report))
-
-  run_command(run, 'engine.analysis.compare', required=('config', 'workdir'))
+def main(argv):
+  del argv
+  benchmark.check_timing_flags(_STEPS.value, _WARMUP.value)
+  if not (math.isfinite(_ATOL.value) and _ATOL.value > 0):
+    raise ConfigError(f'--atol={_ATOL.value:g} must be a positive number (the '
+                      'largest difference from the reference that agrees).')
+  report = compare(_CONFIG.value, _WORKDIR.value, _MODES.value, _STEPS.value, _WARMUP.value,
+                   _ATOL.value)
+  print(compare_report.markdown(report))
 
 
 if __name__ == '__main__':
-  main()
+  run_command(main, 'engine.analysis.compare', required=('config', 'workdir'))
+
+

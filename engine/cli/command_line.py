@@ -13,15 +13,14 @@ import difflib
 import functools
 import os
 import re
-import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from absl import app, flags
 from ml_collections import ConfigDict
 
 from engine import config as config_lib
 from engine.errors import CheckpointError, ConfigError
+from engine.cli.argv import OVERRIDE, bool_flag, fail, flag_args, flag_value
 from engine.cli.config_help import did_you_mean
 from engine.runtime.library_output import quiet_library_output
 
@@ -46,51 +45,14 @@ MAIN = Command(waived=(('print_config', ('workdir',)),), missing=(
                             '--config=experiments/tiny.py --workdir=/tmp/tiny.')))
 
 
-def fail(message: str, code: int = 2) -> NoReturn:
-  """Ends the run with one line naming the problem and the fix; a traceback would bury it."""
-  print(f'error: {message}', file=sys.stderr)
-  sys.exit(code)
-
-
 _HELP = ('--help', '--helpshort', '--helpfull', '--helpxml', '-?')
 # With these, argv is not the whole story (flags from files, unknown flags allowed): absl alone.
 _NOT_CHECKED = ('--flagfile', '-flagfile', '--undefok', '-undefok')
 _TYPE_NAMES = {int: 'an integer', float: 'a number', bool: 'true or false'}
-_OVERRIDE = re.compile(r'^--?(?:no)?config\.([^=]*)')
-
-
-def _flag_args(argv: Sequence[str]) -> list[str]:
-  """The arguments absl reads as flags: those before a lone '--'."""
-  args = list(argv[1:])
-  return args[:args.index('--')] if '--' in args else args
-
-
-def _given(argv: Sequence[str], name: str) -> str | None:
-  """The last value given to --name (as --name=value or --name value), or None."""
-  value, args = None, _flag_args(argv)
-  for i, arg in enumerate(args):
-    if re.match(rf'^--?{re.escape(name)}=', arg):
-      value = arg.split('=', 1)[1]
-    elif re.match(rf'^--?{re.escape(name)}$', arg):
-      value = args[i + 1] if i + 1 < len(args) else ''
-  return value
-
-
-def _bool_given(argv: Sequence[str], name: str) -> bool:
-  """Whether the boolean flag --name is true on argv (the last of --name, --noname, --name=X)."""
-  value = False
-  for arg in _flag_args(argv):
-    if arg in (f'--{name}', f'-{name}'):
-      value = True
-    elif arg in (f'--no{name}', f'-no{name}'):
-      value = False
-    elif re.match(rf'^--?{re.escape(name)}=', arg):
-      value = arg.split('=', 1)[1].lower() in ('true', 't', '1')
-  return value
 
 
 def _debug_requested(argv: Sequence[str]) -> bool:
-  return _bool_given(argv, 'debug')
+  return bool_flag(argv, 'debug')
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -131,11 +93,11 @@ def _is_flag(name: str) -> bool:
 
 
 def _check_required(argv: Sequence[str], command: Command) -> None:
-  if any(arg.split('=')[0] in _HELP for arg in _flag_args(argv)):
+  if any(arg.split('=')[0] in _HELP for arg in flag_args(argv)):
     return  # Help needs none.
-  waived = {name for flag, names in command.waived if _bool_given(argv, flag) for name in names}
+  waived = {name for flag, names in command.waived if bool_flag(argv, flag) for name in names}
   missing = tuple(name for name in command.required
-                  if _given(argv, name) is None and name not in waived)
+                  if flag_value(argv, name) is None and name not in waived)
   if not missing:
     return
   said = dict(command.missing)
@@ -150,12 +112,12 @@ def _check_required(argv: Sequence[str], command: Command) -> None:
 def _check_argv(argv: Sequence[str], command: Command) -> None:
   """The mistakes found on argv alone, before the experiment file runs: an unknown flag, a
   missing flag or experiment file, overrides before --config, keys the config does not have."""
-  for arg in _flag_args(argv):
+  for arg in flag_args(argv):
     flag = re.match(r'^--?([A-Za-z_][\w.]*)', arg)
-    if flag and not (_OVERRIDE.match(arg) or _is_flag(flag.group(1))):
+    if flag and not (OVERRIDE.match(arg) or _is_flag(flag.group(1))):
       raise flags.UnrecognizedFlagError(flag.group(1), arg)
   _check_required(argv, command)
-  experiment = _given(argv, 'config')
+  experiment = flag_value(argv, 'config')
   if experiment is None or 'config' not in flags.FLAGS:
     return  # Help without an experiment, or a command that takes none.
   path = experiment.split(':', 1)[0]
@@ -167,11 +129,11 @@ def _check_argv(argv: Sequence[str], command: Command) -> None:
   if not os.path.isfile(path):
     raise ConfigError(f'--config={experiment}: {path} does not exist; {fix} (the experiments '
                       'are in experiments/).')
-  args = _flag_args(argv)
+  args = flag_args(argv)
   first_config = min(i for i, arg in enumerate(args) if re.match(r'^--?config(=|$)', arg))
   defaults = config_lib.flat_defaults()
   for i, arg in enumerate(args):
-    match = _OVERRIDE.match(arg)
+    match = OVERRIDE.match(arg)
     if not match:
       continue
     key = match.group(1)
@@ -191,7 +153,7 @@ def _flag_error(error: Exception, argv: Sequence[str], command: Command) -> str:
   """One line for an error raised while absl parsed `argv` (the experiment file runs then)."""
   if isinstance(error, ConfigError):  # From _check_argv: says it all.
     return str(error)
-  experiment = _given(argv, 'config')
+  experiment = flag_value(argv, 'config')
   raised = [e for e in _chain(error) if isinstance(e, ConfigError)]
   if raised:  # By the experiment file, e.g. a bad experiment argument (ml_collections wraps it).
     return f'--config={experiment}: {raised[-1]}'
@@ -208,7 +170,7 @@ def _flag_error(error: Exception, argv: Sequence[str], command: Command) -> str:
     return f'{missing.group(1)} has no value; write {missing.group(1)}=VALUE.'
   bad_value = re.match(r'flag --([\w.]+)=(.*?): ', message)
   if isinstance(error, flags.IllegalFlagValueError) and bad_value:
-    name, value = bad_value.group(1), _given(argv, bad_value.group(1))
+    name, value = bad_value.group(1), flag_value(argv, bad_value.group(1))
     if name.startswith('config.'):
       kind = type(config_lib.flat_defaults().get(name.split('.', 1)[1]))
     else:
@@ -233,7 +195,7 @@ def parse_flags(argv: Sequence[str], command: Command = MAIN) -> list[str]:
   unknown key, a value of the wrong type) reported in one line, `error: ...`, exit status 2;
   --debug raises instead, with the traceback."""
   try:
-    if not any(arg.split('=')[0] in _NOT_CHECKED for arg in _flag_args(argv)):
+    if not any(arg.split('=')[0] in _NOT_CHECKED for arg in flag_args(argv)):
       _check_argv(argv, command)
     return flags.FLAGS(list(argv))
   except Exception as error:  # pylint: disable=broad-except

@@ -5,8 +5,10 @@
   shards.py           the pre-tokenized shard format (ArrayRecord + meta.json), its reader
   shard_meta.py       a shard set's meta.json checked against itself, its files and the run
   pipeline.py         the corpus, grain pipelines, per-process rows -> global jax.Arrays
-  prepare.py          `python -m engine.data.prepare`: text -> shards, in parallel
-  train_tokenizer.py  `python -m engine.data.train_tokenizer`: a byte-level BPE tokenizer
+  shard_writer.py     text -> a shard set, tokenized in parallel, written whole or not at all
+  prepare.py          shard_writer's command, `python -m engine.data.prepare`
+  bpe_trainer.py      a byte-level BPE tokenizer trained on documents, its tokenizer.json
+  train_tokenizer.py  bpe_trainer's command, `python -m engine.data.train_tokenizer`
 
 The names below are the package's interface; the rest of the engine imports them from here.
 """

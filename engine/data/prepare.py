@@ -27,182 +27,30 @@ anything is written.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import re
-import shutil
-import tempfile
-import time
+from absl import flags
 
-import numpy as np
-from absl import flags, logging
-
-from engine.data import sources
-from engine.data import shard_meta
-from engine.data import shards
-from engine.data import tokenizers as tokenizer_lib
-from engine.errors import ConfigError
+from engine.data.shard_writer import prepare
 from engine.cli.command_line import run_command
 
-_TOKENIZER = None  # Each worker process's own.
-# What a directory that holds a shard set, or an interrupted one, may hold.
-_SHARD_FILE = re.compile(r'^(tokens-\d+\.arrayrecord|meta\.json(\.tmp)?)$')
+_INPUTS = flags.DEFINE_multi_string('input', None, 'Text file, directory, or "embedded"; '
+                                    'repeatable.')
+_KIND = flags.DEFINE_enum('tokenizer', 'hf', ['byte', 'hf', 'sentencepiece'], 'Tokenizer kind.')
+_PATH = flags.DEFINE_string('tokenizer_path', '', 'tokenizer.json (hf) or .model file.')
+_OUT = flags.DEFINE_string('out', None, 'Directory to write the shards and meta.json to.')
+_PROCESSES = flags.DEFINE_integer('processes', 0, 'Tokenizing processes (0: one per core).')
+_RECORD_TOKENS = flags.DEFINE_integer('record_tokens', 4096, 'Tokens per record.')
+_RECORDS_PER_SHARD = flags.DEFINE_integer('records_per_shard', 1024, 'Records per shard file.')
+_OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace the shard set already in --out.')
 
 
-def _load_tokenizer(kind: str, path: str) -> None:
-  global _TOKENIZER
-  _TOKENIZER = tokenizer_lib.load(kind, path)
-
-
-def _encode(piece: str):
-  return _TOKENIZER.encode(piece)
-
-
-def pieces(documents, piece_bytes: int):
-  """(text, starts_document, ends_document) pieces of every document, cut after a newline near
-  piece_bytes."""
-  for text in documents:
-    start = 0
-    while len(text) - start > piece_bytes:
-      cut = text.rfind('\n', start, start + piece_bytes) + 1 or start + piece_bytes
-      yield text[start:cut], start == 0, False
-      start = cut
-    yield text[start:], start == 0, True
-
-
-def check_arguments(kind: str, path: str, out: str, processes: int, record_tokens: int,
-                    records_per_shard: int, overwrite: bool = False) -> None:
-  """Refuses, before anything is read or written, what cannot make a shard set."""
-  if kind == 'char':
-    raise ConfigError('--tokenizer=char: a character vocabulary is fitted to one corpus in memory; '
-                      'prepare shards with byte, hf or sentencepiece.')
-  if kind in shard_meta.FILE_KINDS and not os.path.isfile(path or ''):
-    given = f'{path!r} is not a file' if path else 'none is given'
-    raise ConfigError(
-        f'--tokenizer={kind} reads --tokenizer_path, but {given}; pass ' + (
-            '--tokenizer_path=tokenizer.json (python -m engine.data.train_tokenizer makes one '
-            'from any text).' if kind == 'hf' else '--tokenizer_path=a SentencePiece .model file.'))
-  for name, value, low in (('processes', processes, 0), ('record_tokens', record_tokens, 1),
-                           ('records_per_shard', records_per_shard, 1)):
-    if value < low:
-      raise ConfigError(f'--{name}={value} must be >= {low}' +
-                        (' (0: one per core).' if name == 'processes' else '.'))
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise ConfigError(f'--out={out!r} is a file; pass a new directory for the shard set.')
-  above = os.path.dirname(out)
-  while not os.path.exists(above):
-    above = os.path.dirname(above)
-  if not os.path.isdir(above):
-    raise ConfigError(f'--out={out!r} lies under {above!r}, which is a file; pass a new directory '
-                      'for the shard set.')
-  if os.path.isdir(out) and os.listdir(out):
-    names = sorted(os.listdir(out))
-    others = [n for n in names if not _SHARD_FILE.match(n)]
-    if others:
-      raise ConfigError(f'--out={out!r} holds other files ({others[0]!r}, ...); pass a new or '
-                        'empty directory for the shard set.')
-    if not overwrite:
-      raise ConfigError(f'--out={out!r} already holds a shard set (or part of one); pass '
-                        '--overwrite to replace it, or another --out.')
-
-
-def _tokenize(writer, work, kind: str, path: str, processes: int, total_bytes: int) -> None:
-  """Feeds every piece's ids, in order, to the writer (one process: no pool to start)."""
-  start, last_report, done_bytes, tokens = time.perf_counter(), 0.0, 0, 0
-  _load_tokenizer(kind, path)
-  bos, eos = _TOKENIZER.bos_id, _TOKENIZER.eos_id
-  texts = (w[0] for w in work)
-  pool = (multiprocessing.get_context('spawn').Pool(processes, _load_tokenizer, (kind, path))
-          if processes > 1 else None)
-  try:
-    encoded = pool.imap(_encode, texts, chunksize=4) if pool else map(_encode, texts)
-    for (text, starts, ends), ids in zip(work, encoded):
-      ids = np.concatenate([[bos] if starts and bos is not None else [], ids,
-                            [eos] if ends and eos is not None else []]).astype(np.int64)
-      writer.add(ids)
-      tokens += len(ids)
-      done_bytes += len(text.encode('utf-8'))
-      if time.perf_counter() - last_report > 2:
-        last_report = time.perf_counter()
-        logging.info('Tokenized %.1f of %.1f MB: %d tokens, %.0f tokens/s', done_bytes / 1e6,
-                     total_bytes / 1e6, tokens, tokens / (last_report - start))
-  finally:
-    if pool:
-      pool.terminate()
-
-
-def _install(tmp: str, out: str) -> None:
-  """Puts the finished set in `tmp` at `out`, in place of what --overwrite replaces."""
-  umask = os.umask(0)  # mkdtemp's directory is private; the set gets a new directory's mode.
-  os.umask(umask)
-  os.chmod(tmp, 0o777 & ~umask)
-  if not os.path.isdir(out):
-    os.rename(tmp, out)
-    return
-  old = tempfile.mkdtemp(prefix=os.path.basename(out) + '.old-', dir=os.path.dirname(tmp))
-  os.rename(out, os.path.join(old, 'set'))
-  os.rename(tmp, out)
-  shutil.rmtree(old)
-
-
-def prepare(inputs: list[str], kind: str, path: str, out: str, processes: int = 0,
-            record_tokens: int = 4096, records_per_shard: int = 1024,
-            piece_bytes: int = 1 << 20, overwrite: bool = False) -> dict:
-  """Writes the shard set for `inputs` to `out` (written beside it as OUT.tmp-*, then renamed:
-  a failure leaves no set behind); returns its metadata."""
-  out = os.path.abspath(out)
-  check_arguments(kind, path, out, processes, record_tokens, records_per_shard, overwrite)
-  tokenizer = tokenizer_lib.load(kind, path)
-  documents = sources.read_inputs(inputs)
-  total_bytes = sum(len(d.encode('utf-8')) for d in documents)
-  processes = processes or os.cpu_count() or 1
-  try:
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + '.tmp-', dir=os.path.dirname(out))
-  except OSError as e:
-    raise ConfigError(f'--out={out!r} cannot be created ({e.strerror}); pass a directory path '
-                      'you can write.') from e
-  start = time.perf_counter()
-  try:
-    writer = shards.Writer(tmp, tokenizer.vocab_size, record_tokens, records_per_shard)
-    _tokenize(writer, list(pieces(documents, piece_bytes)), kind, path, processes, total_bytes)
-    recorded = {'kind': kind, 'path': os.path.abspath(path) if kind != 'byte' else '',
-                'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id,
-                'bos_id': tokenizer.bos_id}
-    if kind in shard_meta.FILE_KINDS:
-      recorded['sha256'] = shards.sha256(path)
-    meta = writer.close({'tokenizer': recorded, 'num_documents': len(documents),
-                         'input_bytes': total_bytes, 'inputs': inputs,
-                         'seconds': time.perf_counter() - start})
-    _install(tmp, out)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-  logging.info('Wrote %d tokens in %d shards to %s: %.0f tokens/s with %d processes',
-               meta['num_tokens'], len(meta['shards']), out, meta['num_tokens'] / meta['seconds'],
-               processes)
-  return meta
-
-
-def main():
-  inputs = flags.DEFINE_multi_string('input', None, 'Text file, directory, or "embedded"; '
-                                     'repeatable.')
-  kind = flags.DEFINE_enum('tokenizer', 'hf', ['byte', 'hf', 'sentencepiece'], 'Tokenizer kind.')
-  path = flags.DEFINE_string('tokenizer_path', '', 'tokenizer.json (hf) or .model file.')
-  out = flags.DEFINE_string('out', None, 'Directory to write the shards and meta.json to.')
-  processes = flags.DEFINE_integer('processes', 0, 'Tokenizing processes (0: one per core).')
-  record_tokens = flags.DEFINE_integer('record_tokens', 4096, 'Tokens per record.')
-  records_per_shard = flags.DEFINE_integer('records_per_shard', 1024, 'Records per shard file.')
-  overwrite = flags.DEFINE_bool('overwrite', False, 'Replace the shard set already in --out.')
-
-  def run(argv):
-    del argv
-    meta = prepare(inputs.value, kind.value, path.value, out.value, processes.value,
-                   record_tokens.value, records_per_shard.value, overwrite=overwrite.value)
-    print(f'{out.value}: {meta["num_tokens"]} tokens from {meta["num_documents"]} documents in '
-          f'{len(meta["shards"])} shards, {meta["num_tokens"] / meta["seconds"]:,.0f} tokens/s')
-
-  run_command(run, 'engine.data.prepare', required=('input', 'out'))
+def main(argv):
+  del argv
+  meta = prepare(_INPUTS.value, _KIND.value, _PATH.value, _OUT.value, _PROCESSES.value,
+                 _RECORD_TOKENS.value, _RECORDS_PER_SHARD.value, overwrite=_OVERWRITE.value)
+  print(f'{_OUT.value}: {meta["num_tokens"]} tokens from {meta["num_documents"]} documents in '
+        f'{len(meta["shards"])} shards, {meta["num_tokens"] / meta["seconds"]:,.0f} tokens/s')
 
 
 if __name__ == '__main__':
-  main()
+  run_command(main, 'engine.data.prepare', required=('input', 'out'))
+

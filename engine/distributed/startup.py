@@ -25,6 +25,7 @@ import time
 import jax
 from absl import logging
 
+from engine.cli.argv import fail
 from engine.distributed.roll_call import PeerMissingError, await_peers  # noqa: F401  (callers catch it here)
 
 
@@ -239,8 +240,7 @@ def fail_run(message: str, code: int) -> None:
   """Ends this process with `error: message` and exit status `code`; in a multi-process run
   every other process stops too, naming this one and `message`. Never returns."""
   if _ACTIVE is None:
-    print(f'error: {message}', file=sys.stderr, flush=True)
-    sys.exit(code)
+    fail(message, code)
   if not _REPORTED.acquire(blocking=False):
     time.sleep(_WAIT_FOR_OTHERS_S + 5)  # The watch is ending this process for another's failure.
     os._exit(code)  # pylint: disable=protected-access

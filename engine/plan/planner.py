@@ -49,7 +49,7 @@ from absl import logging  # noqa: E402
 from engine import chips, parallel, validation  # noqa: E402
 from engine import config as config_lib  # noqa: E402
 from engine.analysis import benchmark, collectives, comm_theory  # noqa: E402
-from engine.analysis.compare import communication_table  # noqa: E402
+from engine.analysis.comparison import communication_table  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.hf import load as hf  # noqa: E402
@@ -216,7 +216,7 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
     run = assemble(config, devices, reads=VOCABULARY)
     train_setup = run.setup
   except ConfigError as e:  # A candidate the engine would refuse: a row, not a stop.
-    sizes = 'x'.join(str(config.mesh[a]) for a in config_lib.MESH_AXES)
+    sizes = config_lib.format_mesh(config.mesh, all_axes=True)
     return {**row, 'mesh': sizes, 'status': 'invalid', 'error': str(e)}
   mesh_shape = dict(train_setup.mesh.shape)
   row.update(mesh=benchmark.mesh_name(mesh_shape), mesh_shape=mesh_shape)

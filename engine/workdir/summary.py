@@ -18,6 +18,7 @@ from absl import logging
 from etils import epath
 
 from engine import chips
+from engine import config as config_lib
 from engine.workdir import run_dir as workdir_lib
 
 matplotlib.use('Agg')  # Files only; no display on training machines.
@@ -62,10 +63,7 @@ class PeakMemory:
 def mesh_string(shape: dict[str, int]) -> str:
   """A mesh's sizes as the flags take them: '2x2x2', context, stage and expert only where
   not 1."""
-  sizes = list(shape.values())
-  while len(sizes) > 3 and sizes[-1] == 1:
-    sizes.pop()
-  return 'x'.join(str(n) for n in sizes)
+  return config_lib.format_mesh(shape)
 
 
 def read_records(path: epath.Path) -> list[dict]:
