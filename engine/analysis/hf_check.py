@@ -228,7 +228,7 @@ def main():
   """The command: flags defined here, not at import, so that importing this module (the tests)
   defines no flag another command also has."""
   torch_python = flags.DEFINE_string('torch_python', None, 'A Python with torch and '
-                                     'transformers >= 5, e.g. /work/hfref/bin/python.')
+                                     'transformers >= 5, e.g. ENV/bin/python.')
   families = flags.DEFINE_list('families', list(FAMILIES), 'Model families to check.')
   formats = flags.DEFINE_list('formats', list(FORMATS), 'config.json formats: v5 '
                               '(rope_parameters), legacy (rope_theta, rope_scaling).')

@@ -7,6 +7,10 @@
   pipeline.py         the corpus, grain pipelines, per-process rows -> global jax.Arrays
   prepare.py          `python -m engine.data.prepare`: text -> shards, in parallel
   train_tokenizer.py  `python -m engine.data.train_tokenizer`: a byte-level BPE tokenizer
+  manifest_paths.py   file names read from manifests (an HF index, meta.json) kept inside
+                      their directory
+  text_files.py       text files a user names (data.path, --text_file, --prompts_file), checked
+                      and read
 
 The names below are the package's interface; the rest of the engine imports them from here.
 """

@@ -1,6 +1,14 @@
 """Train-step builders, one per parallelism mode: a plain dict registry.
 
 Each builder takes an engine.state.TrainSetup and returns engine.parallel.steps.Steps.
+
+  steps.py            what every builder returns, and what both modes share
+  auto.py             auto mode: jax.jit with NamedShardings
+  manual.py           manual mode: jax.shard_map, every collective written
+  flat_gather.py      manual FSDP's gathers: a layer's split weights in one all_gather
+  context.py          ring attention over the context axis (manual mode)
+  expert_exchange.py  the experts' token exchange over the expert axis, all_to_all (manual mode)
+  pipeline.py         the GPipe and circular pipeline schedules of both modes
 """
 
 from engine.errors import ConfigError
