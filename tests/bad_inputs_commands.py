@@ -281,7 +281,7 @@ COMMAND_ROWS = {
     ],
     'engine.analysis.hf_check': [
         ([], 2, '--torch_python is required: A Python with torch and transformers >= 5, e.g. '
-         '/work/hfref/bin/python.'),
+         'ENV/bin/python.'),
         (['--torch_python=$T/no_such_python'], 2, '--torch_python=$T/no_such_python: cannot run '
          'it (No such file or directory); pass a Python that has torch and transformers >= 5.'),
         ([HF_CHECK, '--families=gpt9'], 2,

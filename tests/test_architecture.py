@@ -3,8 +3,11 @@ source: every `import` of an engine module, at module level or inside a function
 
 import ast
 import importlib.util
+import io
 import pathlib
+import re
 import sys
+import tokenize
 
 ENGINE = pathlib.Path(__file__).resolve().parent.parent / 'engine'
 
@@ -285,3 +288,41 @@ def test_the_forked_command_runner_imports_no_command_module():
   imported = _imports(path)
   assert {'engine.assemble', 'engine.data.shard_writer'} <= imported  # The check sees them.
   assert not imported & _command_modules(_trees(), GRAPH), imported
+
+
+# A path of the repository as docs name it: engine/x/y.py or engine/x/ (a folder).
+_ENGINE_PATH = re.compile(r'(?<![\w/.-])engine/(?:[A-Za-z_]\w*/)*(?:[A-Za-z_]\w*\.py|[A-Za-z_]\w*/)')
+
+
+def _docstrings_and_comments(path: pathlib.Path) -> list[str]:
+  """The prose of a module: its docstrings (module, classes, functions) and comments."""
+  source = path.read_text()
+  texts = [ast.get_docstring(node) or '' for node in ast.walk(ast.parse(source))
+           if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+  return texts + [token.string for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                  if token.type == tokenize.COMMENT]
+
+
+def test_every_package_docstring_maps_its_modules():
+  """A reader finds a module from its package's docstring: every module file is named there."""
+  unmapped = {}
+  for init in sorted(ENGINE.rglob('__init__.py')):
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ''
+    missing = [p.name for p in sorted(init.parent.glob('*.py'))
+               if p.name != '__init__.py' and not re.search(rf'(?<![\w/]){re.escape(p.name)}', doc)]
+    if missing:
+      unmapped[str(init.relative_to(ENGINE.parent))] = missing
+  assert 'engine/generate/__main__.py' in {str(p.relative_to(ENGINE.parent))
+                                           for p in ENGINE.rglob('*.py')}  # The check sees them.
+  assert not unmapped, f'modules their package\'s __init__ docstring does not name: {unmapped}'
+
+
+def test_every_named_engine_path_exists():
+  """Paths in the engine's docstrings and comments, the README and docs/*.md name real files."""
+  root = ENGINE.parent
+  sources = [(p, text) for p in sorted(ENGINE.rglob('*.py')) for text in _docstrings_and_comments(p)]
+  sources += [(p, p.read_text()) for p in [root / 'README.md', *sorted((root / 'docs').glob('*.md'))]]
+  named = {(str(p.relative_to(root)), m) for p, text in sources for m in _ENGINE_PATH.findall(text)}
+  assert len(named) > 50  # The pattern finds the paths the docs name.
+  missing = sorted((where, m) for where, m in named if not (root / m).exists())
+  assert not missing, f'named paths that do not exist (file, path): {missing}'

@@ -165,7 +165,7 @@ def test_the_run_must_name_the_tokenizer_the_set_was_written_with(sets, bpe, tex
   shutil.copy(other, moved)
   with pytest.raises(ConfigError, match=re.escape(f'tokenizer {moved} (its meta.json) is not')):
     data.load_corpus(_config(tmp_path / 'set', 'hf'), 0)
-  # A meta.json without the file's SHA-256 (before issue 23): the vocabulary and ids decide.
+  # A meta.json without the file's SHA-256 (as older sets were written): the vocabulary and ids decide.
   old = _copy(sets, 'hf', tmp_path / 'b', lambda m: m['tokenizer'].pop('sha256'))
   assert data.load_corpus(_config(old, 'hf', bpe), 0).tokenizer.path == bpe
   train_bpe([text.read_text()], 280, other)

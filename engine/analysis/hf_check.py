@@ -64,7 +64,7 @@ from engine.analysis.hf_compare import LOGITS_RTOL, LOSS_RTOL
 from engine.cli.command_line import run_command
 
 _TORCH_PYTHON = flags.DEFINE_string('torch_python', None, 'A Python with torch and '
-                                    'transformers >= 5, e.g. /work/hfref/bin/python.')
+                                    'transformers >= 5, e.g. ENV/bin/python.')
 _FAMILIES = flags.DEFINE_list('families', list(FAMILIES), 'Model families to check.')
 _FORMATS = flags.DEFINE_list('formats', list(FORMATS), 'config.json formats: v5 '
                              '(rope_parameters), legacy (rope_theta, rope_scaling).')

@@ -9,6 +9,10 @@
   prepare.py          shard_writer's command, `python -m engine.data.prepare`
   bpe_trainer.py      a byte-level BPE tokenizer trained on documents, its tokenizer.json
   train_tokenizer.py  bpe_trainer's command, `python -m engine.data.train_tokenizer`
+  manifest_paths.py   file names read from manifests (an HF index, meta.json) kept inside
+                      their directory
+  text_files.py       text files a user names (data.path, --text_file, --prompts_file), checked
+                      and read
 
 The names below are the package's interface; the rest of the engine imports them from here.
 """

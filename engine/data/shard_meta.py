@@ -5,8 +5,8 @@ the shards' tokens; every record but the stream's last holds record_tokens token
 for the vocabulary; each shard file present, inside the set, and of the recorded size; the
 recorded largest id below the vocabulary. Against the run (`check_tokenizer`): the tokenizer
 kind is data.tokenizer, and its file (data.tokenizer_path, else the one recorded) is the one the
-set was written with: the same SHA-256 where meta.json records it (engine.data.prepare has since
-issue 23), and the same vocabulary and end- / beginning-of-text ids. Each file's SHA-256 and
+set was written with: the same SHA-256 where meta.json records it (sets written by older
+versions of engine.data.prepare lack it), and the same vocabulary and end- / beginning-of-text ids. Each file's SHA-256 and
 record count are checked when the reader first opens it, and every record's ids as it is read
 (engine/data/shards.py). Every mismatch is one ConfigError naming the file and the fix.
 """
@@ -73,7 +73,7 @@ def _check_fields(meta: dict, path: str) -> None:
                        ('sha256', lambda v: isinstance(v, str) and _SHA256.match(v))):
       if not valid(shard.get(key)):
         _fail(path, _invalid(shard, key) + f' for shard {i}')
-    for key in ('bytes', 'max_id'):  # Since issue 23; older sets lack them.
+    for key in ('bytes', 'max_id'):  # Older sets lack them.
       if key in shard and not _is_int(shard[key]):
         _fail(path, f'has an invalid {key!r} for shard {i} ({shard[key]!r:.60})')
   tokenizer = meta['tokenizer']

@@ -4,6 +4,20 @@ Adding a model is one module under engine/models/ and one line here (the interfa
 engine/models/spec.py). A family that reads and writes Hugging Face checkpoints also registers
 its `HFFormat` (engine/models/hf_format.py) in HF_FORMATS. Tests and experiments may also add
 entries to `MODELS` at run time.
+
+  spec.py            ModelSpec: the interface every model plugs in through
+  ops.py             the operations a model calls where a layout may communicate (LocalOps)
+  layers.py          shared building blocks: 2-D dense products, stacked and scanned layers
+  attention.py       causal attention: einsum, jax.nn.dot_product_attention or splash
+  splash.py          the Pallas TPU splash-attention kernel, whole and per ring block
+  documents.py       packed documents: segment ids and in-document positions
+  gpt.py             a GPT-2-style decoder
+  llama.py           a Llama-style decoder (optionally a mixture of experts)
+  moe.py             the mixture-of-experts layer: router, top-k, experts, auxiliary losses
+  moe_dispatch.py    its dispatches on one device: dropless (ragged_dot), capacity
+  hf_format.py       HFTensor, HFFormat: how a family describes its Hugging Face checkpoints
+  llama_hf.py        the Llama family's formats (Llama 2 / 3.x, Mistral, Qwen2, Qwen3)
+  llama_moe_hf.py    its mixtures of experts' formats (Mixtral, Qwen3-MoE)
 """
 
 from engine.models import gpt, llama, llama_hf, llama_moe_hf

@@ -47,8 +47,8 @@ def dense(x: jax.Array, w: jax.Array, in_dims: int = 1, preferred_element_type=N
 
   `jnp.einsum('BLD,DF->BLF', ...)` computes the same, but XLA:CPU lays out the weight gradient
   of an einsum with two free dimensions on x (batch, length) behind a strided transpose of the
-  output gradient; flattening them first ran a Llama MLP's forward and backward 2x faster
-  (BUILD.md, "Benchmarks"). Reshapes of leading and trailing dimensions are free on
+  output gradient; flattening them first ran a Llama MLP's forward and backward faster
+  (docs/benchmarks.md). Reshapes of leading and trailing dimensions are free on
   every backend and keep each dimension's sharding.
   """
   lead, contracted, out = x.shape[:x.ndim - in_dims], x.shape[x.ndim - in_dims:], w.shape[in_dims:]

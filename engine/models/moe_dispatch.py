@@ -3,7 +3,7 @@
 The layer (engine/models/moe.py) routes every token to K experts and hands the assignments to
 `ops.experts`, whose plain version (LocalOps) is one of the two dispatches here; the parallel
 modes rearrange the same steps around an exchange between the devices that hold the experts
-(engine/parallel/auto.py: sharding constraints; engine/parallel/experts.py: all_to_all).
+(engine/parallel/auto.py: sharding constraints; engine/parallel/expert_exchange.py: all_to_all).
 
 - dropless: the assignments sorted by expert (stable: token order inside an expert) and
   multiplied with grouped matmuls (`ExpertFFN.grouped`, jax.lax.ragged_dot), then unsorted.

@@ -6,7 +6,7 @@ seven FSDP-split weights; gathered one by one they are seven all-gathers in the 
 seven again in the rematerialised backward pass and, as their transposes, seven reduce-scatters
 of the gradients. XLA:CPU combines neither all-gathers nor reduce-scatters (it does combine
 all-reduces, which is why auto mode's all-reduced FSDP gradients came out ahead of manual mode's
-reduce-scatters, profiled in BUILD.md). So the weights split over the same mesh axes, in the same
+reduce-scatters, profiled in docs/benchmarks.md). So the weights split over the same mesh axes, in the same
 dtype, travel together: their local shards are flattened into one buffer, gathered in one
 `all_gather`, and cut back into whole weights. The transpose of that gather is one
 `psum_scatter` of the layer's gradients. Same bytes, one collective instead of seven, at the
@@ -15,7 +15,7 @@ dimension other than its first).
 
 Only where that pays: parallelism.fsdp_gather=auto (engine/assemble.py: flat_gather) groups on
 CPU devices. XLA:TPU and XLA:GPU have combiner passes for all-gathers and reduce-scatters of
-their own; compiled for TPU v5p (the 8B plan in BUILD.md) the per-weight gathers needed less
+their own; compiled for TPU v5p (the 8B plan in docs/benchmarks.md) the per-weight gathers needed less
 memory and less time on the interconnect than the flat ones.
 """
 

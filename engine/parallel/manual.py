@@ -21,7 +21,9 @@ The collectives come from the same rules that give auto mode its shardings:
 - Stacked layers split over `stage` run as a GPipe pipeline (engine/parallel/pipeline.py): the
   micro-batches' activations move to the next stage with `ppermute`, and gradients are
   synchronised once after the backward pass (the pipeline runs each layer several times).
-- Gradients follow the pattern in DESIGN.md ("the gradient trap"): each parameter is cast to
+- Gradients avoid a trap of shard_map: taken with respect to a parameter replicated over a batch
+  axis, a gradient comes back already summed over it (the broadcast's transpose is a psum: N
+  times too large, docs/collectives.md). So each parameter is cast to
   varying over the batch axes it is replicated on, the gradient is taken with respect to that
   local copy, and one explicit `pmean` over those axes averages it. Where the cast happens
   decides when: with one micro-batch it is part of preparing the parameter for use (inside the

@@ -158,7 +158,7 @@ def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microba
   activation without it; `rows` as manual_pipeline's. Every dimension is pinned: left to the
   compiler, the state's micro-batch rows, the finished micro-batches and each stage's parameters
   were whole on every device of the other axes (the 8B plan's head then ran on the whole batch:
-  BUILD.md)."""
+  docs/benchmarks.md)."""
   schedule = _Schedule(stages, microbatches, num_groups(layers))
   groups = [layer_group(layers, r) for r in range(schedule.repeats)]
   graphdef, _ = nnx.split(groups[0])
