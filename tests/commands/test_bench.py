@@ -34,6 +34,7 @@ def bench(tmp_path_factory):
           (tmp_path / 'bench.md').read_text(), tmp_path)
 
 
+@pytest.mark.slow
 def test_bench_measures_every_mode_on_every_mesh(bench):
   report, markdown, tmp_path = bench
   rows = [r for r in report['variants'] if not r['baseline']]
@@ -72,6 +73,7 @@ def test_bench_measures_every_mode_on_every_mesh(bench):
   assert 'Self time per step by op' in markdown and '| data 8 manual |' in markdown
 
 
+@pytest.mark.slow
 def test_bench_sets_the_model_flops_against_a_calibrated_matmul(bench):
   report, markdown, _ = bench
   matmul = report['matmul_flops_per_device']
@@ -87,6 +89,7 @@ def test_bench_sets_the_model_flops_against_a_calibrated_matmul(bench):
     assert line.split(' | ')[header.index('of matmul')] == f'{100 * achieved / matmul:.1f} %'
 
 
+@pytest.mark.slow
 def test_bench_with_a_baseline_times_the_other_checkouts_variants_too(bench):
   """--baseline=this tree's root: the same code on the same data, so the same losses."""
   report, markdown, _ = bench
@@ -110,6 +113,7 @@ def test_bench_with_a_baseline_times_the_other_checkouts_variants_too(bench):
                        f'{ours["median_ms"] / theirs["median_ms"]:.3f} | 0 |')
 
 
+@pytest.mark.slow
 def test_a_failing_baseline_child_shows_the_end_of_its_stderr(tmp_path):
   from engine.bench import baseline  # pylint: disable=g-import-not-at-top
   (tmp_path / 'engine').mkdir()
@@ -150,6 +154,7 @@ def test_peak_flops_follow_the_compute_dtype_or_the_flag():
   assert chips.peak_flops('cpu', 'float32', override_tflops=2.0) == 2e12
 
 
+@pytest.mark.slow
 def test_a_failing_torch_child_shows_the_end_of_its_stderr(tmp_path):
   from engine.analysis import benchmark  # pylint: disable=g-import-not-at-top
   from engine.config import default_config  # pylint: disable=g-import-not-at-top
@@ -166,6 +171,7 @@ def test_a_failing_torch_child_shows_the_end_of_its_stderr(tmp_path):
   assert 'noise 4\n' in message and 'noise 3\n' not in message  # The last 10 lines.
 
 
+@pytest.mark.slow
 def test_dense_equivalent_has_the_active_parameters_and_folds_the_expert_axis():
   """--dense_equivalent's model and mesh, and the side-by-side table of tokens/s."""
   from engine import config as config_lib

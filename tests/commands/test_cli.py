@@ -8,6 +8,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from engine.config import MESH_AXES
 from tests.unit.test_platforms import TPU_NOISE, require_cpu_only
@@ -28,6 +29,7 @@ def _run(*args, devices=1):
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_main_runs_an_experiment_with_overrides(tmp_path):
   """...and, on this CPU machine with the tpu extra installed, without a word from libtpu."""
   require_cpu_only()

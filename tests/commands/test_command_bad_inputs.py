@@ -53,6 +53,7 @@ def results(finished_run, tmp_path_factory):
   return [(scratch, result, before) for (scratch, before), result in zip(scratches, results)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('index', range(len(ROWS)),
                          ids=[f'{p} {" ".join(argv)}' for p, argv, _, _ in ROWS])
 def test_bad_input_gets_one_line(index, results, finished_run):

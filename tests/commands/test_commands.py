@@ -111,6 +111,7 @@ def test_mesh_strings_fill_unnamed_axes_with_one():
       config_lib.parse_mesh(bad)
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_laid_out_on_the_devices_its_mesh_names(tmp_path):
   """generate / evaluate / export: --mesh takes the first devices it needs (-1: all of them),
   and a pipelined run's stage axis is not carried onto the generation mesh."""

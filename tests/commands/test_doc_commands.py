@@ -66,6 +66,7 @@ def results(tmp_path_factory):
           for (key, check), result in zip(RUNS, json.loads(proc.stdout))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('key', [k for k, _ in RUNS],
                          ids=[f'{c.chain}:{k.split("python -m ", 1)[1].split(" ")[0]}'
                               for k, c in RUNS])

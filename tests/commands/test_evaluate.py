@@ -68,6 +68,7 @@ def _numpy_losses(train_setup, params, windows) -> np.ndarray:
   return -np.take_along_axis(log_probs, windows[:, 1:, None], -1)[..., 0]
 
 
+@pytest.mark.slow
 def test_heldout_loss_is_the_logged_eval_loss(trained):
   root, logged = trained
   run = assemble_finished_run(str(root / 'run'), '1x1x1', reads=CORPUS)
@@ -93,6 +94,7 @@ def test_heldout_loss_is_the_logged_eval_loss(trained):
                                                   rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_command_scores_the_heldout_split_or_a_file(trained):
   root, logged = trained
   rows = [{'program': 'engine.evaluate', 'cwd': ROOT, 'argv': [f'--workdir={root}/run', *more]}

@@ -5,6 +5,7 @@ and exported with its tokenizer."""
 import json
 
 import numpy as np
+import pytest
 
 from engine.data.train_tokenizer import train as train_bpe
 from engine.evaluate.scoring import evaluate
@@ -12,6 +13,8 @@ from engine.export.exporter import export_files
 from engine.generate.sampling import load_run
 from engine.main import run as run_main
 from tests.unit.test_hf_families import FAMILIES, _checkpoint
+
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
 
 TEXT = 'def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n' * 40
 

@@ -56,6 +56,7 @@ def _recomputed(train_setup, params, prompt, steps):
   return tokens[len(prompt):]
 
 
+@pytest.mark.slow
 def test_cached_greedy_equals_recomputing_and_compiles_once(model_and_params):
   _, train_setup, params = model_and_params
   generator = Generator(train_setup, 16, NEW)
@@ -67,6 +68,7 @@ def test_cached_greedy_equals_recomputing_and_compiles_once(model_and_params):
   assert generator.prefill._cache_size() == 1 and generator.decode._cache_size() == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh', [(2, 1, 4), (4, 1, 2), (1, 8, 1)],
                          ids=['data2_tensor4', 'data4_tensor2', 'fsdp8'])
 def test_sharded_generation_matches_one_device(model_and_params, mesh):
@@ -105,6 +107,7 @@ def test_sampling_is_seeded_restricted_and_stops_at_end_of_text(model_and_params
   assert list(stopped[0]) == list(greedy[0][:list(greedy[0]).index(eos) + 1])
 
 
+@pytest.mark.slow
 def test_generate_and_evaluate_a_trained_run(tmp_path):
   workdir = tmp_path / 'run'
   argv = ['--config=experiments/tiny.py', f'--workdir={workdir}', '--config.mesh.data=8',
@@ -150,6 +153,7 @@ def _bos_tokenizer(directory):
   return tokenizer_lib.load('hf', str(directory / 'tokenizer.json'))
 
 
+@pytest.mark.slow
 def test_new_tokens_default_to_what_the_model_allows(tmp_path):
   tokenizer = _bos_tokenizer(tmp_path)
   config = tiny_config()  # model.max_len = 16.
@@ -165,6 +169,7 @@ def test_new_tokens_default_to_what_the_model_allows(tmp_path):
   assert resolve_new_tokens(config, tokenizer, texts, 0, 0, add_bos=True) == 100
 
 
+@pytest.mark.slow
 def test_prompts_start_with_the_beginning_of_text_token_unless_noadd_bos(tmp_path):
   tokenizer = _bos_tokenizer(tmp_path)
   assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
@@ -203,6 +208,7 @@ def test_prompts_start_with_the_beginning_of_text_token_unless_noadd_bos(tmp_pat
   assert list(encode_prompts(byte, ['hi'], True)[0]) == [104, 105]
 
 
+@pytest.mark.slow
 def test_generate_and_evaluate_take_noadd_bos(tmp_path):
   """The flag is there: the commands get as far as the mesh (a finished run's record is all
   they read before it)."""

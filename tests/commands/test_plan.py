@@ -54,6 +54,7 @@ def _tpu_collectives(row):
           r[row['mode']]['bytes'] for r in row['communication'] if r[row['mode']]['bytes']}
 
 
+@pytest.mark.slow
 def test_gpt_plan_fits_ranks_and_falls_with_fsdp(gpt_plan):
   rows = gpt_plan['candidates']
   assert gpt_plan['chip'] == 'TPU v5p' and gpt_plan['devices'] == 8
@@ -75,6 +76,7 @@ def test_gpt_plan_fits_ranks_and_falls_with_fsdp(gpt_plan):
   assert report.count('Train it: `python -m engine.main --config=experiments/tiny.py') == 4
 
 
+@pytest.mark.slow
 def test_tpu_collectives_against_the_cpu_compile(gpt_plan):
   """Manual mode's collectives on TPU, read from the TPU HLO (no recorded loop trip counts,
   async permutes), against the CPU compile of the same layout."""
@@ -97,6 +99,7 @@ def test_tpu_collectives_against_the_cpu_compile(gpt_plan):
   assert tpu[key('all-gather')] == 8 * cpu[key('reduce-scatter')] < cpu[key('all-gather')]
 
 
+@pytest.mark.slow
 def test_llama_on_fsdp_x_tensor_and_the_plan_config_trains(tmp_path):
   overrides = ['--config.model.name=llama', '--config.model.num_kv_heads=2',
                '--config.data.source=synthetic', '--config.train.num_steps=2']
@@ -117,6 +120,7 @@ def test_llama_on_fsdp_x_tensor_and_the_plan_config_trains(tmp_path):
     assert saved[section] == row['config'][section], section
 
 
+@pytest.mark.slow
 def test_a_model_too_large_does_not_fit():
   config = _config('llama')
   config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 8192, 32768, 64
@@ -142,6 +146,7 @@ def test_unknown_topology_is_one_error_line(topology, message):
     assert proc.stderr.strip().splitlines()[-1].startswith(f'error: {message}')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', ['none', 'full'])
 def test_executed_flops_match_the_compiled_unrolled_step(remat):
   """The roofline's compute FLOPs (XLA's cost analysis counts a scanned layer once) against
@@ -162,6 +167,7 @@ def test_executed_flops_match_the_compiled_unrolled_step(remat):
   assert cost['flops'] == pytest.approx(per_device, rel=0.08)
 
 
+@pytest.mark.slow
 def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
   config = _config()
   config.mesh.dcn_data = 2
@@ -182,6 +188,7 @@ def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
     plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
 
 
+@pytest.mark.slow
 def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
   """A mixture of experts on expert 8: each row's all-to-all bytes are the theory's
   (comm_theory), manual mode compiles exactly those, and the compute FLOPs with the padded

@@ -43,6 +43,7 @@ def sweep(tmp_path_factory):
   return directory, first, second, before == after
 
 
+@pytest.mark.slow
 def test_a_failed_variant_is_recorded_and_the_sweep_goes_on(sweep):
   directory, first, _, _ = sweep
   assert first.returncode == 1, first.stderr
@@ -59,6 +60,7 @@ def test_a_failed_variant_is_recorded_and_the_sweep_goes_on(sweep):
   assert '--config.optim.learning_rate=3e-3' in state[BAD]['command']
 
 
+@pytest.mark.slow
 def test_the_rerun_skips_the_finished_variant_and_retries_the_failed(sweep):
   directory, _, second, untouched = sweep
   assert second.returncode == 1, second.stderr
@@ -69,6 +71,7 @@ def test_the_rerun_skips_the_finished_variant_and_retries_the_failed(sweep):
   assert log.count(f'error: --workdir={directory}/{BAD} is a file') == 2  # Ran twice.
 
 
+@pytest.mark.slow
 def test_the_table_csv_and_plot(sweep):
   directory, _, second, _ = sweep
   records = [json.loads(line) for line in (directory / GOOD / 'metrics.jsonl').open()]

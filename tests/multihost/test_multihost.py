@@ -21,6 +21,8 @@ from engine.train.loop import train
 from tests.support import multihost_experiment
 from tests.support.helpers import ATOL, single_device_run
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

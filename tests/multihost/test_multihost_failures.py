@@ -117,6 +117,7 @@ def _check_both_stopped(status, stopped, lines, cause):
   return errors[0][0], errors[1][0]
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_2_process_save_stops_both_with_one_error_each(tmp_path):
   disk, keep = tmp_path / 'disk', tmp_path / 'kept'
   disk.mkdir()
@@ -154,6 +155,7 @@ _LIMIT_PROCESS_1 = [
     'os.execvp(sys.argv[1], sys.argv[1:])']
 
 
+@pytest.mark.slow
 def test_a_save_that_fails_on_one_process_only_stops_both(tmp_path):
   """Process 1's write fails, process 0's succeeds: before, process 0 waited at Orbax's barrier
   for process 1, and process 1 at the next one for process 0."""

@@ -32,6 +32,7 @@ def references():
 
 # gpt on context 8 in manual mode: compared in test_ring_moves_each_key_value_block..., which
 # reads the ring from the same compiled step.
+@pytest.mark.slow
 @pytest.mark.parametrize('model, mesh, mode', [
     ('gpt', (1, 1, 1, 8), 'auto'),
     ('gpt', (2, 1, 1, 4), 'manual'), ('gpt', (2, 1, 1, 4), 'auto'),
@@ -47,6 +48,7 @@ def test_matches_single_device(model, mesh, mode, references):
   assert_same_run(engine_run(_config(mesh, model), mode, STEPS), references[model])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('model, mesh, kv_heads', [
     ('gpt', (1, 1, 1, 8), 4), ('gpt', (1, 1, 2, 4), 2),
     # Grouped-query, 8 query / 2 key-value heads: the ring moves the key / value heads (split:

@@ -110,6 +110,7 @@ def test_a_packed_window_is_its_documents_run_alone(name):
   np.testing.assert_allclose(loss, np.mean(all_losses), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_every_attention_path_masks_alike():
   """dot_product_attention and the splash kernel (Pallas interpret mode on CPU; 128 positions,
   one tile) against the einsum path, outputs and (splash: its custom backward) gradients;
@@ -166,6 +167,7 @@ def reference():
   return jax.device_get(params), tokens, float(loss), jax.device_get(grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode, mesh, microbatches', [
     ('manual', (2, 2, 2, 1, 1), 2), ('auto', (2, 2, 2, 1, 1), 2),
     ('manual', (2, 1, 2, 2, 1), 1), ('auto', (2, 1, 2, 2, 1), 1),  # Ring attention / auto's.
@@ -181,6 +183,7 @@ def test_a_train_step_matches_one_device(mode, mesh, microbatches, reference):
     np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
+@pytest.mark.slow
 def test_a_mean_of_per_device_means_fails_the_check(reference, monkeypatch):
   """The bug the global count prevents: each device dividing by its own count."""
   params, tokens, want_loss, _ = reference
@@ -198,6 +201,7 @@ def test_a_mean_of_per_device_means_fails_the_check(reference, monkeypatch):
   assert abs(float(loss) - want_loss) > 1e-4
 
 
+@pytest.mark.slow
 def test_the_splash_ring_masks_documents_like_one_device():
   """model.attention='splash', manual mode, data 4 x context 2: 512 positions in zigzag chunks
   of 128 (device 0 holds chunks 0 and 3, device 1 chunks 1 and 2), one layer of grouped-query

@@ -34,6 +34,7 @@ def reference():
   return single_device_run(llama_config(), STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode', ['manual', 'auto'])
 @pytest.mark.parametrize('mesh', MESHES, ids=lambda m: 'x'.join(map(str, m)))
 def test_matches_single_device(mesh, mode, reference):
@@ -45,6 +46,7 @@ def gqa_reference():
   return single_device_run(llama_config(kv_heads=2), STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode', ['manual', 'auto'])
 @pytest.mark.parametrize('mesh', [(2, 1, 4), (1, 4, 2)], ids=['kv_replicated', 'kv_split'])
 def test_grouped_query_attention(mesh, mode, gqa_reference):

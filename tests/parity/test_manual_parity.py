@@ -17,6 +17,8 @@ import pytest
 from engine.parallel import manual
 from tests.support.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 STEPS = 3
 MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 1, 2), (2, 4, 1), (1, 2, 4)]
 

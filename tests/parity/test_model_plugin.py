@@ -101,11 +101,13 @@ def test_flax_partitioning_metadata_drives_the_layout():
   assert specs['norm/scale'] == P(None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_trains_like_its_single_device_run_on_2x2x2(mode, reference):
   assert_same_run(engine_run(_config((2, 2, 2)), mode, STEPS), reference)
 
 
+@pytest.mark.slow
 def test_compare_report_and_theory_need_no_parameter_names(tmp_path):
   report = compare.compare(_config((2, 2, 2)), str(tmp_path), ['manual'], steps=1, warmup=0)
   assert 'manual: AGREES' in report['verdict']

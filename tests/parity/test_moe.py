@@ -135,6 +135,7 @@ def references():
   return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dispatch', moe.DISPATCHES)
 def test_model_matches_single_device(dispatch, references):
   """Both modes on the three expert meshes; dropless also on data x context in manual mode (the
@@ -148,6 +149,7 @@ def test_model_matches_single_device(dispatch, references):
     assert_same_run(run, references[dispatch, config.model.moe_aux_loss_coef > 0])
 
 
+@pytest.mark.slow
 def test_an_expert_gradient_averaged_over_the_expert_axis_is_caught(references, monkeypatch):
   """The parity check catches the expert-parallel gradient trap: an expert's weights differ
   across the expert axis, so a pmean over it mixes different experts' gradients."""
@@ -171,6 +173,7 @@ def test_an_expert_gradient_averaged_over_the_expert_axis_is_caught(references, 
     assert_same_run(run, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dispatch, mesh', [
     ('capacity', EXPERT_MESHES[0]), ('dropless', EXPERT_MESHES[0]),
     ('capacity', EXPERT_MESHES[2])])
@@ -201,6 +204,7 @@ def test_the_all_to_all_bytes_are_what_theory_says(dispatch, mesh):
   assert measured == theory
 
 
+@pytest.mark.slow
 def test_the_auxiliary_losses_are_in_the_training_loss():
   tokens = np.asarray(jax.random.randint(jax.random.key(2), (4, 9), 0, 64))
   router_gradients = []
@@ -237,6 +241,7 @@ def test_unsupported_layouts_are_refused(dispatch, mode, mesh, message):
     validate(config, 8)
 
 
+@pytest.mark.slow
 def test_the_expert_axis_splits_the_experts_and_the_batch():
   """mesh.expert splits the experts' weights (stacked layers lead) and never gathers them, keeps
   the router whole, and splits the batch like data; a dense model on it is refused. Layout only:

@@ -26,6 +26,8 @@ from engine.train.loop import DeferredMetrics, TrainResult
 from tests.support.helpers import Run, assert_same_run, single_device_run, train_batches
 from tests.parity.test_moe import moe_config
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 KEYS = {'moe/balance_loss', 'moe/z_loss', 'moe/dropped_fraction', 'moe/load_min',
         'moe/load_max', 'moe/load_cv'}
 

@@ -44,6 +44,7 @@ def references():
 # Manual mode on data 2 x stage 4 and on the circular layout below: compared in
 # test_manual_schedule_permutes_and_parameter_memory, which reads its permutes from the same
 # compiled step.
+@pytest.mark.slow
 @pytest.mark.parametrize('model, layers, mesh, microbatches, repeats, mode', [
     ('gpt', 2, (4, 1, 1, 1, 2), 2, 1, 'manual'), ('gpt', 2, (4, 1, 1, 1, 2), 2, 1, 'auto'),
     ('gpt', 4, (2, 1, 1, 1, 4), 4, 1, 'auto'),
@@ -64,6 +65,7 @@ def test_matches_single_device(model, layers, mesh, microbatches, repeats, mode,
 TRAINED = (((2, 1, 1, 1, 4), 1), ((4, 1, 1, 1, 2), 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh, repeats', [((4, 1, 1, 1, 2), 1), ((2, 1, 1, 1, 4), 1),
                                            ((1, 2, 1, 1, 4), 1), ((4, 1, 1, 1, 2), 2)],
                          ids=['data4_stage2', 'data2_stage4', 'fsdp2_stage4',
@@ -140,6 +142,7 @@ for mode in ('manual', 'auto'):
 '''
 
 
+@pytest.mark.slow
 def test_four_axes_at_once_on_16_devices():
   """data 2 x tensor 2 x context 2 x stage 2 needs 16 devices: a child process has them."""
   env = dict(os.environ, XLA_FLAGS=os.environ['XLA_FLAGS'] +

@@ -24,6 +24,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from tests.support.helpers import (assert_same_run, compiled_run, engine_run,
                                    single_device_run, tiny_config)
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 TOPOLOGY = 'v5p:2x2x2'
 
 

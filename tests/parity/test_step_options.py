@@ -19,6 +19,8 @@ from engine.assemble import lay_out
 from tests.support.helpers import assert_same_run, engine_run, single_device_run, train_batches
 from tests.parity.test_llama import llama_config
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 
 def _compiled(config, mode):
   train_setup = lay_out(config, 256)

@@ -10,6 +10,8 @@ import pytest
 from engine.train.loop import train
 from tests.support.helpers import ATOL, single_device_run, tiny_config
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 STEPS = 4
 
 

@@ -71,6 +71,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('damage', DAMAGE)
 def test_a_damaged_latest_checkpoint_is_reported_by_step_and_cause(damage, saved_run, tmp_path):
   workdir = tmp_path / 'run'
@@ -88,6 +89,7 @@ def test_a_damaged_latest_checkpoint_is_reported_by_step_and_cause(damage, saved
   assert sorted(os.listdir(workdir / 'checkpoints')) == before  # Nothing was touched.
 
 
+@pytest.mark.slow
 def test_skip_damaged_checkpoints_resumes_from_the_newest_intact_one(saved_run, tmp_path):
   workdir = tmp_path / 'run'
   shutil.copytree(saved_run[0], workdir)
@@ -117,6 +119,7 @@ _TINY = ['--config=experiments/tiny.py:steps=200,mesh=2x2x2', '--config.train.ch
          '--config.model.num_layers=1']
 
 
+@pytest.mark.slow
 def test_a_failed_save_leaves_no_partial_checkpoint_and_one_clear_error(tmp_path):
   # Files above 100 kB cannot be written ("File too large"), so the first save fails.
   limit = ('import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n'
@@ -141,6 +144,7 @@ def test_a_workdir_file_that_cannot_be_written_is_one_error_line(tmp_path, capsy
   assert errors[0].startswith(f'error: --workdir={tmp_path}: [Errno 21] Is a directory:'), errors
 
 
+@pytest.mark.slow
 def test_kill_9_loses_only_the_steps_after_the_last_checkpoint(tmp_path):
   run = subprocess.Popen(_main(*_TINY, f'--workdir={tmp_path}'), cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -233,6 +237,7 @@ def test_remote_workdirs_keep_their_uri_and_go_through_epath(fake_bucket):
   assert 'checksum mismatch' in find_damage(epath.Path('gs://bucket/run/checkpoints/7'))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_without_its_config_is_refused_clearly(saved_run, tmp_path):
   workdir = tmp_path / 'run'
   shutil.copytree(saved_run[0], workdir)

@@ -18,6 +18,8 @@ from engine import data, parallel
 from engine.assemble import assemble
 from experiments import tiny
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 # Measured on 2026-11-30 with jax 0.10.2 on CPU (see BUILD.md for the tested versions).
 GOLDEN = {
     'step 1 loss': 5.500516891479492,

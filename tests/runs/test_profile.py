@@ -11,6 +11,7 @@ from engine.train.loop import train
 from tests.support.helpers import tiny_config
 
 
+@pytest.mark.slow
 def test_a_trace_of_the_chosen_steps_leaves_the_run_unchanged(tmp_path, caplog):
   config = tiny_config(mesh=(8, 1, 1), steps=4)
   plain = train(config, str(tmp_path / 'plain'))

@@ -33,6 +33,7 @@ def run(tmp_path_factory):
   return workdir, result, records
 
 
+@pytest.mark.slow
 def test_the_logged_train_loss_is_the_mean_over_the_interval(run):
   _, result, records = run
   per_step = single_device_run(_config(), STEPS).losses  # The reference's own steps.
@@ -46,6 +47,7 @@ def test_the_logged_train_loss_is_the_mean_over_the_interval(run):
   assert abs(logged[6] - per_step[5]) > 1e-4  # The mean is not the last step's loss.
 
 
+@pytest.mark.slow
 def test_eval_perplexity_summary_and_loss_curve(run):
   workdir, result, records = run
   evals = [r for r in records if 'eval/loss' in r]
@@ -85,6 +87,7 @@ def _tensorboard_tags(directory) -> set[str]:
   return tags
 
 
+@pytest.mark.slow
 def test_tensorboard_has_the_new_scalars(run):
   workdir, _, _ = run
   tags = _tensorboard_tags(workdir / 'tensorboard')

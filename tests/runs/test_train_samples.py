@@ -67,6 +67,7 @@ def sampled(request, tmp_path_factory):
   return (workdir, request.param[1]) + _sampled_run(workdir, *request.param)
 
 
+@pytest.mark.slow
 def test_samples_at_the_chosen_steps_match_the_checkpoints_generator(sampled):
   workdir, temperature, lines, returned = sampled
   samples = [line for line in lines if ' sample: ' in line]

@@ -18,6 +18,8 @@ from engine.train.finiteness import NonFiniteError
 from engine.train.loop import train
 from tests.support.helpers import single_device_run, tiny_config, train_batches
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 
 def test_loss_falls_on_real_text(tmp_path):
   config = tiny_config(mesh=(4, 1, 2), steps=60, source='embedded')

@@ -59,6 +59,7 @@ def _assert_refused(proc, workdir, pid, processes=1):
   assert 'Traceback' not in out + err
 
 
+@pytest.mark.slow
 def test_a_second_run_is_refused_and_the_first_finishes(tmp_path):
   first = _start(tmp_path, '--config.train.num_steps=100000')
   _wait(lambda: len(_metrics_steps(tmp_path)) >= 2, first, 'metrics')
@@ -77,6 +78,7 @@ def test_a_second_run_is_refused_and_the_first_finishes(tmp_path):
   assert not (tmp_path / run_lock.LOCK_FILE).exists()  # Released.
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_killed_run_is_taken_over_and_the_run_resumes(tmp_path, caplog):
   killed = _start(tmp_path, '--config.train.num_steps=100000')
   checkpoints = tmp_path / 'checkpoints'
@@ -124,6 +126,7 @@ def test_a_refused_run_writes_nothing(tmp_path, holder, capsys):
   assert json.loads((workdir / run_lock.LOCK_FILE).read_text()) == record
 
 
+@pytest.mark.slow
 def test_every_process_of_a_refused_multi_process_run_stops(tmp_path, holder):
   holder(tmp_path, processes=2)
   port = free_port()

@@ -20,6 +20,8 @@ from engine.data.train_tokenizer import train as train_bpe
 from engine.generate.sampling import load_run
 from engine.main import run as run_main
 
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
 TEXT = 'the 1234 numbers 567, and 89\n'
 
 

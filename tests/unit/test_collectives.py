@@ -99,6 +99,7 @@ def _each_once(params):
   return expected
 
 
+@pytest.mark.slow
 def test_data_parallel_step_all_reduces_each_gradient_once_where_it_is_produced():
   _, found, train_setup = _compiled_manual_step((8, 1, 1))
   assert {(c.kind, c.axes) for c in found} == {('all-reduce', ('data',))}
@@ -107,6 +108,7 @@ def test_data_parallel_step_all_reduces_each_gradient_once_where_it_is_produced(
   assert all(c.trip_count_known for c in found)  # Every loop's count exact, none a lower bound.
 
 
+@pytest.mark.slow
 def test_tensor_parallel_step_has_two_all_reduces_per_block_each_way():
   config_layers = 2
   _, found, _ = _compiled_manual_step((1, 1, 8), num_heads=8, num_layers=config_layers)
@@ -123,6 +125,7 @@ def test_tensor_parallel_step_has_two_all_reduces_per_block_each_way():
   assert not any(s and s[-1] == 256 for c in found for s in c.shapes)  # Logits never gathered.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fsdp_gather', ['auto', 'per_weight'])
 def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients(fsdp_gather):
   _, found, train_setup = _compiled_manual_step((1, 8, 1), fsdp_gather)
@@ -158,6 +161,7 @@ def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients(fsdp_gather)
       ((8, top // 8),)]
 
 
+@pytest.mark.slow
 def test_fsdp_memory_falls_with_the_fsdp_axis():
   arguments = []
   for fsdp in (1, 2, 4, 8):
@@ -168,6 +172,7 @@ def test_fsdp_memory_falls_with_the_fsdp_axis():
   assert arguments[-1] < arguments[0] / 4
 
 
+@pytest.mark.slow
 def test_auto_mode_reads_a_vocab_parallel_embedding_without_a_matmul():
   # A one-hot matmul lookup costs 2*B*L*V*D FLOPs forward and as many for the table's gradient;
   # the masked local lookup that manual mode writes costs none, and so must auto mode's.

@@ -21,6 +21,7 @@ def _counts_from_compiled(config, mode):
   return collectives.summarize(collectives.count_collectives(text, train_setup.mesh))
 
 
+@pytest.mark.slow
 def test_report_agrees_counts_collectives_and_writes_plots(tmp_path):
   config = tiny_config(mesh=(2, 2, 2), steps=3)
   report = compare.compare(config, str(tmp_path), ['auto', 'manual'], steps=2, warmup=1)
@@ -50,6 +51,7 @@ def test_report_agrees_counts_collectives_and_writes_plots(tmp_path):
                                                                'expert': 1}
 
 
+@pytest.mark.slow
 def test_summed_instead_of_averaged_gradients_are_reported_as_diverging(tmp_path, monkeypatch):
   def summed(grad, replicated_axes, *_):  # The bug: psum where pmean belongs.
     return jax.lax.psum(grad, replicated_axes) if replicated_axes else grad
@@ -109,6 +111,7 @@ def test_theory_2x2x2_combines_the_three():
   assert theory[('all-reduce', ('tensor',))] == 8 * activation + 2 * activation + 3 * 4 * 16 * 4
 
 
+@pytest.mark.slow
 def test_grouped_query_ring_moves_kv_heads_and_the_report_says_how_much_less():
   """Ring attention passes Llama's N key / value heads: H / N times fewer permuted bytes than a
   model with a key / value head per query head, and the report's note quotes that cut."""

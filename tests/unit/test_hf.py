@@ -126,6 +126,7 @@ def test_loads_with_the_reference_logits_and_exports_back(tmp_path, tied):
       hf.model_config(c, 'in'))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_loaded_sharded_on_2x2x2_in_both_modes(tmp_path, mode):
   tensors, c = _random_checkpoint(tmp_path / 'hf')
@@ -150,6 +151,7 @@ def test_loaded_sharded_on_2x2x2_in_both_modes(tmp_path, mode):
   assert float(steps.eval(params, batch)) == pytest.approx(reference, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_train_from_hf_then_export_cli(tmp_path):
   _random_checkpoint(tmp_path / 'hf')
   workdir = tmp_path / 'run'

@@ -65,6 +65,7 @@ def _row(checkpoint, measured, mode, reference=None, export=None, warnings=()):
                           export_logits if export is None else export, list(warnings))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode', MODES)
 def test_both_modes_match_the_reference_and_their_export(checkpoint, measured, mode):
   row = _row(checkpoint, measured, mode)
@@ -82,6 +83,7 @@ def test_both_modes_match_the_reference_and_their_export(checkpoint, measured, m
   json.dumps(row)  # The row goes to OUT.json as it is.
 
 
+@pytest.mark.slow
 def test_a_perturbed_reference_fails(checkpoint, measured):
   _, tokens, reference = checkpoint
   off = reference.copy()
@@ -103,6 +105,7 @@ def test_a_perturbed_reference_fails(checkpoint, measured):
   assert 'FAIL (load warnings)' in table and '1: WARNING: lm_head.weight MISSING' in table
 
 
+@pytest.mark.slow
 def test_check_runs_measure_reload_compare(checkpoint, measured, monkeypatch, tmp_path):
   path, tokens, reference = checkpoint
   monkeypatch.setattr(hf_compare, 'measure', _measure_as(measured))
@@ -154,6 +157,7 @@ class _FakeChild:
     return _numpy_transformers(directory, tokens_BL)
 
 
+@pytest.mark.slow
 def test_run_checks_gives_every_row(checkpoint, measured, monkeypatch, tmp_path):
   monkeypatch.setattr(hf_compare, 'measure', _measure_as(measured))
   rows, made = hf_check.run_checks(_FakeChild(tmp_path, checkpoint), ['llama2', 'qwen3'],

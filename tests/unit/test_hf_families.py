@@ -212,6 +212,7 @@ def _engine_logits(setup, params, tokens):
   return np.asarray(forward(params, tokens))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('fmt', ['v5', 'legacy'])
 @pytest.mark.parametrize('family', sorted(FAMILIES))
 def test_family_loads_with_the_reference_logits(tmp_path, family, fmt):
@@ -263,6 +264,7 @@ def qwen_runs(tmp_path_factory):
   return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_sharded_in_both_modes_the_loss_is_the_references(qwen_runs, mode):
   tokens = _tokens()
@@ -280,6 +282,7 @@ def test_sharded_in_both_modes_the_loss_is_the_references(qwen_runs, mode):
     assert abs(loss - expected) < 1e-5 * max(1.0, expected), (family, mode, loss, expected)
 
 
+@pytest.mark.slow
 def test_attention_scale_sets_the_logit_scale(tmp_path):
   """model.attention_scale in the einsum path, in manual mode's ring attention (context 8) and
   in the generation cache, each against the reference computed with that scale."""

@@ -218,6 +218,7 @@ def _tensors(path):
     return {name: (f.get_slice(name).get_dtype(), f.get_tensor(name)) for name in f.keys()}
 
 
+@pytest.mark.slow
 def test_export_writes_config_generation_config_weights_and_tokenizer(trained, tmp_path):
   workdir, tokenizer_path = trained
   tokenizer = tokenizer_lib.load('hf', tokenizer_path)
@@ -255,6 +256,7 @@ def test_export_writes_config_generation_config_weights_and_tokenizer(trained, t
     hf_save._cast('w', np.array([1e5], np.float32), 'float16')  # pylint: disable=protected-access
 
 
+@pytest.mark.slow
 def test_sentencepiece_tokenizer_files_and_none_for_bytes(tmp_path):
   import sentencepiece  # pylint: disable=g-import-not-at-top
   sentencepiece.SentencePieceTrainer.train(
@@ -362,6 +364,7 @@ def test_an_index_naming_a_file_outside_its_directory_is_refused(exported, tmp_p
     _load(str(directory), abstract, monkeypatch)
 
 
+@pytest.mark.slow
 def test_export_replaces_an_earlier_export_whole_and_refuses_other_directories(trained,
                                                                                tmp_path):
   workdir, _ = trained

@@ -39,6 +39,7 @@ def _split_experts(abstract):
   return jax.tree_util.tree_map_with_path(split, abstract)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('family', sorted(MOE_NAMES))
 def test_experts_load_sharded_by_expert_and_export_back(tmp_path, family):
   hf_config = FAMILIES[family]
@@ -95,6 +96,7 @@ def test_a_run_exports_as_the_architecture_that_computes_it():
   assert 'q/k/v biases' in models.unwritable(models.hf_format_for(model), model)
 
 
+@pytest.mark.slow
 def test_a_run_from_mixtral_trains_and_exports_what_it_trained(tmp_path):
   _checkpoint(tmp_path / 'hf', FAMILIES['mixtral'])
   workdir = tmp_path / 'run'

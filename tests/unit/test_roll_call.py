@@ -117,6 +117,7 @@ def test_a_process_with_another_process_count_is_told_why():
   assert 'process 1 of 2 did not start within 2 s' in str(zero.result())
 
 
+@pytest.mark.slow
 def test_one_byte_every_few_seconds_holds_nothing_up(monkeypatch):
   monkeypatch.setattr(roll_call, 'HANDSHAKE_S', 0.5)
   port = local.free_port()
@@ -142,6 +143,7 @@ def test_one_byte_every_few_seconds_holds_nothing_up(monkeypatch):
   assert cut_off and cut_off[0] < 2, cut_off  # Dropped after its 0.5 s, not at 4 s.
 
 
+@pytest.mark.slow
 def test_a_dribbling_stranger_cannot_hold_process_0_past_its_deadline():
   port = local.free_port()
   zero = Process(port, 2, 0, 1.5)

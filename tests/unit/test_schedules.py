@@ -125,6 +125,7 @@ def _lrs(workdir):
   return {l['step']: l['train/learning_rate'] for l in lines if 'train/learning_rate' in l}
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run(tmp_path):
   config = tiny_config(mesh=(8, 1, 1), steps=4)
   config.optim.end_learning_rate = 1e-4

@@ -245,6 +245,7 @@ def test_train_tokenizer_refuses_too_little_text_and_bad_outs(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_the_data_commands_report_bad_flags_in_one_line(text, tmp_path):
   """Through the command line: the flags reach the checks, exit 2, nothing written."""
   out = tmp_path / 'set'

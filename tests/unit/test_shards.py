@@ -148,6 +148,7 @@ def test_mixing_follows_the_weights(shard_set, bpe, tmp_path):
   assert share == pytest.approx(0.25, abs=0.05)
 
 
+@pytest.mark.slow
 def test_training_on_shards_and_bad_shard_settings(shard_set, tmp_path):
   out, meta = shard_set
   workdir = tmp_path / 'run'
