@@ -71,7 +71,7 @@ def require_cpu_only():
 
 
 def test_import_engine_decides_without_importing_jax():
-  code = ('import os, sys, engine; from engine import platforms; '
+  code = ('import os, sys, engine; from engine.runtime import platforms; '
           'print("jax" in sys.modules, platforms.tpu_visible(), os.environ.get("JAX_PLATFORMS"))')
   proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=_env_without_jax_platforms(),
                         capture_output=True, text=True, timeout=60)
