@@ -1,0 +1,216 @@
+"""engine.plan: the real train step compiled for a TPU topology (libtpu's compiler, on CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from engine import parallel
+from engine.plan import planner as plan_lib
+from engine.analysis import collectives, comm_theory
+from engine.errors import ConfigError
+from engine.main import run as run_main
+from engine.assemble import lay_out
+from experiments import tiny as tiny_experiment
+from tests.support.helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOPOLOGY = 'v5p:2x2x2'  # 8 chips: the same device count as the CPU tests' simulated mesh.
+
+
+def _config(model='gpt'):
+  """Two layers, but wide enough (1024, MLP 4096) that TPU's (8, 128) tiles pad nothing even
+  when fsdp splits a dimension eight ways."""
+  config = tiny_config(mesh=(8, 1, 1), steps=2)
+  config.model.name = model
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 1024, 4096, 8
+  config.model.vocab_size = 1024
+  if model == 'llama':
+    config.model.num_kv_heads = 2
+  return config
+
+
+@pytest.fixture(scope='module')
+def gpt_plan():
+  return plan_lib.plan(_config(), TOPOLOGY, 1, ['auto', 'manual'], ['8x1x1', '1x8x1'])
+
+
+def _cpu_collectives(config, mode):
+  """The same layout compiled for this machine's 8 simulated devices."""
+  train_setup = lay_out(config, config.model.vocab_size)
+  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
+  compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+      train_setup.abstract_state(), batch).compile()
+  table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
+                                                              train_setup.mesh))
+  return {key: row['array_bytes'] for key, row in table.items() if row['array_bytes']}
+
+
+def _tpu_collectives(row):
+  return {(r['kind'], tuple(r['axes'].split(',')) if r['axes'] != '-' else ()):
+          r[row['mode']]['bytes'] for r in row['communication'] if r[row['mode']]['bytes']}
+
+
+@pytest.mark.slow
+def test_gpt_plan_fits_ranks_and_falls_with_fsdp(gpt_plan):
+  rows = gpt_plan['candidates']
+  assert gpt_plan['chip'] == 'TPU v5p' and gpt_plan['devices'] == 8
+  assert [r['status'] for r in rows] == ['fits'] * 4
+  assert sorted(r['rank'] for r in rows) == [1, 2, 3, 4]
+  by = {(r['mesh'], r['mode']): r for r in rows}
+  for mode in ('auto', 'manual'):
+    data, fsdp = by[('data 8', mode)], by[('fsdp 8', mode)]
+    # Parameters and optimizer state: whole on every device under data parallelism, an eighth
+    # under fsdp (the batch and a few scalars aside).
+    ratio = fsdp['memory']['argument_size_in_bytes'] / data['memory']['argument_size_in_bytes']
+    assert 0.12 < ratio < 0.2, ratio
+    for row in (data, fsdp):
+      estimate = row['roofline']
+      assert estimate['serial_s'] >= estimate['overlapped_s'] > 0
+      assert estimate['ici_s'] > 0 and estimate['dcn_s'] == 0
+      assert 0 < row['mfu'] <= row['mfu_overlapped'] <= 1
+  report = plan_lib.markdown(gpt_plan, 'experiments/tiny.py')
+  assert report.count('Train it: `python -m engine.main --config=experiments/tiny.py') == 4
+
+
+@pytest.mark.slow
+def test_tpu_collectives_against_the_cpu_compile(gpt_plan):
+  """Manual mode's collectives on TPU, read from the TPU HLO (no recorded loop trip counts,
+  async permutes), against the CPU compile of the same layout."""
+  rows = {r['mesh_shape']['data']: r for r in gpt_plan['candidates'] if r['mode'] == 'manual'}
+  # Every loop's trip count read off the TPU HLO: no count is a lower bound.
+  assert not any(c[r['mode']]['lower_bound'] for r in gpt_plan['candidates']
+                 for c in r['communication'])
+  config = _config()
+  # Data parallel: the same all-reduces, byte for byte.
+  assert _tpu_collectives(rows[8]) == _cpu_collectives(config, 'manual')
+  # FSDP: XLA:TPU turns each gradient's reduce-scatter into an all-reduce of the whole gradient
+  # (then keeps its shard), and gathers each weight once per step where the CPU compile gathers
+  # it again for the backward pass: the plan's report says so.
+  config.mesh.data, config.mesh.fsdp = 1, 8
+  tpu, cpu = _tpu_collectives(rows[1]), _cpu_collectives(config, 'manual')
+  key = lambda kind: (kind, ('fsdp',))
+  assert key('reduce-scatter') not in tpu
+  assert tpu[key('all-reduce')] == 8 * cpu[key('reduce-scatter')] + cpu[key('all-reduce')]
+  # Each weight gathered once: the whole of every sharded parameter (an eighth of it held).
+  assert tpu[key('all-gather')] == 8 * cpu[key('reduce-scatter')] < cpu[key('all-gather')]
+
+
+@pytest.mark.slow
+def test_llama_on_fsdp_x_tensor_and_the_plan_config_trains(tmp_path):
+  overrides = ['--config.model.name=llama', '--config.model.num_kv_heads=2',
+               '--config.data.source=synthetic', '--config.train.num_steps=2']
+  config = tiny_experiment.get_config()
+  config.model.name, config.model.num_kv_heads = 'llama', 2
+  config.data.source, config.train.num_steps = 'synthetic', 2
+  result = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['1x4x2'])
+  (row,) = result['candidates']
+  assert row['status'] == 'fits' and row['mesh'] == 'fsdp 4 x tensor 2'
+  # The plan records the exact config, and the command it prints trains it (here, on 8
+  # simulated devices).
+  command = plan_lib.train_command('experiments/tiny.py', overrides, row['mesh_shape'],
+                                   row['mode'], ml_collections.ConfigDict(row['config']))
+  argv = command.replace('WORKDIR', str(tmp_path / 'run')).split()[3:]
+  assert run_main(argv) == 0
+  saved = json.loads((tmp_path / 'run' / 'config.json').read_text())
+  for section in ('model', 'data', 'mesh', 'parallelism', 'train', 'optim'):
+    assert saved[section] == row['config'][section], section
+
+
+@pytest.mark.slow
+def test_a_model_too_large_does_not_fit():
+  config = _config('llama')
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 8192, 32768, 64
+  config.model.num_layers, config.model.vocab_size = 16, 32768
+  result = plan_lib.plan(config, TOPOLOGY, 1, ['auto'], ['8x1x1'])
+  (row,) = result['candidates']
+  assert row['status'] == 'does not fit'
+  assert row['memory']['peak_estimate_bytes'] > result['hbm_bytes_per_device']
+
+
+@pytest.mark.parametrize('topology, message', [
+    ('v5p-8', "--topology='v5p-8' is not a TPU topology; write VERSION:SHAPE"),
+    ('v5p:3x3x3', "--topology='v5p:3x3x3' is not a topology libtpu knows"),
+])
+def test_unknown_topology_is_one_error_line(topology, message):
+  with pytest.raises(ConfigError, match=message):
+    plan_lib.topology_devices(topology)
+  if topology == 'v5p-8':  # The command line: one line, exit 2, nothing compiled.
+    proc = subprocess.run(
+        [sys.executable, '-m', 'engine.plan', '--config=experiments/tiny.py',
+         f'--topology={topology}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f'error: {message}')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_executed_flops_match_the_compiled_unrolled_step(remat):
+  """The roofline's compute FLOPs (XLA's cost analysis counts a scanned layer once) against
+  XLA's own count for the same step with its layers unrolled."""
+  config = tiny_config(mesh=(8, 1, 1))
+  config.model.name, config.model.remat, config.model.scan_layers = 'llama', remat, False
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 512, 2048, 8
+  config.model.num_layers, config.model.vocab_size = 4, 1024
+  config.data.seq_len = config.model.max_len = 128
+  config.data.global_batch_size = 8
+  train_setup = lay_out(config, 1024)
+  compiled = parallel.STEP_BUILDERS['auto'](train_setup).train.lower(
+      train_setup.abstract_state(), train_setup.abstract_batch(8, 128)).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  model_flops = train_setup.model.flops_per_token(128) * 8 * 128
+  per_device = plan_lib.executed_flops(model_flops, config) / 8
+  assert cost['flops'] == pytest.approx(per_device, rel=0.08)
+
+
+@pytest.mark.slow
+def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
+  config = _config()
+  config.mesh.dcn_data = 2
+  result = plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
+  (row,) = result['candidates']
+  assert result['devices'] == 8 and row['status'] == 'fits'
+  # Gradients all-reduce over data, which spans the two slices: XLA:TPU compiles that to
+  # Megascale sends over the data-centre network (the `dcn` row), as many bytes as the theory's
+  # data all-reduce; fsdp stays inside each slice.
+  table = {(r['kind'], r['axes']): r for r in row['communication']}
+  assert table[('all-reduce', 'dcn')]['manual']['bytes'] == pytest.approx(
+      table[('all-reduce', 'data')]['theory_bytes'], rel=1e-3)
+  assert row['roofline']['dcn_s'] > 0 and row['roofline']['ici_s'] > 0
+  config.mesh.dcn_data = 1  # The slices must be joined along some axis: with no other
+  # candidate, the plan is refused in one line.
+  with pytest.raises(ConfigError, match=r'no candidate can run on v5p:2x2x1; the first, mesh '
+                     r'2x4x1x1x1x1: .*number of TPU slices \(2\)'):
+    plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
+
+
+@pytest.mark.slow
+def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
+  """A mixture of experts on expert 8: each row's all-to-all bytes are the theory's
+  (comm_theory), manual mode compiles exactly those, and the compute FLOPs with the padded
+  expert rows (E / k = 4 times the useful expert rows in both modes here) match XLA's count of
+  the unrolled step."""
+  config = _config('llama')
+  config.model.num_experts, config.model.experts_per_token, config.model.moe_mlp_dim = 8, 2, 1024
+  config.model.scan_layers = False  # XLA's cost analysis then counts every layer.
+  result = plan_lib.plan(config, TOPOLOGY, 1, ['auto', 'manual'], ['1x1x1x1x1x8'])
+  setup = lay_out(plan_lib.ml_collections.ConfigDict(result['candidates'][0]['config']), 1024)
+  theory = comm_theory.expected_bytes(setup, 16, 16)[('all-to-all', ('expert',))]
+  # Manual dropless: 8 blocks of min(2, 8 / 8) rows per local token (32), width 1024, float32,
+  # each way, forward (no remat) and backward, 2 layers; plus the forward's int32 expert ids.
+  assert theory == 2 * (4 * 8 * 32 * 1024 * 4 + 8 * 32 * 4)
+  # Useful routed FLOPs per step: 6 x (2 layers x 2 of 8 experts x 3 x 1024 x 1024) x 256 tokens.
+  useful = 6 * 2 * 2 * 3 * 1024 * 1024 * 256
+  for row in result['candidates']:
+    assert row['status'] == 'fits' and row['all_to_all_bytes']['theory'] == theory
+    assert row['expert_padding_flops_per_step'] == pytest.approx(3 * useful)
+    executed = plan_lib.executed_flops(
+        row['model_flops_per_step'] + row['expert_padding_flops_per_step'], config) / 8
+    assert row['roofline']['compiled_flops_per_device'] == pytest.approx(executed, rel=0.05)
+  manual = next(r for r in result['candidates'] if r['mode'] == 'manual')
+  assert manual['all_to_all_bytes']['compiled'] == theory
+  assert '| all-to-all MiB (theory / compiled) |' in plan_lib.markdown(result, 'x')

@@ -1,0 +1,1 @@
+"""Runs of several local processes (jax.distributed through launch/local.py)."""

@@ -1,0 +1,147 @@
+"""Remat policies, gradient accumulation and mixed precision, in both modes, on the Llama model.
+
+- Every remat policy computes the same float32 step (it only changes what is stored), and full
+  remat needs less temporary memory than none.
+- k micro-batches of b rows give the gradients of one batch of k*b rows, and manual mode
+  synchronises each gradient once per optimizer step, not once per micro-batch (from the HLO).
+- bfloat16 compute stays within a derived tolerance of the float32 single-device run, and
+  manual mode moves its gradient reductions in the dtype asked for.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine import parallel
+from engine.analysis import collectives
+from engine.assemble import lay_out
+from tests.support.helpers import assert_same_run, engine_run, single_device_run, train_batches
+from tests.parity.test_llama import llama_config
+
+pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
+
+
+def _compiled(config, mode):
+  train_setup = lay_out(config, 256)
+  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
+  compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+      train_setup.abstract_state(), batch).compile()
+  return compiled, collectives.count_collectives(compiled.as_text(), train_setup.mesh)
+
+
+@pytest.fixture(scope='module')
+def reference():
+  return single_device_run(llama_config(), 2)
+
+
+@pytest.fixture(scope='module')
+def manual_2x2x2():
+  """Manual mode's step on 2x2x2, no remat, one micro-batch: (compiled, collectives)."""
+  return _compiled(llama_config((2, 2, 2)), 'manual')
+
+
+@pytest.mark.parametrize('mode', ['auto', 'manual'])
+def test_remat_policies_change_memory_not_numbers(mode, reference, manual_2x2x2):
+  losses, temp, first_state = {}, {}, None
+  for policy in ('none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'):
+    config = llama_config((2, 2, 2))
+    config.model.remat = policy
+    if (mode, policy) == ('manual', 'none'):
+      compiled = manual_2x2x2[0]
+    else:
+      compiled, _ = _compiled(config, mode)
+    temp[policy] = compiled.memory_analysis().temp_size_in_bytes
+    train_setup = lay_out(config, 256)
+    # The same initial state for every policy (the step donates it: each gets a copy).
+    if first_state is None:
+      first_state = train_setup.init(config.seed)[0]
+    state = jax.tree.map(jnp.copy, first_state)
+    _, batches = train_batches(config)
+    losses[policy] = []
+    for i in range(2):
+      state, metrics = compiled(state, jax.device_put(batches[i], train_setup.batch_sharding()))
+      losses[policy].append((float(metrics['loss']), float(metrics['grad_norm'])))
+  for policy, values in losses.items():
+    np.testing.assert_allclose(values, losses['none'], rtol=1e-6, err_msg=policy)
+  np.testing.assert_allclose(np.array(losses['none'])[:, 0], reference.losses, atol=1e-5)
+  assert temp['full'] < temp['none'], temp
+
+
+@pytest.mark.parametrize('mode', ['auto', 'manual'])
+@pytest.mark.parametrize('mesh', [(2, 2, 2), (8, 1, 1)], ids=['2x2x2', '8x1x1'])
+def test_micro_batches_equal_one_large_batch(mesh, mode, reference):
+  """Against the single-device run of whole batches: the same gradients and steps."""
+  config = llama_config(mesh)
+  config.train.microbatches = 2
+  assert_same_run(engine_run(config, mode, 2), reference)
+
+
+def _gradient_syncs(found):
+  """Gradient reductions by kind: (executions per step, bytes per step)."""
+  table = collectives.summarize(found)
+  return {key: (row['executions'], row['array_bytes']) for key, row in table.items()
+          if key[0] in ('reduce-scatter', 'all-reduce') and key[1] != ('tensor',)}
+
+
+def test_manual_synchronises_each_gradient_once_per_step(manual_2x2x2):
+  one = _gradient_syncs(manual_2x2x2[1])
+  config = llama_config((2, 2, 2))
+  config.train.microbatches = 4
+  compiled, found = _compiled(config, 'manual')
+  four = _gradient_syncs(found)
+  # Same bytes as with one micro-batch, and nothing inside the micro-batch loop.
+  assert {k: v[1] for k, v in four.items()} == {k: v[1] for k, v in one.items()}, (one, four)
+  assert all(c.executions == 1 for c in found
+             if c.kind == 'reduce-scatter' or (c.kind == 'all-reduce' and c.axes != ('tensor',)))
+  # Every weight is gathered once per step instead of twice per layer and micro-batch.
+  assert all(c.executions == 1 for c in found if c.kind == 'all-gather')
+
+
+# bfloat16 keeps 8 significant bits: one rounding moves a value by up to u = 2^-9 = 0.2 %. The
+# gradient norm sums squares of gradients that each went through a few bf16-rounded matmuls, so
+# its relative error is of order u (measured 2.0e-3 auto, 2.0e-3 manual, 2.3e-3 with bf16
+# reductions): we allow 4u. The loss is a mean over 256 tokens whose rounding errors are
+# independent, so it moves by much less than u (measured 1.1e-4): we allow u. A layout bug moves
+# them by far more (an 8x gradient, a lost psum).
+BF16_LOSS_RTOL, BF16_NORM_RTOL = 2 ** -9, 4 * 2 ** -9
+
+STEPS_BF16 = 3
+
+
+@pytest.fixture(scope='module')
+def float32_reference():
+  return single_device_run(llama_config(steps=STEPS_BF16), STEPS_BF16)
+
+
+@pytest.mark.parametrize('mode, reduce_dtype', [('auto', 'float32'), ('manual', 'float32'),
+                                                ('manual', 'bfloat16')])
+def test_bfloat16_compute_stays_close_to_float32(mode, reduce_dtype, float32_reference):
+  config = llama_config((2, 2, 2), steps=STEPS_BF16)
+  config.model.dtype = 'bfloat16'
+  config.parallelism.grad_reduce_dtype = reduce_dtype
+  run = engine_run(config, mode, STEPS_BF16)
+  np.testing.assert_allclose(run.losses, float32_reference.losses, rtol=BF16_LOSS_RTOL)
+  np.testing.assert_allclose(run.grad_norms, float32_reference.grad_norms, rtol=BF16_NORM_RTOL)
+  assert not np.allclose(run.losses, float32_reference.losses, rtol=1e-7, atol=0)  # Really bf16.
+
+
+@pytest.mark.parametrize('reduce_dtype', ['float32', 'bfloat16'])
+def test_manual_gradient_reductions_move_the_dtype_asked_for(reduce_dtype):
+  """Read from the program manual mode writes (its jaxpr): XLA:CPU then promotes bfloat16
+  all-reduces and reduce-scatters to float32; the TPU compiler keeps them."""
+  config = llama_config((2, 2, 2))
+  config.model.dtype = 'bfloat16'
+  config.parallelism.grad_reduce_dtype = reduce_dtype
+  train_setup = lay_out(config, 256)
+  jaxpr = jax.make_jaxpr(parallel.STEP_BUILDERS['manual'](train_setup).train)(
+      train_setup.abstract_state(), train_setup.abstract_batch(16, 16))
+  found = {(c.primitive, c.axes, c.dtype) for c in collectives.requested_collectives(jaxpr)
+           if c.shape}  # Arrays, not the loss or norms.
+  gradients = {c for c in found if c[0] in ('reduce_scatter', 'all_gather') or
+               (c[0].startswith('psum') and 'tensor' not in c[1])}
+  assert {dtype for _, _, dtype in gradients} == {reduce_dtype}, gradients
+  assert {kind for kind, _, _ in gradients} == {'reduce_scatter', 'all_gather', 'psum_invariant'}
+  # Tensor-parallel activations move in the compute dtype, the loss's vocab terms in float32.
+  assert ('psum_invariant', ('tensor',), 'bfloat16') in found
+  assert ('pmax', ('tensor',), 'float32') in found

@@ -1,0 +1,1 @@
+"""Whole training runs and what they leave in their workdir: resume, checkpoints, metrics, locks."""

@@ -1,0 +1,1 @@
+"""One module or function against NumPy, a hand-worked value or hand-written input."""
