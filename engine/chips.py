@@ -64,7 +64,7 @@ def peak_flops(device_kind: str, dtype: str, override_tflops: float | None = Non
 
 # Where XLA:TPU's collectives differ from the theory's (and from the CPU compile), and which
 # compiles showed it (docs/benchmarks.md: the ahead-of-time TPU compiles and the Llama-3-8B
-# plan; tests/test_plan.py for the two slices).
+# plan; tests/commands/test_plan.py for the two slices).
 TPU_NOTES = """Measured on ahead-of-time compiles (libtpu's compiler on a CPU machine, jax 0.10.2, \
 libtpu 0.0.42.1) of a GPT-2-small-sized train step (12 layers, width 768, vocabulary 50304, \
 sequence 1024, batch 64, bfloat16, full remat) for TPU v5p 2x2x2, the Llama-8B figure in (b) \

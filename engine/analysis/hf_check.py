@@ -38,7 +38,7 @@ This module is the command (its flags); hf_checker.py runs the child process and
 and writes the report; hf_compare.py is the engine's side of each comparison (steps 1 to 3, the
 tolerances and the verdict).
 
-tests/test_hf_check.py runs both without torch, a NumPy Llama standing in for transformers.
+tests/unit/test_hf_check.py runs both without torch, a NumPy Llama standing in for transformers.
 """
 
 from __future__ import annotations

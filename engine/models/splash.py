@@ -20,7 +20,7 @@ from jax._src import config as jax_config  # _check_vma: see _typed_like_inputs.
 from jax.extend import core as jax_core
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 # The kernel's own backward passes, called with a block's log-sum-exp cotangent folded in
-# (block_attention); private in jax 0.10, hence pinned by tests/test_splash.py.
+# (block_attention); private in jax 0.10, hence pinned by tests/parity/test_splash.py.
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
 
 # The kernel's tiles are multiples of 128 positions (TPU lanes); the largest of these that

@@ -159,7 +159,7 @@ COMMAND_ROWS = {
         ([RUN, '--out=$T/export', '--dtype=int8'], 2,
          '--dtype=int8: value should be one of <float32|bfloat16|float16>.'),
         ([RUN, '--out=$T/export', '--format=gguf'], 2,
-         '--format=gguf: value should be one of <hf>.'),
+         '--format is not a flag; python -m engine.export --helpfull lists them.'),
         (['--workdir=$T/no_such_run', '--out=$T/export'], 2, '--workdir=$T/no_such_run holds no '
          'config.json; pass the --workdir of a training run.'),
         (['--workdir=$T/garbled_run', '--out=$T/export'], 2, '--workdir=$T/garbled_run: '

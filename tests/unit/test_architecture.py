@@ -281,10 +281,10 @@ def test_the_flag_check_finds_planted_definitions():
 
 
 def test_the_forked_command_runner_imports_no_command_module():
-  """tests/forked_commands.py runs each command as __main__ in a child of a process that has
+  """tests/support/forked_commands.py runs each command as __main__ in a child of a process that has
   imported the commands' libraries: had it imported a command module, the flags would be defined
   twice."""
-  path = pathlib.Path(importlib.util.find_spec('tests.forked_commands').origin)
+  path = pathlib.Path(importlib.util.find_spec('tests.support.forked_commands').origin)
   imported = _imports(path)
   assert {'engine.assemble', 'engine.data.shard_writer'} <= imported  # The check sees them.
   assert not imported & _command_modules(_trees(), GRAPH), imported
