@@ -151,7 +151,7 @@ def test_skip_nonfinite_steps_skips_exactly_the_poisoned_steps(monkeypatch, tmp_
   """With train.skip_nonfinite_steps=2 the loop skips exactly the steps whose batch was
   poisoned, up to 2 in a row (a finite step resets the count); a third in a row stops the run
   unsaved."""
-  import engine.train as train_module
+  import engine.train.loop as train_module
   _nan_loss_where_poisoned(monkeypatch)
   monkeypatch.setattr(data, 'train_iterator', lambda *args, original=data.train_iterator:
                       _PoisonedIterator(original(*args), {2, 4, 5, 6}))
