@@ -20,7 +20,6 @@ from __future__ import annotations
 from absl import flags
 from ml_collections import config_flags
 
-from engine import config as config_lib
 from engine import parallel
 from engine.analysis import benchmark
 from engine.assemble import assemble

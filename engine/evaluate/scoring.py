@@ -27,7 +27,6 @@ import math
 
 import numpy as np
 
-from engine import config as config_lib
 from engine import data
 from engine.assemble import CORPUS, Run, assemble_finished_run
 from engine.workdir.checkpoint import restore_params

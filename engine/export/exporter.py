@@ -28,7 +28,6 @@ import shutil
 import jax
 import numpy as np
 
-from engine import config as config_lib
 from engine import models
 from engine.hf import load as hf
 from engine.hf import save as hf_save

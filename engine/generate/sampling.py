@@ -33,14 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from engine import config as config_lib
 from engine.assemble import Run, assemble_finished_run
 from engine.workdir.checkpoint import restore_params
 from engine.data import tokenizers as tokenizer_lib
 from engine.models.layers import LAYERS
 from engine.parallel.decode import build_decode_steps, cache_axes
 from engine.state import TrainSetup
-from engine.data.text_files import read_text
 from engine.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
