@@ -243,6 +243,28 @@ def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.Co
   return config
 
 
+PROFILE_STEPS_EXAMPLE = '10:12'
+
+
+def parse_profile_steps(text: str, num_steps: int) -> tuple[int, int] | None:
+  """train.profile_steps' (first, last) step to trace, both included; None for ''. ConfigError
+  if not A:B with 1 <= A <= B <= num_steps."""
+  if not text:
+    return None
+  parts = str(text).split(':')
+  try:
+    first, last = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+  except ValueError:
+    first = last = None
+  if first is None:
+    raise ConfigError(f'train.profile_steps={text!r} must be A:B, the first and last step to '
+                      f'trace, e.g. {PROFILE_STEPS_EXAMPLE}.')
+  if not 1 <= first <= last <= num_steps:
+    raise ConfigError(f'train.profile_steps={text!r} must have 1 <= A <= B <= '
+                      f'train.num_steps={num_steps}; e.g. 10:12 traces steps 10, 11 and 12.')
+  return first, last
+
+
 MESH_FORMAT = 'DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]]'
 
 

@@ -2,6 +2,7 @@
 
   sources.py          text sources: a file or directory, the embedded corpus, synthetic text
   tokenizers.py       byte, char, Hugging Face and SentencePiece tokenizers
+  prompts.py          a prompt's ids: the beginning-of-text id, then the text's
   shards.py           the pre-tokenized shard format (ArrayRecord + meta.json), its reader
   shard_meta.py       a shard set's meta.json checked against itself, its files and the run
   pipeline.py         the corpus, grain pipelines, per-process rows -> global jax.Arrays

@@ -31,7 +31,7 @@ from engine import data
 from engine.assemble import CORPUS, Run, assemble_finished_run
 from engine.workdir.checkpoint import restore_params
 from engine.data import tokenizers as tokenizer_lib
-from engine.generate.sampling import bos_ids, encode_prompts
+from engine.data.prompts import bos_ids, encode_prompts
 from engine.parallel import auto
 from engine.parallel.steps import Steps, kept_tokens
 from engine.data.text_files import read_text

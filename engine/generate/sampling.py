@@ -35,7 +35,7 @@ from absl import logging
 
 from engine.assemble import Run, assemble_finished_run
 from engine.workdir.checkpoint import restore_params
-from engine.data import tokenizers as tokenizer_lib
+from engine.data.prompts import bos_ids, encode_prompt, encode_prompts
 from engine.models.layers import LAYERS
 from engine.parallel.decode import build_decode_steps, cache_axes
 from engine.state import TrainSetup
@@ -154,30 +154,6 @@ def load_run(workdir: str, mesh: str = '1x1x1') -> tuple[Run, object]:
   parameters."""
   run = assemble_finished_run(workdir, mesh)
   return run, restore_params(workdir, run.setup.abstract_state()['params'])
-
-
-def encode_prompt(tokenizer, text: str, what: str = '--prompt') -> np.ndarray:
-  """The text's ids; a clear error for characters outside a character vocabulary."""
-  if isinstance(tokenizer, tokenizer_lib.CharTokenizer):
-    unknown = sorted(set(text) - set(tokenizer.chars))
-    if unknown:
-      raise ConfigError(
-          f'{what} has characters the run\'s character vocabulary lacks: {unknown[:20]}; use '
-          f'only these {len(tokenizer.chars)}: {tokenizer.chars!r}.')
-  return tokenizer.encode(text)
-
-
-def bos_ids(tokenizer, add_bos: bool = True) -> list[int]:
-  """[the tokenizer's beginning-of-text id] with add_bos if it has one (each document of the
-  training stream starts with it: engine.data.prepare), else []."""
-  return [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-
-
-def encode_prompts(tokenizer, texts: list[str], add_bos: bool = True,
-                   what: str = '--prompt') -> list[np.ndarray]:
-  """Each text's ids (encode_prompt), after the beginning-of-text id (bos_ids)."""
-  first = np.asarray(bos_ids(tokenizer, add_bos), np.int32)
-  return [np.concatenate([first, encode_prompt(tokenizer, text, what)]) for text in texts]
 
 
 def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,

@@ -54,7 +54,6 @@ from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.hf import load as hf  # noqa: E402
 from engine.models.moe_dispatch import capacity  # noqa: E402
-from engine.plan.report import markdown, train_command  # noqa: E402,F401
 from engine.train.metrics import log_memory  # noqa: E402
 
 _TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')

@@ -14,28 +14,7 @@ import os
 import jax
 from absl import logging
 
-from engine.errors import ConfigError
-
-EXAMPLE = '10:12'
-
-
-def parse_steps(text: str, num_steps: int) -> tuple[int, int] | None:
-  """(first, last) step to trace, both included; None for ''. ConfigError if not A:B with
-  1 <= A <= B <= num_steps."""
-  if not text:
-    return None
-  parts = str(text).split(':')
-  try:
-    first, last = (int(p) for p in parts) if len(parts) == 2 else (None, None)
-  except ValueError:
-    first = last = None
-  if first is None:
-    raise ConfigError(f'train.profile_steps={text!r} must be A:B, the first and last step to '
-                      f'trace, e.g. {EXAMPLE}.')
-  if not 1 <= first <= last <= num_steps:
-    raise ConfigError(f'train.profile_steps={text!r} must have 1 <= A <= B <= '
-                      f'train.num_steps={num_steps}; e.g. 10:12 traces steps 10, 11 and 12.')
-  return first, last
+from engine.config import parse_profile_steps
 
 
 def trace_directory(base) -> str:
@@ -66,7 +45,7 @@ class StepProfiler:
   A run resumed inside the range traces its remaining steps; one resumed past it traces none."""
 
   def __init__(self, text: str, num_steps: int, start_step: int, workdir):
-    steps = parse_steps(text, num_steps)
+    steps = parse_profile_steps(text, num_steps)
     self.first = self.last = -1  # No step matches: nothing traced.
     if steps is not None and start_step < steps[1]:
       self.first, self.last = max(steps[0], start_step + 1), steps[1]

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from engine.data.prompts import encode_prompts
 from engine.generate import sampling as generate
 from engine.errors import ConfigError
 from engine.validation.samples import SAMPLE_TOKENS
@@ -64,7 +65,7 @@ class Sampler:
     self.setup, self.tokenizer = run.setup, run.tokenizer
     self.text = prompt_text(self.tokenizer, config.train.sample_prompt)
     # Its ids after the beginning-of-text id, as every training document starts.
-    self.prompt = generate.encode_prompts(self.tokenizer, [self.text],
+    self.prompt = encode_prompts(self.tokenizer, [self.text],
                                           what='train.sample_prompt')[0]
     self.new_tokens = new_tokens(config, len(self.prompt))
     self.sampling = generate.Sampling(temperature=config.train.sample_temperature)

@@ -23,9 +23,9 @@ from ml_collections import ConfigDict
 
 from engine import models, parallel, sharding
 from engine.cli import config_help
-from engine.train import profiling
 from engine.data import text_files
-from engine.config import DTYPES, FSDP_GATHERS, SOURCES, TOKENIZERS, resolve_mesh_shape
+from engine.config import (DTYPES, FSDP_GATHERS, SOURCES, TOKENIZERS, parse_profile_steps,
+                           resolve_mesh_shape)
 from engine.errors import ConfigError
 from engine.models import attention as model_attention
 from engine.models import llama
@@ -243,7 +243,7 @@ def _check_train(train: ConfigDict) -> None:
                                      'pipeline_repeats'])
   if train.init_from:
     _check_init_from(train.init_from)
-  profiling.parse_steps(train.profile_steps, train.num_steps)
+  parse_profile_steps(train.profile_steps, train.num_steps)
 
 
 def _check_mesh(mesh_config: ConfigDict, num_devices: int, num_processes: int,

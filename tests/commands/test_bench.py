@@ -174,7 +174,6 @@ def test_a_failing_torch_child_shows_the_end_of_its_stderr(tmp_path):
 @pytest.mark.slow
 def test_dense_equivalent_has_the_active_parameters_and_folds_the_expert_axis():
   """--dense_equivalent's model and mesh, and the side-by-side table of tokens/s."""
-  from engine import config as config_lib
   from engine.analysis import benchmark
   from engine.assemble import lay_out
   from tests.support.helpers import tiny_config

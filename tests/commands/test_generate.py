@@ -17,8 +17,9 @@ from engine.config import default_config
 from engine.errors import ConfigError
 from engine.data import tokenizers as tokenizer_lib
 from engine.evaluate.scoring import evaluate
-from engine.generate.sampling import (Generator, Sampling, encode_prompts, load_run, prompts_and_slots,
-                             resolve_new_tokens)
+from engine.data.prompts import encode_prompts
+from engine.generate.sampling import (Generator, Sampling, load_run, prompts_and_slots,
+                                      resolve_new_tokens)
 from engine.main import run as run_main
 from engine.assemble import lay_out
 from tests.support.helpers import tiny_config

@@ -6,7 +6,8 @@ import pathlib
 import pytest
 
 from engine.errors import ConfigError
-from engine.train.profiling import StepProfiler, parse_steps
+from engine.config import parse_profile_steps as parse_steps
+from engine.train.profiling import StepProfiler
 from engine.train.loop import train
 from tests.support.helpers import tiny_config
 

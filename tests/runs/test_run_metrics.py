@@ -2,7 +2,6 @@
 checkpoint time, MFU, peak memory, eval perplexity, summary.json and loss_curve.png."""
 
 import json
-import math
 import struct
 
 import numpy as np

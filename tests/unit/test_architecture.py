@@ -87,6 +87,72 @@ def test_the_core_never_imports_the_analysis_tools():
       assert not tools, f'{name} depends on {tools}'
 
 
+# The engine's floors, bottom up: a module imports only from its own floor or those below.
+# Within a floor, packages import one way too (test_the_packages_import_one_way).
+FLOORS = (
+    # What everything reads: the errors, the schema, the command line, the models.
+    ('engine', 'engine.errors', 'engine.config', 'engine.chips', 'engine.runtime', 'engine.cli',
+     'engine.mesh', 'engine.models'),
+    # The parts a run is built from.
+    ('engine.optimizer', 'engine.sharding', 'engine.state', 'engine.parallel', 'engine.data',
+     'engine.hf', 'engine.distributed', 'engine.workdir', 'engine.validation'),
+    # The one run path.
+    ('engine.assemble',),
+    # What runs on an assembled run: training, generation, evaluation, export.
+    ('engine.generate', 'engine.train', 'engine.evaluate', 'engine.export'),
+    # The training command and the tools.
+    ('engine.main', 'engine.bench', 'engine.plan', 'engine.sweep', 'engine.analysis'),
+)
+
+
+def _unit(module: str) -> str:
+  """A module's package below engine/ ('engine.data'), or its own name at the top level."""
+  return '.'.join(module.split('.')[:2])
+
+
+def _floor(unit: str) -> int:
+  return next(i for i, floor in enumerate(FLOORS) if unit in floor)
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+  return sorted(f'{name} imports {child}' for name, children in graph.items()
+                for child in children if _floor(_unit(child)) > _floor(_unit(name)))
+
+
+def test_every_package_has_a_floor():
+  units = {_unit(name) for name in GRAPH}
+  placed = {unit for floor in FLOORS for unit in floor}
+  assert units == placed, f'unplaced: {units - placed}; gone: {placed - units}'
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+  assert not _upward_imports(GRAPH)
+  planted = {**GRAPH, 'engine.data.sources': GRAPH['engine.data.sources'] | {'engine.assemble'}}
+  assert _upward_imports(planted) == ['engine.data.sources imports engine.assemble']
+
+
+def test_the_packages_import_one_way():
+  """No two packages import each other, even through others (modules may; packages may not)."""
+  edges = {}
+  for name, children in GRAPH.items():
+    edges.setdefault(_unit(name), set()).update(_unit(c) for c in children)
+  for unit in edges:
+    edges[unit].discard(unit)
+
+  def reachable(start):
+    seen, todo = set(), [start]
+    while todo:
+      for child in edges.get(todo.pop(), ()):
+        if child not in seen:
+          seen.add(child)
+          todo.append(child)
+    return seen
+
+  assert 'engine.state' in reachable('engine.assemble')  # The check sees real edges.
+  cycles = sorted(unit for unit in edges if unit in reachable(unit))
+  assert not cycles, f'packages that import themselves through others: {cycles}'
+
+
 def test_no_module_shadows_the_standard_library():
   shadowing = sorted(str(p.relative_to(ENGINE.parent)) for p in MODULES.values()
                      if p.stem in sys.stdlib_module_names)

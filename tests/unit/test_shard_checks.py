@@ -15,7 +15,6 @@ import pytest
 from engine import data
 from engine.errors import ConfigError
 from engine.data import shards
-from engine.data import shard_writer as prepare_lib
 from engine.data.shard_writer import prepare
 from engine.data.bpe_trainer import train as train_bpe
 from tests.support.helpers import tiny_config
