@@ -3,7 +3,8 @@ dict registry; each takes an engine.state.TrainSetup and returns engine.parallel
 
   steps.py            Steps (train, eval, gradients, window losses) and the loss both modes share
   auto.py             auto mode: jax.jit with shardings from the rules (AutoOps)
-  manual.py           manual mode: the step inside shard_map, every collective written (ManualOps)
+  manual.py           manual mode: the step inside shard_map, its gradients synchronised
+  manual_ops.py       manual mode's operations, every collective written (ManualOps)
   decode.py           generation's cached-attention ops (DecodeOps), compiled prefill and decode
   context.py          manual context parallelism: the split sequence, ring attention
   pipeline.py         pipeline stages over `stage`, in either mode

@@ -17,7 +17,7 @@ the results back to where the tokens live; the layer then weighs and sums them a
 
 The transpose of an all_to_all is the reverse all_to_all, so an expert's weight gradient sums
 the contributions of every device's tokens on the device that holds it; the gradient average
-(engine/parallel/manual.py, batch_reduction) divides by the expert axis' size instead of
+(engine/parallel/manual_ops.py, batch_reduction) divides by the expert axis' size instead of
 averaging over it, as FSDP divides after its reduce-scatter.
 
 Shape suffixes: T tokens here, K choices, A assignments (T * K), n expert-axis size, E experts,

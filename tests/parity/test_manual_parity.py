@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from engine.parallel import manual
+from engine.parallel import manual_ops
 from tests.support.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
 pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
@@ -57,7 +57,7 @@ def test_a_summed_gradient_fails_the_check(reference, monkeypatch):
   def summed(grad, replicated_axes, *_):  # The bug: psum where pmean belongs.
     return jax.lax.psum(grad, replicated_axes) if replicated_axes else grad
 
-  monkeypatch.setattr(manual, '_average_over_batch', summed)
+  monkeypatch.setattr(manual_ops, 'average_over_batch', summed)
   run = engine_run(_config((8, 1, 1)), 'manual', STEPS)
   # The loss of step 1 precedes any update, so it still agrees; the gradients do not.
   np.testing.assert_allclose(run.losses[0], reference.losses[0], atol=1e-5)

@@ -25,7 +25,7 @@ from engine.assemble import lay_out
 from engine.errors import ConfigError
 from engine.models import moe
 from engine.models.ops import LocalOps
-from engine.parallel import manual
+from engine.parallel import manual_ops
 from engine.validation import validate
 from tests.support.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
@@ -153,7 +153,7 @@ def test_model_matches_single_device(dispatch, references):
 def test_an_expert_gradient_averaged_over_the_expert_axis_is_caught(references, monkeypatch):
   """The parity check catches the expert-parallel gradient trap: an expert's weights differ
   across the expert axis, so a pmean over it mixes different experts' gradients."""
-  original = manual._average_over_batch
+  original = manual_ops.average_over_batch
 
   def averaged_over_expert(grad, replicated_axes, scatter_factor, reduce_dtype=jnp.float32):
     if scatter_factor == 1:  # On data 2 x expert 4 only the experts are split (over expert).
@@ -161,7 +161,7 @@ def test_an_expert_gradient_averaged_over_the_expert_axis_is_caught(references, 
     mixed = jax.lax.pcast(jax.lax.pmean(grad, 'expert'), 'expert', to='varying')
     return original(mixed, replicated_axes, scatter_factor // 4, reduce_dtype)
 
-  monkeypatch.setattr(manual, '_average_over_batch', averaged_over_expert)
+  monkeypatch.setattr(manual_ops, 'average_over_batch', averaged_over_expert)
   run = engine_run(moe_config(EXPERT_MESHES[0], 'dropless', 'manual'), 'manual', 2)
   reference = references['dropless', True]
   for path, expected in reference.first_gradients.items():

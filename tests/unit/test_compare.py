@@ -8,7 +8,7 @@ import pytest
 
 from engine import parallel
 from engine.analysis import collectives, comm_theory, compare_report, comparison
-from engine.parallel import manual
+from engine.parallel import manual_ops
 from engine.assemble import lay_out
 from tests.support.helpers import tiny_config
 
@@ -56,7 +56,7 @@ def test_summed_instead_of_averaged_gradients_are_reported_as_diverging(tmp_path
   def summed(grad, replicated_axes, *_):  # The bug: psum where pmean belongs.
     return jax.lax.psum(grad, replicated_axes) if replicated_axes else grad
 
-  monkeypatch.setattr(manual, '_average_over_batch', summed)
+  monkeypatch.setattr(manual_ops, 'average_over_batch', summed)
   report = comparison.compare(tiny_config(mesh=(8, 1, 1), steps=3), str(tmp_path),
                               ['auto', 'manual'], steps=1, warmup=1)
   assert 'auto: AGREES' in report['verdict']
