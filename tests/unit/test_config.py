@@ -4,9 +4,11 @@ import json
 
 import pytest
 
+from engine import models
 from engine.workdir import run_dir as workdir
 from engine.config import default_config, parse_arg, resolve_mesh_shape
 from engine.errors import ConfigError
+from engine.models.config_keys import ModelConfigError
 from engine.validation import validate
 from tests.support.helpers import tiny_config
 
@@ -178,3 +180,43 @@ def test_clipping_can_be_turned_off_with_inf():
   c = tiny_config()
   c.optim.grad_clip_norm = float('inf')
   validate(c, 1)
+
+
+def test_the_models_declare_their_own_keys():
+  """The schema's model section is engine/config.py's shared keys and each model's own
+  (MODEL_KEYS), every one with its default; a key no model reads is in neither."""
+  schema = default_config().model
+  for key in models.schema_keys():
+    assert schema[key.name] == key.default and key.help.strip(), key
+  llama_keys = {key.name for key in models.MODEL_KEYS['llama']}
+  assert {'head_dim', 'rope_type', 'num_experts', 'moe_dispatch', 'hf_architecture'} <= llama_keys
+  assert not llama_keys & {'name', 'num_layers', 'embed_dim', 'num_kv_heads', 'dtype', 'remat'}
+  assert set(models.MODEL_CHECKS) <= set(models.MODEL_KEYS)
+
+
+def test_a_model_check_is_a_config_error_with_the_same_line(monkeypatch):
+  """A model's check raises the models' own error (models import nothing of the engine);
+  validation reports it as a ConfigError, word for word, and only for that model."""
+  def check(model, mesh):
+    if model.num_layers % mesh['data']:
+      raise ModelConfigError(f"model.num_layers={model.num_layers} over mesh.data={mesh['data']}.")
+
+  monkeypatch.setitem(models.MODEL_CHECKS, 'gpt', check)
+  c = tiny_config(mesh=(4, 1, 2))
+  c.model.num_layers = 3
+  with pytest.raises(ConfigError, match=r'^model.num_layers=3 over mesh.data=4.$'):
+    validate(c, 8)
+  c.model.num_layers = 4
+  validate(c, 8)
+
+
+@pytest.mark.parametrize('key, value', [('head_dim', 16), ('qk_norm', True),
+                                        ('rope_type', 'linear'), ('num_experts', 4)])
+def test_a_model_refuses_another_models_exclusive_key(key, value):
+  c = tiny_config()
+  c.model[key] = value
+  _expect(c, f'model.{key}={value!r} is read by the llama model only; '
+          "model.name='gpt' would ignore it: drop it.", devices=1)
+  c.model.name = 'llama'
+  validate(c, 1)  # The model that reads it.
+
