@@ -51,43 +51,11 @@ def default_config() -> ml_collections.ConfigDict:
   # of both modes: einsum, dot_product_attention, ring attention, the generation cache).
   c.model.attention_scale = -1.0
   c.model.num_kv_heads = -1  # Llama: key/value heads (grouped-query attention); -1: num_heads.
-  # Llama: the size of each head; -1: embed_dim / num_heads (Qwen3 and some Mistrals differ).
-  c.model.head_dim = -1
-  c.model.qkv_bias = False  # Llama: biases on the query / key / value projections (Qwen2).
-  c.model.qk_norm = False  # Llama: RMSNorm on each query and key head before rotary (Qwen3).
-  c.model.rope_base = 10_000.0  # Llama: rotary position embedding base.
-  # Llama: rotary frequencies: default | linear (positions / rope_factor) | llama3 (Llama 3.1's
-  # wavelength-dependent scaling: rope_factor, the two freq factors, rope_original_max_len).
-  c.model.rope_type = 'default'
-  c.model.rope_factor = 1.0  # Llama: linear and llama3 rotary scaling factor.
-  c.model.rope_low_freq_factor = 1.0  # Llama: llama3 rotary low_freq_factor.
-  c.model.rope_high_freq_factor = 4.0  # Llama: llama3 rotary high_freq_factor.
-  c.model.rope_original_max_len = 8192  # Llama: llama3 rotary, the pre-scaling context.
-  # Llama: attend only to this many most recent positions (Mistral); 0: all. The engine computes
-  # full causal attention, so a window shorter than the sequence is refused.
-  c.model.sliding_window = 0
-  # Llama: a mixture of experts in place of each block's MLP (engine/models/moe.py): this many
-  # SwiGLU experts; 0: the dense MLP.
-  c.model.num_experts = 0
-  c.model.experts_per_token = 2  # Llama MoE: experts each token is routed to (top-k).
-  # Llama MoE: softmax_topk (softmax over all experts, the top k renormalised: Mixtral,
-  # Qwen-MoE) | topk_softmax (the top k logits, softmax over those k).
-  c.model.moe_router = 'softmax_topk'
-  c.model.moe_mlp_dim = 0  # Llama MoE: each expert's hidden size; 0: mlp_dim.
-  # Llama MoE: hidden size of a shared SwiGLU expert every token also goes through; 0: none.
-  c.model.moe_shared_expert = 0
-  # Llama MoE: dropless (grouped matmuls over tokens sorted by expert) | capacity (each expert
-  # takes at most moe_capacity_factor * length * k / experts assignments of each sequence;
-  # later ones are dropped).
-  c.model.moe_dispatch = 'dropless'
-  c.model.moe_capacity_factor = 1.25  # Llama MoE, capacity dispatch: see moe_dispatch.
-  # Llama MoE: weight of Switch's load-balancing loss (experts * sum_e f_e * P_e), per layer.
-  c.model.moe_aux_loss_coef = 0.01
-  # Llama MoE: weight of the router z-loss, mean(logsumexp(router logits)^2), per layer.
-  c.model.moe_z_loss_coef = 0.0
-  # Llama: the Hugging Face architecture the model was loaded from and is exported as ('' : the
-  # family's own, LlamaForCausalLM); set by train.init_from=hf:DIR.
-  c.model.hf_architecture = ''
+  # The keys only some models read (Llama's head size, rotary settings, experts, ...): each model
+  # declares its own with their defaults and help (engine/models/__init__.py: MODEL_KEYS).
+  from engine import models  # pylint: disable=g-import-not-at-top
+  for key in models.schema_keys():
+    c.model[key.name] = key.default
   # Compute dtype: float32 | bfloat16. Parameters and optimizer state stay float32; logits and
   # the loss are float32.
   c.model.dtype = 'float32'

@@ -13,38 +13,9 @@ Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS[xE]]], steps=N,
 batch=1024, seq=4096, layers=80, microbatches=1.
 """
 
-from engine.config import apply_run_args, default_config, parse_run_arg
+from experiments.common import llama3_pod
 
 
 def get_config(arg=None):
-  args = parse_run_arg(arg, steps=10_000, batch=1024, seq=4096, layers=80, microbatches=1)
-  config = default_config()
-  config.model.name = 'llama'
-  config.model.num_layers = args.layers
-  config.model.embed_dim = 8192
-  config.model.num_heads = 64
-  config.model.num_kv_heads = 8
-  config.model.mlp_dim = 28672
-  config.model.vocab_size = 128_256
-  config.model.rope_base = 500_000.0
-  config.model.max_len = args.seq
-  config.model.tie_embeddings = False
-  config.model.dtype = 'bfloat16'
-  config.model.remat = 'full'
-
-  config.data.source = 'synthetic'
-  config.data.seq_len = args.seq
-  config.data.global_batch_size = args.batch
-
-  config.optim.learning_rate = 1.5e-4
-  config.optim.end_learning_rate = 1.5e-5
-  config.optim.warmup_steps = 2000
-  config.optim.decay_steps = args.steps
-  config.optim.weight_decay = 0.1
-
-  config.train.microbatches = args.microbatches
-  config.train.log_every = 10
-  config.train.eval_every = 1000
-  config.train.eval_batches = 10
-  config.train.checkpoint_every = 1000
-  return apply_run_args(config, args)
+  return llama3_pod(arg, batch=1024, seq=4096, layers=80, embed_dim=8192, num_heads=64,
+                    mlp_dim=28672, learning_rate=1.5e-4, end_learning_rate=1.5e-5)

@@ -2,7 +2,8 @@
 `--print_config`'s listing of every key with its value and one line of help.
 
 The help is the comment on each key in engine/config.py's default_config(), read from the
-source at run time, so the schema and its documentation stay one text.
+source at run time, so the schema and its documentation stay one text; a key a model declares
+itself (engine/models/__init__.py: MODEL_KEYS) brings its help with it.
 """
 
 import difflib
@@ -12,6 +13,7 @@ import tokenize
 from ml_collections import ConfigDict
 
 from engine import config as config_lib
+from engine import models
 from engine.errors import ConfigError
 
 # Words a key's name may carry that a user leaves out: 'steps' means num_steps, not warmup_steps.
@@ -121,7 +123,8 @@ def check_known_keys(config: ConfigDict) -> None:
 @functools.cache
 def key_help() -> dict[str, str]:
   """Each key of default_config() ('optim.learning_rate') -> its comment in engine/config.py,
-  on one line: the comment lines just above the assignment, then the one after it."""
+  on one line: the comment lines just above the assignment, then the one after it; the models'
+  own keys (models.schema_keys) -> their ConfigKey.help, where default_config() merges them."""
   helps, above, tokens, comment_row = {}, [], [], 0
   with open(config_lib.__file__, 'rb') as source:
     for token in tokenize.tokenize(source.readline):
@@ -132,6 +135,8 @@ def key_help() -> dict[str, str]:
           above.append(token.string.lstrip('#').strip())
           comment_row = token.start[0]
       elif token.type == tokenize.NEWLINE:
+        if 'schema_keys' in (t.string for t in tokens):  # The loop that merges the models' keys.
+          helps.update((f'model.{key.name}', key.help) for key in models.schema_keys())
         _add_help(helps, tokens, above)
         above, tokens = [], []
       elif token.type == tokenize.NL:

@@ -1,11 +1,18 @@
 """Model registry: `model.name` -> build(model config subtree, vocab_size) -> ModelSpec.
 
 Adding a model is one module under engine/models/ and one line here (the interface is in
-engine/models/spec.py). A family that reads and writes Hugging Face checkpoints also registers
-its `HFFormat` (engine/models/hf_format.py) in HF_FORMATS. Tests and experiments may also add
-entries to `MODELS` at run time.
+engine/models/spec.py). A model with `model.*` keys of its own declares them (ConfigKey,
+engine/models/config_keys.py) with the check of their values, in a module without JAX, and
+registers both in MODEL_KEYS and MODEL_CHECKS: engine/config.py's schema merges the keys, and
+engine.validation calls the check. A family that reads and writes Hugging Face checkpoints also
+registers its `HFFormat` (engine/models/hf_format.py) in HF_FORMATS. Tests and experiments may
+also add entries to `MODELS` at run time.
+
+MODELS and HF_FORMATS import the models, and with them JAX, on first use (`__getattr__`): the
+config schema reads MODEL_KEYS where JAX is never imported (the launchers).
 
   spec.py            ModelSpec: the interface every model plugs in through
+  config_keys.py     ConfigKey, ModelConfigError: a model's own config keys and their checks
   ops.py             the operations a model calls where a layout may communicate (LocalOps)
   layers.py          shared building blocks: 2-D dense products, stacked and scanned layers
   attention.py       causal attention: einsum, jax.nn.dot_product_attention or splash
@@ -13,29 +20,76 @@ entries to `MODELS` at run time.
   documents.py       packed documents: segment ids and in-document positions
   gpt.py             a GPT-2-style decoder
   llama.py           a Llama-style decoder (optionally a mixture of experts)
+  llama_config.py    the keys only the Llama family reads, and their checks
   moe.py             the mixture-of-experts layer: router, top-k, experts, auxiliary losses
   moe_dispatch.py    its dispatches on one device: dropless (ragged_dot), capacity
+  moe_config.py      its keys (model.num_experts, model.moe_*) and their checks
   hf_format.py       HFTensor, HFFormat: how a family describes its Hugging Face checkpoints
   llama_hf.py        the Llama family's formats (Llama 2 / 3.x, Mistral, Qwen2, Qwen3)
   llama_moe_hf.py    its mixtures of experts' formats (Mixtral, Qwen3-MoE)
 """
 
-from engine.models import gpt, llama, llama_hf, llama_moe_hf
-from engine.models.hf_format import HFFormat
-from engine.models.spec import ModelSpec
+from __future__ import annotations
 
-MODELS = {'gpt': gpt.build, 'llama': llama.build}
-# Hugging Face architecture -> its format; the first of a model's is what it exports by default.
-HF_FORMATS = {fmt.architecture: fmt for fmt in llama_hf.FORMATS + llama_moe_hf.FORMATS}
+from typing import TYPE_CHECKING
+
+from engine.models import llama_config
+from engine.models.config_keys import ConfigKey
+
+if TYPE_CHECKING:
+  from engine.models.hf_format import HFFormat
+  from engine.models.spec import ModelSpec
+
+# model.name -> the `model.*` keys only that model reads (beyond engine/config.py's shared ones),
+# and the check of its model config against the mesh's sizes (raising ModelConfigError).
+MODEL_KEYS = {'gpt': (), 'llama': llama_config.CONFIG_KEYS}
+MODEL_CHECKS = {'llama': llama_config.check}
+
+
+def _registries() -> dict[str, object]:
+  # pylint: disable-next=g-import-not-at-top
+  from engine.models import gpt, hf_format, llama, llama_hf, llama_moe_hf, spec
+  return {
+      'MODELS': {'gpt': gpt.build, 'llama': llama.build},
+      # Hugging Face architecture -> its format; the first of a model's is what it exports by
+      # default.
+      'HF_FORMATS': {fmt.architecture: fmt for fmt in llama_hf.FORMATS + llama_moe_hf.FORMATS},
+      'HFFormat': hf_format.HFFormat, 'ModelSpec': spec.ModelSpec}
+
+
+def __getattr__(name: str):
+  """MODELS, HF_FORMATS (and the classes HFFormat, ModelSpec), made on first use and kept."""
+  if name not in ('MODELS', 'HF_FORMATS', 'HFFormat', 'ModelSpec'):
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  for key, value in _registries().items():
+    globals().setdefault(key, value)
+  return globals()[name]
+
+
+def schema_keys() -> list[ConfigKey]:
+  """Every model's own keys, each once, in MODEL_KEYS' order: what engine/config.py merges into
+  the schema's model section."""
+  keys = {}
+  for model_keys in MODEL_KEYS.values():
+    for key in model_keys:
+      if keys.setdefault(key.name, key).default != key.default:
+        raise ValueError(f'model.{key.name} is declared by two models with different defaults.')
+  return list(keys.values())
+
+
+def owners(name: str) -> list[str]:
+  """The models that declare the key `model.<name>` (MODEL_KEYS)."""
+  return [model for model, keys in MODEL_KEYS.items() if any(k.name == name for k in keys)]
 
 
 def build(model_config, vocab_size: int) -> ModelSpec:
-  return MODELS[model_config.name](model_config, vocab_size)
+  return __getattr__('MODELS')[model_config.name](model_config, vocab_size)
 
 
 def hf_format_of_architectures(architectures) -> HFFormat | None:
   """The format a config.json's `architectures` names, or None."""
-  return next((HF_FORMATS[a] for a in architectures or [] if a in HF_FORMATS), None)
+  formats = __getattr__('HF_FORMATS')
+  return next((formats[a] for a in architectures or [] if a in formats), None)
 
 
 def hf_format_for(model_config) -> HFFormat | None:
@@ -43,10 +97,11 @@ def hf_format_for(model_config) -> HFFormat | None:
   else the first of its family's (dense, or mixture-of-experts formats as the model is) that
   writes it (`HFFormat.unwritable`), else the first of them; None for a model with no Hugging
   Face format."""
+  formats = __getattr__('HF_FORMATS')
   if model_config.get('hf_architecture'):
-    return HF_FORMATS.get(model_config.hf_architecture)
+    return formats.get(model_config.hf_architecture)
   moe = bool(model_config.get('num_experts', 0))
-  own = [fmt for fmt in HF_FORMATS.values() if fmt.model == model_config.name and fmt.moe == moe]
+  own = [fmt for fmt in formats.values() if fmt.model == model_config.name and fmt.moe == moe]
   return next((fmt for fmt in own if not unwritable(fmt, model_config)), own[0] if own else None)
 
 

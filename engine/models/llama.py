@@ -6,7 +6,8 @@ key/value heads shared by groups of query heads; an untied output projection. Bl
 along the `layers` axis and applied with `nnx.scan`, like GPT's, and use the same logical names,
 so every rule preset and both modes work unchanged. Key/value heads carry their own logical name,
 `kv_heads`: the rules split them over `tensor` where they divide and replicate them otherwise
-(`ModelSpec.split_where_divisible`).
+(`ModelSpec.split_where_divisible`). The keys only this family reads, and their checks, are in
+engine/models/llama_config.py.
 
 Shape suffixes: B batch, L length, D embed, H query heads, N key/value heads (n: those this
 device's query heads read, ops.kv_for_query_heads), K head_dim, F mlp hidden, V vocab.
@@ -27,14 +28,11 @@ from engine.models.ops import LocalOps
 from engine.models.spec import ExpertsSpec, ModelSpec
 
 
-ROPE_TYPES = ('default', 'linear', 'llama3')
-
-
 @dataclasses.dataclass(frozen=True)
 class Rope:
   """Rotary frequencies (model.rope_*): Hugging Face's `default`, `linear` and `llama3` types."""
   base: float = 10_000.0
-  type: str = 'default'  # ROPE_TYPES
+  type: str = 'default'  # llama_config.ROPE_TYPES
   factor: float = 1.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0

@@ -25,7 +25,7 @@ engine does not compute is refused, naming the key.
 from __future__ import annotations
 
 from engine.models.hf_format import HFFormat, HFTensor, UnsupportedCheckpoint
-from engine.models.llama import ROPE_TYPES
+from engine.models.llama_config import ROPE_TYPES
 
 _LAYER = 'model.layers.{i}.'
 TENSORS = (

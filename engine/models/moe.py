@@ -33,13 +33,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.models import moe_config
 from engine.models.layers import dense, param
 from engine.models.moe_dispatch import ExpertFFN, capacity
 
-# softmax_topk: softmax over all experts, keep the top k, renormalise them (Mixtral, Qwen-MoE
-# with norm_topk_prob). topk_softmax: the top k logits, softmax over those k.
-ROUTERS = ('softmax_topk', 'topk_softmax')
-DISPATCHES = ('dropless', 'capacity')
+# The choices of model.moe_router and model.moe_dispatch, declared with the keys.
+ROUTERS, DISPATCHES = moe_config.ROUTERS, moe_config.DISPATCHES
 
 
 @dataclasses.dataclass(frozen=True)

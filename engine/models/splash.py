@@ -40,7 +40,7 @@ def _kernel(num_heads: int, length: int, interpret: bool, causal: bool = True,
   one; save_residuals: it also returns the log-sum-exp of each query's logits (not
   differentiable then: block_attention below adds the backward pass)."""
   block = block_size(length)
-  if block is None:  # engine/validation/__init__.py refuses such lengths first.
+  if block is None:  # engine/validation/attention.py refuses such lengths first.
     raise ValueError(f'splash attention needs a length divisible by 128, not {length}')
   shape = splash_lib.CausalMask if causal else splash_lib.FullMask
   mask = splash_lib.MultiHeadMask([shape((length, length))] * num_heads)

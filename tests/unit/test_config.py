@@ -1,13 +1,18 @@
 """Config validation: every bad value is refused early with a message naming the key and fix."""
 
+import importlib.util
 import json
+import os
 
 import pytest
 
+from engine import models
 from engine.workdir import run_dir as workdir
 from engine.config import default_config, parse_arg, resolve_mesh_shape
 from engine.errors import ConfigError
+from engine.models.config_keys import ModelConfigError
 from engine.validation import validate
+from tests.support.bad_input_checks import ROOT
 from tests.support.helpers import tiny_config
 
 
@@ -178,3 +183,81 @@ def test_clipping_can_be_turned_off_with_inf():
   c = tiny_config()
   c.optim.grad_clip_norm = float('inf')
   validate(c, 1)
+
+
+def test_the_models_declare_their_own_keys():
+  """The schema's model section is engine/config.py's shared keys and each model's own
+  (MODEL_KEYS), every one with its default; a key no model reads is in neither."""
+  schema = default_config().model
+  for key in models.schema_keys():
+    assert schema[key.name] == key.default and key.help.strip(), key
+  llama_keys = {key.name for key in models.MODEL_KEYS['llama']}
+  assert {'head_dim', 'rope_type', 'num_experts', 'moe_dispatch', 'hf_architecture'} <= llama_keys
+  assert not llama_keys & {'name', 'num_layers', 'embed_dim', 'num_kv_heads', 'dtype', 'remat'}
+  assert set(models.MODEL_CHECKS) <= set(models.MODEL_KEYS)
+
+
+def test_a_model_check_is_a_config_error_with_the_same_line(monkeypatch):
+  """A model's check raises the models' own error (models import nothing of the engine);
+  validation reports it as a ConfigError, word for word, and only for that model."""
+  def check(model, mesh):
+    if model.num_layers % mesh['data']:
+      raise ModelConfigError(f"model.num_layers={model.num_layers} over mesh.data={mesh['data']}.")
+
+  monkeypatch.setitem(models.MODEL_CHECKS, 'gpt', check)
+  c = tiny_config(mesh=(4, 1, 2))
+  c.model.num_layers = 3
+  with pytest.raises(ConfigError, match=r'^model.num_layers=3 over mesh.data=4.$'):
+    validate(c, 8)
+  c.model.num_layers = 4
+  validate(c, 8)
+
+
+@pytest.mark.parametrize('key, value', [('head_dim', 16), ('qk_norm', True),
+                                        ('rope_type', 'linear'), ('num_experts', 4)])
+def test_a_model_refuses_another_models_exclusive_key(key, value):
+  c = tiny_config()
+  c.model[key] = value
+  _expect(c, f'model.{key}={value!r} is read by the llama model only; '
+          "model.name='gpt' would ignore it: drop it.", devices=1)
+  c.model.name = 'llama'
+  validate(c, 1)  # The model that reads it.
+
+
+def _experiment(name: str, arg=None):
+  spec = importlib.util.spec_from_file_location(
+      f'_{name}', os.path.join(ROOT, 'experiments', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def _flat(config) -> dict:
+  return {f'{section}.{key}': value for section, keys in config.to_dict().items()
+          for key, value in (keys.items() if isinstance(keys, dict) else [('', keys)])}
+
+
+def test_the_pod_experiments_keep_only_their_numbers():
+  """llama_8b.py and llama_70b.py are experiments/common.py's llama3_pod with their own sizes:
+  they differ in those alone, and each is the model its docstring describes."""
+  small, large = _flat(_experiment('llama_8b')), _flat(_experiment('llama_70b'))
+  assert {key for key in small if small[key] != large[key]} == {
+      'model.num_layers', 'model.embed_dim', 'model.num_heads', 'model.mlp_dim', 'model.max_len',
+      'data.seq_len', 'data.global_batch_size', 'optim.learning_rate',
+      'optim.end_learning_rate'}
+  assert [small[k] for k in ('model.num_layers', 'model.embed_dim', 'model.num_heads',
+                             'model.mlp_dim', 'data.seq_len', 'data.global_batch_size')] == [
+      32, 4096, 32, 14336, 8192, 128]
+  assert [large[k] for k in ('model.num_layers', 'model.embed_dim', 'model.num_heads',
+                             'model.mlp_dim', 'data.seq_len', 'data.global_batch_size')] == [
+      80, 8192, 64, 28672, 4096, 1024]
+  assert (small['optim.learning_rate'], small['optim.end_learning_rate']) == (3e-4, 3e-5)
+  assert (large['optim.learning_rate'], large['optim.end_learning_rate']) == (1.5e-4, 1.5e-5)
+  assert small['model.num_kv_heads'] == 8 and small['model.rope_base'] == 500_000.0
+  assert small['model.name'] == 'llama' and small['data.source'] == 'synthetic'
+  arg = 'layers=4,seq=512,batch=16,microbatches=2,steps=5,mesh=2x2x2,mode=manual'
+  custom = _flat(_experiment('llama_8b', arg))
+  assert (custom['model.num_layers'], custom['model.max_len'], custom['data.seq_len'],
+          custom['data.global_batch_size'], custom['train.microbatches'],
+          custom['train.num_steps'], custom['optim.decay_steps'], custom['mesh.tensor'],
+          custom['parallelism.mode']) == (4, 512, 512, 16, 2, 5, 5, 2, 'manual')

@@ -10,6 +10,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from engine import config as config_lib
+from engine import models
 from engine.cli import config_help
 from engine import main as engine_main
 from tests.support.bad_input_checks import ROOT
@@ -19,11 +20,16 @@ pytestmark = pytest.mark.filterwarnings('ignore:the load_module.. method is depr
 
 def _schema_keys() -> list[str]:
   """default_config()'s keys in the order the source assigns them, read with ast (not the code
-  under test): every `c.key = ...` and `c.section.key = ...` that is not a section."""
+  under test): every `c.key = ...` and `c.section.key = ...` that is not a section, and the
+  models' own keys where the loop over models.schema_keys() merges them."""
   tree = ast.parse(open(os.path.join(ROOT, 'engine', 'config.py')).read())
   function = next(n for n in tree.body if getattr(n, 'name', '') == 'default_config')
-  keys = [ast.unparse(n.targets[0]).removeprefix('c.') for n in function.body
-          if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]).startswith('c.')]
+  keys = []
+  for n in function.body:
+    if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]).startswith('c.'):
+      keys.append(ast.unparse(n.targets[0]).removeprefix('c.'))
+    elif isinstance(n, ast.For) and ast.unparse(n.iter) == 'models.schema_keys()':
+      keys += [f'model.{key.name}' for key in models.schema_keys()]
   return [key for key in keys if not any(other.startswith(key + '.') for other in keys)]
 
 

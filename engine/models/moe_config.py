@@ -1,0 +1,64 @@
+"""The mixture-of-experts keys (model.num_experts and model.moe_*; engine/models/moe.py) and
+their checks: the Llama family's, declared apart from the layer so that engine.config reads them
+without JAX."""
+
+from __future__ import annotations
+
+import math
+
+from engine.models.config_keys import ConfigKey, ModelConfigError
+
+# softmax_topk: softmax over all experts, keep the top k, renormalise them (Mixtral, Qwen-MoE
+# with norm_topk_prob). topk_softmax: the top k logits, softmax over those k.
+ROUTERS = ('softmax_topk', 'topk_softmax')
+DISPATCHES = ('dropless', 'capacity')
+
+CONFIG_KEYS = (
+    ConfigKey('num_experts', 0, "Llama: a mixture of experts in place of each block's MLP "
+              '(engine/models/moe.py): this many SwiGLU experts; 0: the dense MLP.',
+              exclusive=True),
+    ConfigKey('experts_per_token', 2, 'Llama MoE: experts each token is routed to (top-k).'),
+    ConfigKey('moe_router', 'softmax_topk', 'Llama MoE: softmax_topk (softmax over all experts, '
+              'the top k renormalised: Mixtral, Qwen-MoE) | topk_softmax (the top k logits, '
+              'softmax over those k).'),
+    ConfigKey('moe_mlp_dim', 0, "Llama MoE: each expert's hidden size; 0: mlp_dim."),
+    ConfigKey('moe_shared_expert', 0, 'Llama MoE: hidden size of a shared SwiGLU expert every '
+              'token also goes through; 0: none.'),
+    ConfigKey('moe_dispatch', 'dropless', 'Llama MoE: dropless (grouped matmuls over tokens '
+              'sorted by expert) | capacity (each expert takes at most moe_capacity_factor * '
+              'length * k / experts assignments of each sequence; later ones are dropped).'),
+    ConfigKey('moe_capacity_factor', 1.25, 'Llama MoE, capacity dispatch: see moe_dispatch.'),
+    ConfigKey('moe_aux_loss_coef', 0.01, "Llama MoE: weight of Switch's load-balancing loss "
+              '(experts * sum_e f_e * P_e), per layer.'),
+    ConfigKey('moe_z_loss_coef', 0.0, 'Llama MoE: weight of the router z-loss, '
+              'mean(logsumexp(router logits)^2), per layer.'),
+)
+
+
+def check(model, mesh: dict[str, int]) -> None:
+  """The MoE keys' values and the expert axis' split of them (a dense model: num_experts=0)."""
+  if model.num_experts < 0:
+    raise ModelConfigError(f'model.num_experts={model.num_experts} must be >= 0; give 0 for the '
+                           'dense MLP, or the number of experts.')
+  if not model.num_experts:
+    return
+  if not 1 <= model.experts_per_token <= model.num_experts:
+    raise ModelConfigError(
+        f'model.experts_per_token={model.experts_per_token} must lie in [1, model.num_experts='
+        f'{model.num_experts}]; route each token to at least one and at most every expert.')
+  if model.num_experts % mesh['expert']:
+    raise ModelConfigError(
+        f"model.num_experts={model.num_experts} does not split over mesh.expert={mesh['expert']} "
+        'devices; make mesh.expert a divisor of it (each device holds num_experts / expert '
+        'experts).')
+  for key, choices in (('moe_router', ROUTERS), ('moe_dispatch', DISPATCHES)):
+    if model[key] not in choices:
+      raise ModelConfigError(f'model.{key}={model[key]!r} is unknown; choose one of {choices}.')
+  factor = model.moe_capacity_factor
+  if not (math.isfinite(factor) and factor > 0):
+    raise ModelConfigError(f'model.moe_capacity_factor={factor} must be a positive number; each '
+                           'expert takes ceil(length * k / experts * factor) assignments of each '
+                           'sequence (e.g. 1.25).')
+  for key in ('moe_mlp_dim', 'moe_shared_expert', 'moe_aux_loss_coef', 'moe_z_loss_coef'):
+    if not (math.isfinite(model[key]) and model[key] >= 0):
+      raise ModelConfigError(f'model.{key}={model[key]} must be a number >= 0; give 0 or more.')

@@ -1,0 +1,80 @@
+"""The model section: the keys every model reads, checked here; the keys a model declares
+itself (engine/models/__init__.py: MODEL_KEYS), checked by that model (MODEL_CHECKS) and refused
+on a model that would ignore them; and the sizes the tensor and fsdp axes split."""
+
+from __future__ import annotations
+
+import math
+
+from ml_collections import ConfigDict
+
+from engine import models, parallel
+from engine.config import DTYPES
+from engine.errors import ConfigError
+from engine.models import attention as model_attention
+from engine.models.config_keys import ModelConfigError
+from engine.validation.checks import (choose, require_divisible, require_finite,
+                                      require_non_negative, require_positive)
+
+
+def check_model(model: ConfigDict) -> None:
+  """The shared keys, and no other model's exclusive key set on this one."""
+  choose(model, 'dtype', 'model.dtype', DTYPES)
+  choose(model, 'attention', 'model.attention', model_attention.IMPLEMENTATIONS)
+  choose(model, 'attention_scale_on', 'model.attention_scale_on', model_attention.SCALE_ON)
+  choose(model, 'remat', 'model.remat', tuple(parallel.steps.REMAT_POLICIES))
+  require_finite(model, 'model', ['init_std', 'norm_eps'])
+  require_positive(model, 'model', ['num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'max_len',
+                                    'vocab_multiple', 'norm_eps'])
+  if model.vocab_size != -1 and model.vocab_size <= 0:
+    raise ConfigError(f'model.vocab_size={model.vocab_size} must be positive, or -1 to '
+                      'take it from the tokenizer.')
+  require_non_negative(model, 'model', ['init_std'])
+  if model.attention_scale != -1 and not (math.isfinite(model.attention_scale) and
+                                          model.attention_scale > 0):
+    raise ConfigError(f'model.attention_scale={model.attention_scale} must be a positive number, '
+                      'or -1 for 1/sqrt(head_dim).')
+  _check_foreign_keys(model)
+  if model.head_dim == -1:  # No head size of its own (Llama's key): embed_dim over the heads.
+    require_divisible(model.embed_dim, 'model.embed_dim', model.num_heads, 'model.num_heads')
+  kv_heads = model.num_kv_heads
+  if kv_heads != -1 and (kv_heads <= 0 or model.num_heads % kv_heads):
+    raise ConfigError(
+        f'model.num_kv_heads={kv_heads} must divide model.num_heads={model.num_heads} '
+        '(each key/value head serves a group of query heads), or be -1 for one per query head.')
+
+
+def _check_foreign_keys(model: ConfigDict) -> None:
+  """An exclusive key of another model (ConfigKey.exclusive) left at its default: this model
+  would ignore any other value."""
+  own = {key.name for key in models.MODEL_KEYS.get(model.name, ())}
+  for key in models.schema_keys():
+    if key.exclusive and key.name not in own and model[key.name] != key.default:
+      raise ConfigError(
+          f'model.{key.name}={model[key.name]!r} is read by the '
+          f'{" and ".join(models.owners(key.name))} model only; model.name={model.name!r} would '
+          'ignore it: drop it.')
+
+
+def check_model_keys(model: ConfigDict, mesh: dict[str, int]) -> None:
+  """The configured model's check of its own keys against the mesh's sizes."""
+  check = models.MODEL_CHECKS.get(model.name)
+  if check is None:
+    return
+  try:
+    check(model, mesh)
+  except ModelConfigError as error:
+    raise ConfigError(str(error)) from None
+
+
+def check_model_splits(model: ConfigDict, mesh: dict[str, int]) -> None:
+  """The model sizes the tensor and fsdp axes split (every parameter's split is checked once
+  the model is laid out: check_layout)."""
+  tensor = mesh['tensor']
+  require_divisible(model.num_heads, 'model.num_heads', tensor, 'mesh.tensor')
+  require_divisible(model.mlp_dim, 'model.mlp_dim', tensor, 'mesh.tensor')
+  if model.vocab_size != -1:
+    require_divisible(model.vocab_size, 'model.vocab_size', tensor, 'mesh.tensor')
+  else:
+    require_divisible(model.vocab_multiple, 'model.vocab_multiple', tensor, 'mesh.tensor')
+  require_divisible(model.embed_dim, 'model.embed_dim', mesh['fsdp'], 'mesh.fsdp')

@@ -1,0 +1,47 @@
+"""The train section: counts and intervals, the steps that are not finite, the run to start
+from and the profiled steps (engine.validation calls `check_train`; the samples' keys:
+engine/validation/samples.py)."""
+
+from __future__ import annotations
+
+import os
+
+from ml_collections import ConfigDict
+
+from engine.config import parse_profile_steps
+from engine.errors import ConfigError
+from engine.validation.checks import require_positive
+
+
+def _check_init_from(workdir: str) -> None:
+  """train.init_from must be the workdir of a run that saved a complete checkpoint: Orbax names
+  finished checkpoints by their step and unfinished ones with a temporary suffix."""
+  if '://' in workdir:
+    return  # A bucket: checked when the parameters are restored.
+  if workdir.startswith('hf:'):  # A Hugging Face checkpoint (engine/hf/load.py).
+    if not os.path.isfile(os.path.join(workdir[3:], 'config.json')):
+      raise ConfigError(f'train.init_from={workdir!r}: no config.json in {workdir[3:]!r}; pass '
+                        'hf:DIR with a Hugging Face checkpoint (config.json and *.safetensors).')
+    return
+  directory = os.path.join(workdir, 'checkpoints')
+  if not os.path.isdir(directory):
+    raise ConfigError(
+        f'train.init_from={workdir!r} has no checkpoints/ directory; pass the --workdir of a run '
+        'that saved a checkpoint.')
+  if not any(name.isdigit() for name in os.listdir(directory)):
+    raise ConfigError(
+        f'train.init_from={workdir!r} holds no complete checkpoint; pass the --workdir of a run '
+        'that saved one.')
+
+
+def check_train(train: ConfigDict) -> None:
+  if train.skip_nonfinite_steps < 0:
+    raise ConfigError(f'train.skip_nonfinite_steps={train.skip_nonfinite_steps} must be '
+                      '>= 0: 0 stops at the first step that is not finite, N > 0 skips up to N '
+                      'in a row.')
+  require_positive(train, 'train', ['num_steps', 'log_every', 'eval_every', 'eval_batches',
+                                    'checkpoint_every', 'keep_checkpoints', 'microbatches',
+                                    'pipeline_repeats'])
+  if train.init_from:
+    _check_init_from(train.init_from)
+  parse_profile_steps(train.profile_steps, train.num_steps)
