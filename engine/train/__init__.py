@@ -1,6 +1,7 @@
 """The training loop and the hooks it calls.
 
   loop.py        `train(config, workdir)`: initial state, compiled steps, the step loop
+  hooks.py       the protocol the step loop calls its hooks by; the checkpoints and eval hooks
   metrics.py     log lines, TensorBoard events and JSON lines; throughput, MFU, memory
   finiteness.py  a step whose loss or gradient norm is not finite stops (or is skipped)
   preemption.py  SIGTERM / SIGINT end the run after a checkpoint, every process at one step

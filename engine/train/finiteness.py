@@ -2,8 +2,9 @@
 stops the run before anything of it is saved, or, with train.skip_nonfinite_steps = N > 0, is
 skipped (the step itself left parameters and optimizer state as they were) up to N in a row.
 
-Each check fetches two scalars; the loop checks a step once the next one is dispatched (no
-device stall), and at once before it evaluates or checkpoints.
+Each check fetches two scalars; the guard checks a step once the next one is dispatched (no
+device stall), and at once at a step the loop syncs at, before it evaluates, samples or
+checkpoints it (the guard comes before those hooks in the loop's order).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 
 import jax
 from absl import logging
+
+from engine.train.hooks import Hook
 
 
 class NonFiniteError(FloatingPointError):
@@ -32,7 +35,7 @@ class NonFiniteError(FloatingPointError):
     self.step, self.values = step, values
 
 
-class FinitenessGuard:
+class FinitenessGuard(Hook):
   """Checks each step's loss and gradient norm; records the steps it skipped."""
 
   def __init__(self, skip_limit: int, checkpointer, workdir):
@@ -42,11 +45,18 @@ class FinitenessGuard:
     self._in_a_row = 0
     self._unchecked = None  # (step, metrics) dispatched but not yet checked.
 
-  def after_dispatch(self, step: int, metrics) -> None:
+  def after_dispatch(self, step: int, state, metrics) -> None:
     """Checks the previous step (done by now, or nearly) and holds this one back."""
+    del state
     if self._unchecked is not None:
       self.check(*self._unchecked)
     self._unchecked = (step, metrics)
+
+  def at_sync(self, step: int, state, stopping: bool) -> None:
+    """Checks the step held back at once: the hooks after this one may use it."""
+    del state, stopping
+    if self._unchecked is not None and self._unchecked[0] == step:
+      self.check(*self._unchecked)
 
   def check(self, step: int, metrics) -> None:
     """Stops at a step that is not finite, or counts it as skipped when such steps are."""

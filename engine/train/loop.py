@@ -2,9 +2,10 @@
 workdir's checkpoint), the compiled steps, the step loop, the final report.
 
 Everything before the first phase (validation, data, the model laid out on the mesh) is
-engine.assemble's; the loop's hooks are small objects: the finiteness guard
-(engine/train/finiteness.py), the metrics writer, the checkpointer, the evaluator and the preemption
-watch.
+engine.assemble's. The step loop calls its hooks by one protocol (engine/train/hooks.py), in the
+order `loop_hooks` gives: the step profiler, the finiteness guard (engine/train/finiteness.py), the
+evaluation, the sampler, the checkpoints and the deferred metrics (engine/train/metrics.py). The
+preemption watch is asked after every step whether to stop.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 import time
+from collections.abc import Callable, Iterator
 
 import jax
 import ml_collections
@@ -30,7 +31,8 @@ from engine.workdir import run_dir as workdir_lib
 from engine.assemble import Run, assemble
 from engine.workdir.checkpoint import Checkpointer, restore_params
 from engine.train.finiteness import FinitenessGuard
-from engine.train.metrics import MetricsWriter, log_memory
+from engine.train.hooks import Checkpoints, Evaluation, Hook, close_all
+from engine.train.metrics import DeferredMetrics, MetricsWriter, log_memory
 from engine.train.preemption import PreemptionWatch
 from engine.train.profiling import StepProfiler
 from engine.train.samples import Sampler
@@ -78,119 +80,75 @@ def initial_state(run: Run, checkpointer: Checkpointer, train_iterator, workdir)
   return state, 0, {'init': log_memory('init', init_compiled)}
 
 
-class Evaluator:
-  """The eval step on the same fixed held-out batches every time, so losses compare."""
+def loop_hooks(*, profiler: StepProfiler, guard: FinitenessGuard, evaluation: Hook,
+               sampler: Hook, checkpoints: Hook, metrics: Hook) -> list[Hook]:
+  """The loop's hooks in the order they are called (engine/train/hooks.py), closed in reverse.
 
-  def __init__(self, run: Run, eval_step):
-    config = run.config
-    self.eval_step = eval_step
-    self.batches = [
-        data.to_global(b, run.setup.batch_sharding(), config.data.global_batch_size)
-        for b in data.eval_batches(run.corpus, config.data, config.seed,
-                                   config.train.eval_batches)]
-
-  def __call__(self, params) -> float:
-    return float(np.mean([self.eval_step(params, b) for b in self.batches]))
+  The guard comes before the evaluation, the sampler and the checkpoints: a step that is not
+  finite is never evaluated, sampled or saved; and before the metrics, which never log a step
+  that stopped the run. The profiler comes first, so that its trace ends with the step; the
+  metrics last, so that they close first: the final log line comes before the last save's wait.
+  """
+  return [profiler, guard, evaluation, sampler, checkpoints, metrics]
 
 
-class DeferredMetrics:
-  """Logs every log_every-th step's metrics, fetched once the next step is dispatched, with the
-  mean loss of the steps since the previous log point (their losses stay on the device until
-  then: no host sync per step)."""
-
-  def __init__(self, writer: MetricsWriter, result: TrainResult, log_every: int,
-               num_steps: int, peak_memory: run_summary.PeakMemory):
-    self.writer, self.result = writer, result
-    self.log_every, self.num_steps = log_every, num_steps
-    self.peak_memory = peak_memory
-    self._pending = None
-    self._losses = []  # Device scalars of the steps since the last log point.
-
-  def after_dispatch(self, step: int, metrics) -> None:
-    self.flush()
-    self._losses.append(metrics['loss'])
-    if step % self.log_every == 0 or step == self.num_steps:
-      self._pending = (step, metrics, self._losses)
-      self._losses = []
-
-  def flush(self) -> None:
-    if self._pending is None:
-      return
-    step, metrics, losses = self._pending
-    self._pending = None
-    metrics, losses = jax.device_get((metrics, losses))
-    loss, grad_norm = float(metrics['loss']), float(metrics['grad_norm'])
-    finite = [float(l) for l in losses if np.isfinite(l)]  # Skipped steps' are not.
-    mean_loss = float(np.mean(finite)) if finite else loss
-    # A mixture of experts' router health (steps.model_metrics): this step's, not a mean.
-    extra = {name: float(value) for name, value in metrics.items() if name.startswith('moe/')}
-    peak_bytes, _ = self.peak_memory.read()
-    if peak_bytes is not None:
-      extra['train/peak_memory_bytes'] = peak_bytes
-    self.writer.log_train(step, mean_loss, float(metrics['learning_rate']), grad_norm, extra)
-    self.result.train_losses[step] = loss
-    self.result.train_interval_losses[step] = mean_loss
-    self.result.train_grad_norms[step] = grad_norm
+def global_batches(run: Run, train_iterator):
+  """The train iterator's batches laid out on the mesh, one per step, read as the loop asks."""
+  batch_sharding, size = run.setup.batch_sharding(), run.config.data.global_batch_size
+  return (data.to_global(batch, batch_sharding, size) for batch in train_iterator)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class StepLoop:
-  """The steps from the initial state to train.num_steps (or a preemption), and the hooks
-  each step calls."""
-  run: Run
-  train_step: object  # Compiled.
-  train_iterator: object
-  evaluate: Evaluator
-  checkpointer: Checkpointer
-  guard: FinitenessGuard
-  metrics: DeferredMetrics
+  """The steps from the initial state to `num_steps` (or a preemption), each calling the hooks
+  in list order (engine/train/hooks.py); once it ends, however it ends, every hook is closed,
+  the last first."""
+  num_steps: int
+  batches: Iterator  # The global batch of each step.
+  train_step: Callable  # Compiled: (state, batch) -> (state, metrics).
   preemption: PreemptionWatch
+  pause: Callable[[], contextlib.AbstractContextManager]  # Time left out of the throughput.
   result: TrainResult
-  profiler: StepProfiler
-  sampler: Sampler  # train.sample_every's samples.
+  hooks: list[Hook]  # In the order of loop_hooks.
 
   def __call__(self, state, start_step: int) -> None:
-    config = self.run.config
-    num_steps, batch = config.train.num_steps, config.data.global_batch_size
-    batch_sharding = self.run.setup.batch_sharding()
+    try:
+      self._steps(state, start_step)
+    except BaseException as error:
+      if isinstance(error, jax.errors.JaxRuntimeError):
+        distributed.await_failure_report()
+      close_all(self.hooks, error)
+      raise
+    finally:
+      # The signals go back before a finished run's last save is waited for (a SIGTERM there
+      # stops at once, as outside a run), after a failed run's saves were left to finish.
+      self.preemption.close()
+    close_all(self.hooks, None)
+
+  def _steps(self, state, start_step: int) -> None:
     # Gloo's CPU collectives across processes hang with two steps in flight (seen with 2
     # processes x 4 devices, within the first 50 steps); there, the next step is dispatched
     # only once this one is done. Accelerators keep the overlap.
     lockstep = jax.process_count() > 1 and jax.default_backend() == 'cpu'
-    for step in range(start_step + 1, num_steps + 1):
-      tokens = data.to_global(next(self.train_iterator), batch_sharding, batch)
-      self.profiler.before(step, state)
+    for step in range(start_step + 1, self.num_steps + 1):
+      tokens = next(self.batches)
+      for hook in self.hooks:
+        hook.before_dispatch(step, state)
       state, metrics = self.train_step(state, tokens)
-      self.profiler.after(step, state, metrics)
       if lockstep:
         jax.block_until_ready(state)
-      self.guard.after_dispatch(step, metrics)
-      self.metrics.after_dispatch(step, metrics)
-      stop = self.preemption.stop_after(step)
-      final = step == num_steps or stop
-      evaluate = (step % config.train.eval_every == 0 or step == num_steps) and not stop
-      sample = self.sampler.due(step) and not stop
-      if evaluate or sample or self.checkpointer.is_due(step, force=final):
-        # Nothing not finite is evaluated, sampled or checkpointed.
-        self.guard.check(step, metrics)
+      for hook in self.hooks:
+        hook.after_dispatch(step, state, metrics)
+      stopping = self.preemption.stop_after(step)
+      if any(hook.wants_sync(step, stopping) for hook in self.hooks):
         # The step itself counts towards throughput; the eval, the sample and the save do not.
         jax.block_until_ready(state)
-        with self.metrics.writer.pause():
-          if evaluate:
-            self._evaluate(step, state['params'])
-          if sample:
-            self.sampler(step, state['params'])
-          self.checkpointer.save(step, state, self.train_iterator, force=final)
+        with self.pause():
+          for hook in self.hooks:
+            hook.at_sync(step, state, stopping)
       self.result.final_step = step
-      if stop:
+      if stopping:
         break
-    self.metrics.flush()
-
-  def _evaluate(self, step: int, params) -> None:
-    eval_loss = self.evaluate(params)
-    self.guard.stop_if_not_finite(step, {'eval loss': eval_loss})
-    self.metrics.writer.log_eval(step, eval_loss)
-    self.result.eval_losses[step] = eval_loss
 
 
 def compile_steps(run: Run, memory: dict) -> tuple:
@@ -224,23 +182,6 @@ def _final_report(config, checkpointer: Checkpointer, preemption: PreemptionWatc
                  'command to resume.', preemption.signal_name, result.final_step,
                  config.train.num_steps, checkpointer.directory)
     result.preempted = True
-
-
-def _close_quietly(checkpointer: Checkpointer) -> None:
-  """After a failure: saves in flight are of earlier, finite steps, so let them finish, quietly,
-  so that the error that stopped the run is the one reported. With several processes, wait no
-  longer than the heartbeat timeout: the others may have stopped, and the error comes first."""
-
-  def close():
-    with contextlib.suppress(Exception):
-      checkpointer.close()
-
-  if not distributed.is_active():
-    close()
-    return
-  closer = threading.Thread(target=close, name='checkpoint_close', daemon=True)
-  closer.start()
-  closer.join(timeout=distributed.heartbeat_timeout_s())
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
@@ -281,25 +222,17 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
                  workdir, start_step, num_steps)
   writer.start_clock(start_step)
   preemption = PreemptionWatch()
-  loop = StepLoop(run, train_step, train_iterator, Evaluator(run, eval_step), checkpointer,
-                  guard,
-                  DeferredMetrics(writer, result, config.train.log_every, num_steps, peak_memory),
-                  preemption, result,
-                  StepProfiler(config.train.profile_steps, num_steps, start_step, workdir),
-                  sampler)
-  try:
-    loop(state, start_step)
-  except jax.errors.JaxRuntimeError:
-    distributed.await_failure_report()
-    raise
-  except BaseException:
-    _close_quietly(checkpointer)
-    raise
-  finally:
-    with contextlib.suppress(Exception):  # The error that stopped the run is the one reported.
-      loop.profiler.stop()  # A run stopped inside the range keeps its partial trace.
-    preemption.close()
-  checkpointer.close()
+  loop = StepLoop(
+      num_steps=num_steps, batches=global_batches(run, train_iterator), train_step=train_step,
+      preemption=preemption, pause=writer.pause, result=result,
+      hooks=loop_hooks(
+          profiler=StepProfiler(config.train.profile_steps, num_steps, start_step, workdir),
+          guard=guard,
+          evaluation=Evaluation(run, eval_step, guard=guard, writer=writer, result=result),
+          sampler=sampler,
+          checkpoints=Checkpoints(checkpointer, train_iterator, num_steps),
+          metrics=DeferredMetrics(writer, result, config.train.log_every, num_steps, peak_memory)))
+  loop(state, start_step)
   _final_report(config, checkpointer, preemption, result)
   writer.close()
   result.summary = run_summary.write(

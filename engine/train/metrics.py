@@ -1,4 +1,5 @@
-"""Training metrics: absl log lines, TensorBoard events (tensorboardX) and JSON lines.
+"""Training metrics: absl log lines, TensorBoard events (tensorboardX) and JSON lines, and the
+loop's hook that feeds them without a host sync per step (`DeferredMetrics`).
 
 Only process 0 writes files; every process may call the writer. Throughput, MFU and the estimated
 time left come from wall-clock time between log points, less the time spent paused (eval and
@@ -19,6 +20,7 @@ from absl import logging
 from etils import epath
 from tensorboardX import SummaryWriter
 
+from engine.train.hooks import Hook
 from engine.workdir import run_dir as workdir_lib
 
 
@@ -107,6 +109,54 @@ class MetricsWriter:
     if self.is_writer:
       self.tensorboard.close()
       self.jsonl.close()
+
+
+class DeferredMetrics(Hook):
+  """Logs every log_every-th step's metrics, fetched once the next step is dispatched, with the
+  mean loss of the steps since the previous log point (their losses stay on the device until
+  then: no host sync per step). `result` (the loop's TrainResult) keeps what was logged;
+  `peak_memory.read()` gives the peak bytes so far (or None)."""
+
+  def __init__(self, writer: MetricsWriter, result, log_every: int, num_steps: int,
+               peak_memory):
+    self.writer, self.result = writer, result
+    self.log_every, self.num_steps = log_every, num_steps
+    self.peak_memory = peak_memory
+    self._pending = None
+    self._losses = []  # Device scalars of the steps since the last log point.
+
+  def after_dispatch(self, step: int, state, metrics) -> None:
+    del state
+    self.flush()
+    self._losses.append(metrics['loss'])
+    if step % self.log_every == 0 or step == self.num_steps:
+      self._pending = (step, metrics, self._losses)
+      self._losses = []
+
+  def close(self, error: BaseException | None) -> None:
+    """Logs the pending point once the loop has finished; after an error it is dropped (it may
+    be the step that stopped the run)."""
+    if error is None:
+      self.flush()
+
+  def flush(self) -> None:
+    if self._pending is None:
+      return
+    step, metrics, losses = self._pending
+    self._pending = None
+    metrics, losses = jax.device_get((metrics, losses))
+    loss, grad_norm = float(metrics['loss']), float(metrics['grad_norm'])
+    finite = [float(l) for l in losses if np.isfinite(l)]  # Skipped steps' are not.
+    mean_loss = float(np.mean(finite)) if finite else loss
+    # A mixture of experts' router health (steps.model_metrics): this step's, not a mean.
+    extra = {name: float(value) for name, value in metrics.items() if name.startswith('moe/')}
+    peak_bytes, _ = self.peak_memory.read()
+    if peak_bytes is not None:
+      extra['train/peak_memory_bytes'] = peak_bytes
+    self.writer.log_train(step, mean_loss, float(metrics['learning_rate']), grad_norm, extra)
+    self.result.train_losses[step] = loss
+    self.result.train_interval_losses[step] = mean_loss
+    self.result.train_grad_norms[step] = grad_norm
 
 
 class JsonLines:

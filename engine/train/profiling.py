@@ -9,12 +9,14 @@ with trace_steps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
 from absl import logging
 
 from engine.config import parse_profile_steps
+from engine.train.hooks import Hook
 
 
 def trace_directory(base) -> str:
@@ -38,11 +40,12 @@ def trace_steps(directory: str, step, state, batches: list):
   return state
 
 
-class StepProfiler:
+class StepProfiler(Hook):
   """Starts a trace before step `first` is dispatched and stops it once step `last` is done.
   The loop compares each step with two ints; the rest runs twice per run at most.
 
-  A run resumed inside the range traces its remaining steps; one resumed past it traces none."""
+  A run resumed inside the range traces its remaining steps; one resumed past it traces none;
+  one that stops inside it (preempted, or failed) keeps its partial trace."""
 
   def __init__(self, text: str, num_steps: int, start_step: int, workdir):
     steps = parse_profile_steps(text, num_steps)
@@ -53,13 +56,13 @@ class StepProfiler:
     self.directory = trace_directory(self.base) if self.first > 0 else ''
     self.active = False
 
-  def before(self, step: int, state) -> None:
+  def before_dispatch(self, step: int, state) -> None:
     if step == self.first:
       jax.block_until_ready(state)  # Earlier steps' device work stays out of the trace.
       jax.profiler.start_trace(self.directory)
       self.active = True
 
-  def after(self, step: int, state, metrics) -> None:
+  def after_dispatch(self, step: int, state, metrics) -> None:
     if step == self.last:
       jax.block_until_ready((state, metrics))  # The trace holds the last step's device work.
       self.stop()
@@ -72,3 +75,8 @@ class StepProfiler:
     if self.active:
       self.active = False
       jax.profiler.stop_trace()
+
+  def close(self, error: BaseException | None) -> None:
+    del error
+    with contextlib.suppress(Exception):  # A trace that fails to stop does not fail the run.
+      self.stop()

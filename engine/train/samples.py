@@ -23,6 +23,7 @@ from absl import logging
 from engine.data.prompts import encode_prompts
 from engine.generate import sampling as generate
 from engine.errors import ConfigError
+from engine.train.hooks import Hook
 from engine.validation.samples import SAMPLE_TOKENS
 
 
@@ -54,8 +55,9 @@ def new_tokens(config, prompt_len: int) -> int:
   return asked or room
 
 
-class Sampler:
-  """Decodes the prompt every train.sample_every steps (0: never) and logs the text."""
+class Sampler(Hook):
+  """Decodes the prompt every train.sample_every steps (0: never) and logs the text; not at a
+  preemption's step, which only checkpoints."""
 
   def __init__(self, run):
     config = run.config
@@ -73,6 +75,13 @@ class Sampler:
 
   def due(self, step: int) -> bool:
     return bool(self.every) and step % self.every == 0
+
+  def wants_sync(self, step: int, stopping: bool) -> bool:
+    return self.due(step) and not stopping
+
+  def at_sync(self, step: int, state, stopping: bool) -> None:
+    if self.wants_sync(step, stopping):
+      self(step, state['params'])
 
   def __call__(self, step: int, params) -> np.ndarray | None:
     """Step `step`'s sample from `params` (logged, and returned as ids), if it is due."""

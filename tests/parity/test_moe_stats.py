@@ -183,8 +183,9 @@ def test_router_health_in_log_line_and_metrics_file(tmp_path, caplog):
             'moe/load_min': 0.714, 'moe/load_max': 1.384, 'moe/load_cv': 0.2149}
   # On the absl logger itself: an earlier test in the session may have lowered absl's verbosity.
   with caplog.at_level(logging.INFO, logger='absl'):
-    deferred.after_dispatch(1, dense)
-    deferred.after_dispatch(2, {**dense, **{k: jax.numpy.float32(v) for k, v in router.items()}})
+    deferred.after_dispatch(1, None, dense)
+    router_step = {**dense, **{k: jax.numpy.float32(v) for k, v in router.items()}}
+    deferred.after_dispatch(2, None, router_step)
     deferred.flush()
   writer.close()
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('step ')]

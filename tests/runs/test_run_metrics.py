@@ -137,8 +137,8 @@ def test_skipped_steps_stay_out_of_the_mean():
   writer, result = _Writer(), TrainResult({}, {}, {}, 0, {})
   deferred = DeferredMetrics(writer, result, 3, 3, run_summary.PeakMemory(123))
   for step, loss in ((1, 2.0), (2, np.nan), (3, 4.0)):
-    deferred.after_dispatch(step, {'loss': np.float32(loss), 'grad_norm': np.float32(1.0),
-                                   'learning_rate': np.float32(1e-3)})
+    deferred.after_dispatch(step, None, {'loss': np.float32(loss), 'grad_norm': np.float32(1.0),
+                                         'learning_rate': np.float32(1e-3)})
   deferred.flush()
   assert writer.logged == [(3, 3.0, {'train/peak_memory_bytes': 123})]
   assert result.train_losses == {3: 4.0} and result.train_interval_losses == {3: 3.0}
