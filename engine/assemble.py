@@ -15,7 +15,6 @@ the vocabulary size (export, planning, layouts).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -45,12 +44,19 @@ class Run:
   setup: TrainSetup  # Mesh, rules, model and optimizer.
   corpus: data.Corpus | None  # With CORPUS.
   tokenizer: object | None  # With CORPUS or TOKENIZER (the one that decodes, for TOKENIZER).
+  _built: dict[str, Steps] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
-  @functools.cached_property
+  def steps_for(self, mode: str) -> Steps:
+    """`mode`'s jitted steps on this layout (built once per mode, compiled on first use): one
+    layout serves both modes, so the mode is an argument, not a config key to rewrite."""
+    if mode not in self._built:
+      self._built[mode] = parallel.build_steps(mode, self.setup)
+    return self._built[mode]
+
+  @property
   def steps(self) -> Steps:
-    """The config's mode's jitted steps (built once, compiled on first use or by the methods
-    below)."""
-    return parallel.STEP_BUILDERS[self.config.parallelism.mode](self.setup)
+    """The config's mode's steps (steps_for), which the methods below compile."""
+    return self.steps_for(self.config.parallelism.mode)
 
   def abstract_batch(self, global_batch: int | None = None) -> jax.ShapeDtypeStruct:
     """The token batch the steps are compiled for (data.global_batch_size unless given)."""
@@ -112,7 +118,7 @@ def flat_gather(parallelism: ml_collections.ConfigDict, mesh) -> bool:
   together on CPU devices only, where XLA combines no all-gathers or reduce-scatters itself; on
   TPU and GPU its combiners do, and the cut of a flat buffer into weights would only cost copies
   (the 8B plan on v5p-256, manual data 8 x fsdp 16: 30.9 GiB per chip against 27.6)."""
-  choice = parallelism.get('fsdp_gather', 'auto')  # An older run's config.json lacks it.
+  choice = parallelism.fsdp_gather  # An older run's config.json gains it in run_dir.upgrade.
   if choice == 'auto':
     return mesh.devices.flat[0].platform == 'cpu'
   return choice == 'per_layer'
@@ -142,13 +148,16 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
 
 
 def check(config: ml_collections.ConfigDict, devices, *, training: bool = True,
-          reads_text: bool = True) -> None:
+          reads_text: bool = True) -> ml_collections.ConfigDict:
   """What assemble checks before it reads data or builds anything: the config on `devices`
-  (engine.sweep checks every variant so before the first one trains)."""
-  hf.apply_model_config(config)  # train.init_from=hf:DIR: the model is DIR's.
+  (engine.sweep checks every variant so before the first one trains). Returns the config the
+  run uses, a copy (with train.init_from=hf:DIR, DIR's model settings); `config` is left as it
+  was."""
+  config = hf.with_model_config(config)
   num_processes = len({d.process_index for d in devices})
   validation.validate(config, len(devices), num_processes, validation.count_slices(devices),
                       training=training, reads_text=reads_text)
+  return config
 
 
 def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CORPUS,
@@ -160,7 +169,7 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
   run's kept copy), for the reads other than CORPUS; `training=False` skips the checks that only a train step needs
   (the batch's split, the pipeline schedule), for a finished run's generation and export."""
   devices = list(devices if devices is not None else jax.devices())
-  check(config, devices, training=training, reads_text=reads != VOCABULARY)
+  config = check(config, devices, training=training, reads_text=reads != VOCABULARY)
   if corpus is None and reads == CORPUS:
     corpus = data.load_corpus(config.data, config.seed)
   if corpus is not None and reads != TOKENIZER:
@@ -182,13 +191,14 @@ def assemble_finished_run(workdir: str, mesh: str, where: str = '--mesh',
   its checkpoint into. The tokenizer is the copy the workdir keeps (engine/workdir/tokenizer.py),
   where it has one: a corpus read for evaluation is checked against it, and nothing else is
   read for the others."""
-  config = workdir_lib.read_run_config(workdir)
+  recorded = workdir_lib.read_run_config(workdir)
   kept = run_tokenizer.load_kept(workdir, workdir_lib.read_saved(workdir))
+  values = {
+      'train.init_from': '',  # The parameters are the workdir's own checkpoint's.
+      'mesh.dcn_data': 1, 'mesh.dcn_fsdp': 1, **config_lib.mesh_values(mesh, where)}
   if kept is not None and kept.kind != 'char':
-    config.data.tokenizer_path = kept.path  # Shards check it against their meta.json.
-  config.train.init_from = ''  # The parameters are the workdir's own checkpoint's.
-  config_lib.set_mesh_shape(config, mesh, where)
-  config.mesh.dcn_data = config.mesh.dcn_fsdp = 1
+    values['data.tokenizer_path'] = kept.path  # Shards check it against their meta.json.
+  config = config_lib.with_values(recorded, values)
   sizes = [config.mesh[axis] for axis in config_lib.MESH_AXES]
   count = math.prod(size for size in sizes if size > 0)
   # A mesh of fixed sizes takes the first devices it needs; with a -1 (or more than there are,

@@ -2,11 +2,13 @@
 
 Every experiment file starts from `default_config()` and overrides what it needs, so the schema
 lives here once. engine/validation/__init__.py checks a whole tree against it before anything compiles,
-raising `engine.errors.ConfigError`.
+raising `engine.errors.ConfigError`. A config is a value once built: a command that varies one
+(a mesh, a mode) derives a copy with `with_values`, never rewriting the config it was given.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -266,6 +268,28 @@ def set_mesh_shape(config: ml_collections.ConfigDict, shape: str, where: str = '
   1, whatever the config held before."""
   for axis, size in parse_mesh(shape, where).items():
     config.mesh[axis] = size
+
+
+def mesh_values(shape: str, where: str = 'mesh') -> dict[str, int]:
+  """A mesh string (parse_mesh) as with_values takes it: {'mesh.data': 2, ...}, all six axes
+  (an axis the string leaves out is 1, whatever the config held before)."""
+  return {f'mesh.{axis}': size for axis, size in parse_mesh(shape, where).items()}
+
+
+def with_values(config: ConfigDict, values: dict[str, object]) -> ConfigDict:
+  """A deep copy of `config` with dotted keys set ({'parallelism.mode': 'manual', 'mesh.data':
+  2}): a command changes its own copy, never the config it was given, which its caller may
+  still read or pass on. Raises KeyError naming a key the config does not have."""
+  changed = copy.deepcopy(config)
+  for key, value in values.items():
+    *sections, leaf = key.split('.')
+    section = changed
+    for name in sections:
+      section = section.get(name) if isinstance(section, ConfigDict) else None
+    if not isinstance(section, ConfigDict) or leaf not in section:
+      raise KeyError(f'{key}: the config has no such key (engine/config.py, default_config())')
+    section[leaf] = value
+  return changed
 
 
 def flat_defaults() -> dict[str, object]:

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 
@@ -28,7 +27,7 @@ from engine.train import profiling
 from engine.assemble import compile_train_step
 from engine import chips
 from engine.analysis import collectives
-from engine.config import MESH_AXES
+from engine.config import MESH_AXES, with_values
 from engine.errors import ConfigError
 from engine.train.metrics import log_memory
 from engine.state import TrainSetup
@@ -68,7 +67,7 @@ def mesh_name(shape: dict[str, int]) -> str:
 
 
 def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
-  steps = parallel.STEP_BUILDERS[mode](train_setup)
+  steps = parallel.build_steps(mode, train_setup)
   start = time.perf_counter()
   compiled = compile_train_step(steps, train_setup, abstract_batch)
   seconds = time.perf_counter() - start
@@ -244,16 +243,13 @@ def dense_equivalent(config):
   if not config.model.get('num_experts', 0):
     raise ConfigError('--dense_equivalent: the config is not a mixture of experts '
                       '(model.num_experts=0); set model.num_experts, or drop the flag.')
-  dense = ml_collections.ConfigDict(config.to_dict())
-  m = dense.model
-  m.mlp_dim = m.experts_per_token * (m.moe_mlp_dim or m.mlp_dim) + m.moe_shared_expert
-  m.num_experts = 0
-  if -1 in (dense.mesh.data, dense.mesh.expert):
-    dense.mesh.data = -1  # The devices the other axes leave, expert's among them.
-  else:
-    dense.mesh.data *= dense.mesh.expert
-  dense.mesh.expert = 1
-  return dense
+  m, mesh = config.model, config.mesh
+  return with_values(config, {
+      'model.mlp_dim': m.experts_per_token * (m.moe_mlp_dim or m.mlp_dim) + m.moe_shared_expert,
+      'model.num_experts': 0,
+      # -1: the devices the other axes leave, expert's among them.
+      'mesh.data': -1 if -1 in (mesh.data, mesh.expert) else mesh.data * mesh.expert,
+      'mesh.expert': 1})
 
 
 def dense_comparison(rows: list[dict]) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from absl import flags
 from ml_collections import config_flags
 
+from engine import config as config_lib
 from engine import parallel
 from engine.analysis import benchmark
 from engine.assemble import assemble
@@ -65,15 +66,16 @@ def measure(config) -> None:
   rows_per_micro = config.data.global_batch_size // first
   corpus, variants, sizes = None, [], []
   for count in counts:
-    config.train.microbatches = count
-    config.data.global_batch_size = rows_per_micro * count
-    run = assemble(config, corpus=corpus)  # Reads the data once.
+    run = assemble(config_lib.with_values(config, {
+        'train.microbatches': count, 'data.global_batch_size': rows_per_micro * count}),
+                   corpus=corpus)  # Reads the data once.
     corpus = run.corpus
     variants += [(mode, run.setup) for mode in _MODES.value]
-    sizes += [config.data.global_batch_size] * len(_MODES.value)
-  runs = benchmark.run_variants(config, corpus, variants, _STEPS.value, _WARMUP.value,
+    sizes += [run.config.data.global_batch_size] * len(_MODES.value)
+  # Each variant's batch is its own (sizes); the seed, data and sequence length are all's.
+  runs = benchmark.run_variants(run.config, corpus, variants, _STEPS.value, _WARMUP.value,
                                 batch_sizes=sizes)
-  stages, repeats = config.mesh.stage, config.train.pipeline_repeats
+  stages, repeats = run.config.mesh.stage, run.config.train.pipeline_repeats
   print(f'Pipeline bubble: {stages} stages, pipeline_repeats {repeats} '
         f'({"GPipe" if repeats == 1 else "circular"}), micro-batches of {rows_per_micro} rows, '
         f'mesh {runs[0].mesh}; median of {_STEPS.value} steps each.\n')

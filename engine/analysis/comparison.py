@@ -128,7 +128,7 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
   """Runs the comparison and writes the report; returns the report's data."""
   parallel.check_modes(modes, '--modes')
   run = assemble(config)
-  corpus, train_setup = run.corpus, run.setup
+  config, corpus, train_setup = run.config, run.corpus, run.setup  # The config as it ran.
   workdir_lib.prepare(workdir)  # A directory this process can write, before anything runs.
   observer = None
   if jax.process_count() == 1:

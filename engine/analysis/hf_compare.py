@@ -63,23 +63,16 @@ def next_token_loss(logits_BLV: np.ndarray, tokens_BL1: np.ndarray) -> float:
 def engine_config(path: str, mode: str, mesh: str, rows: int, seq_len: int):
   """What `train.init_from=hf:PATH` trains with: the Llama model, its settings from PATH's
   config.json (applied by assemble), one synthetic-data step of plain AdamW."""
-  config = config_lib.default_config()
-  config.model.name = 'llama'
-  config.train.init_from = f'{hf.PREFIX}{path}'
-  config.parallelism.mode = mode
-  config_lib.set_mesh_shape(config, mesh, '--mesh')
-  config.data.source = 'synthetic'
-  config.data.seq_len = seq_len
-  config.data.global_batch_size = rows
-  config.train.num_steps = 1
-  config.train.eval_batches = 1
-  config.optim.warmup_steps = 0
-  config.optim.learning_rate = config.optim.end_learning_rate = LEARNING_RATE
-  config.seed = SEED
-  # A mixture of experts' step loss is the cross-entropy alone, as transformers' (which adds its
-  # router loss only with output_router_logits).
-  config.model.moe_aux_loss_coef = config.model.moe_z_loss_coef = 0.0
-  return config
+  return config_lib.with_values(config_lib.default_config(), {
+      'model.name': 'llama', 'train.init_from': f'{hf.PREFIX}{path}',
+      'parallelism.mode': mode, **config_lib.mesh_values(mesh, '--mesh'),
+      'data.source': 'synthetic', 'data.seq_len': seq_len, 'data.global_batch_size': rows,
+      'train.num_steps': 1, 'train.eval_batches': 1, 'optim.warmup_steps': 0,
+      'optim.learning_rate': LEARNING_RATE, 'optim.end_learning_rate': LEARNING_RATE,
+      'seed': SEED,
+      # A mixture of experts' step loss is the cross-entropy alone, as transformers' (which adds
+      # its router loss only with output_router_logits).
+      'model.moe_aux_loss_coef': 0.0, 'model.moe_z_loss_coef': 0.0})
 
 
 def mesh_devices(config) -> list:
@@ -135,13 +128,14 @@ def measure(path: str, mode: str, tokens_BL1: np.ndarray, export_dir: str,
   batch = jax.device_put(tokens_BL1, setup.batch_sharding())
   inputs = tokens_BL1[:, :-1]
   logits = np.asarray(forward(params, inputs)) if mode == 'auto' else None
-  eval_loss = float(run.steps.eval(params, batch))
+  steps = run.steps_for(mode)
+  eval_loss = float(steps.eval(params, batch))
   state, _ = setup.init(config.seed)
   state['params'] = params  # As engine.train does for train.init_from.
-  state, metrics = run.steps.train(state, batch)  # Donates the loaded parameters.
+  state, metrics = steps.train(state, batch)  # Donates the loaded parameters.
   trained = state['params']
   trained_logits = np.asarray(forward(trained, inputs))
-  trained_eval_loss = float(run.steps.eval(trained, batch))
+  trained_eval_loss = float(steps.eval(trained, batch))
   host = {p: np.asarray(v) for p, v in hf.by_path(jax.device_get(trained)).items()}
   save_export(host, run, export_dir)
   model = {key: run.config.model[key] for key in run.config.model}

@@ -84,21 +84,22 @@ _BASELINE = flags.DEFINE_string('baseline', None, 'The root of another checkout 
 
 
 def variants(config) -> tuple:
-  """(corpus, [(mode, setup)] for every mesh and mode, then with --dense_equivalent those of the
-  dense equivalent on every distinct folded mesh): all validated and laid out before anything
-  compiles."""
+  """(the config as the last mesh's run uses it, corpus, [(mode, setup)] for every mesh and
+  mode, then with --dense_equivalent those of the dense equivalent on every distinct folded
+  mesh): all validated and laid out before anything compiles; `config` itself is left as
+  given."""
   parallel.check_modes(_MODES.value, '--modes')
   benchmark.check_timing_flags(_STEPS.value, _WARMUP.value)
   for mesh in _MESHES.value:
     config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before any data is read.
   if _DENSE.value:
     benchmark.dense_equivalent(config)  # Refused before anything is laid out.
-  corpus, setups, dense_meshes = None, [], []
+  corpus, setups, dense_meshes, used = None, [], [], config
   for mesh in _MESHES.value or ['']:
-    if mesh:
-      config_lib.set_mesh_shape(config, mesh, '--meshes')
-    candidates = [config]
-    dense = benchmark.dense_equivalent(config) if _DENSE.value else None
+    meshed = config_lib.with_values(config, config_lib.mesh_values(mesh, '--meshes')
+                                    if mesh else {})
+    candidates = [meshed]
+    dense = benchmark.dense_equivalent(meshed) if _DENSE.value else None
     if dense and dense.mesh.to_dict() not in dense_meshes:  # Two meshes may fold to one.
       dense_meshes.append(dense.mesh.to_dict())
       candidates.append(dense)
@@ -106,8 +107,9 @@ def variants(config) -> tuple:
       run = assemble(candidate, corpus=corpus)  # Reads the data once.
       corpus = run.corpus
       setups.append(run.setup)
+      used = run.config if candidate is meshed else used
   setups.sort(key=lambda s: s.model.experts is None)  # The dense ones last.
-  return corpus, [(mode, s) for s in setups for mode in _MODES.value]
+  return used, corpus, [(mode, s) for s in setups for mode in _MODES.value]
 
 
 def check_flags(config) -> None:
@@ -132,8 +134,8 @@ def main(argv):
   del argv
   config = _CONFIG.value
   check_flags(config)
-  config_json = config.to_json()  # As given: variants() sets each mesh in turn.
-  corpus, runs_to_make = variants(config)
+  config_json = config.to_json()  # As given, for the baseline's own meshes and model settings.
+  config, corpus, runs_to_make = variants(config)
   first_setup = runs_to_make[0][1]
   tokens = config.data.global_batch_size * config.data.seq_len
   torch = before = None

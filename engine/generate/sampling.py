@@ -177,7 +177,7 @@ def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,
     raise ConfigError(
         f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '
         f'GPT model\'s {config.model.max_len} learned positions; shorten them.')
-  window = config.model.get('sliding_window', 0)
+  window = config.model.sliding_window  # An older run's config gains it (run_dir.upgrade).
   if window and prompt_len + bos + max_new_tokens > window:
     raise ConfigError(
         f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '

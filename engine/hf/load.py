@@ -30,6 +30,7 @@ import numpy as np
 from absl import logging
 from safetensors import safe_open
 
+from engine import config as config_lib
 from engine import models
 from engine.data import manifest_paths as paths
 from engine.errors import ConfigError
@@ -75,16 +76,24 @@ def model_config(hf: dict, where: str) -> dict:
     raise ConfigError(f'{where}: config.json lacks or garbles {e} for {fmt.architecture}.') from None
 
 
-def apply_model_config(config) -> None:
-  """For `train.init_from=hf:PATH`: the model settings come from PATH/config.json."""
+def _model_values(config) -> dict[str, object]:
+  """For `train.init_from=hf:PATH`: the model settings PATH/config.json gives that differ from
+  the config's, as dotted keys for engine.config.with_values ({} without an hf: init_from)."""
   path = path_of(config.train.init_from)
   if path is None:
-    return
-  settings = model_config(read_config(path), f'train.init_from=hf:{path}')
-  for key, value in settings.items():
+    return {}
+  values = {}
+  for key, value in model_config(read_config(path), f'train.init_from=hf:{path}').items():
     if config.model[key] != value:
       logging.info('model.%s=%r from %s/config.json', key, value, path)
-      config.model[key] = value
+      values[f'model.{key}'] = value
+  return values
+
+
+def with_model_config(config):
+  """A copy of `config` whose model settings are PATH/config.json's for `train.init_from=hf:PATH`
+  (the config itself is left as it was)."""
+  return config_lib.with_values(config, _model_values(config))
 
 
 class _Files:

@@ -1,5 +1,7 @@
 """Every compiled program on a layout. Train-step builders, one per parallelism mode: a plain
 dict registry; each takes an engine.state.TrainSetup and returns engine.parallel.steps.Steps.
+`build_steps(mode, setup)` is where a mode picks its builder: the mode is an argument, never
+read from a config here.
 
   steps.py            Steps (train, eval, gradients, window losses) and the loss both modes share
   auto.py             auto mode: jax.jit with shardings from the rules (AutoOps)
@@ -14,8 +16,16 @@ dict registry; each takes an engine.state.TrainSetup and returns engine.parallel
 
 from engine.errors import ConfigError
 from engine.parallel import auto, manual
+from engine.parallel.steps import Steps
 
 STEP_BUILDERS = {'auto': auto.build_steps, 'manual': manual.build_steps}
+
+
+def build_steps(mode: str, setup) -> Steps:
+  """`mode`'s jitted steps on `setup` (an engine.state.TrainSetup); an unknown mode is refused
+  as check_modes refuses it."""
+  check_modes(mode)
+  return STEP_BUILDERS[mode](setup)
 
 
 def check_modes(modes, where: str = 'parallelism.mode') -> None:

@@ -208,8 +208,7 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
 def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
                    hardware: Hardware) -> dict:
   """Compiles one candidate (config with its mesh) for one mode; returns its plan row."""
-  config = ml_collections.ConfigDict(config.to_dict())
-  config.parallelism.mode = mode
+  config = config_lib.with_values(config, {'parallelism.mode': mode})
   row = {'mode': mode, 'config': json.loads(config.to_json())}
   try:
     run = assemble(config, devices, reads=VOCABULARY)
@@ -271,12 +270,11 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
   devices = topology_devices(topology, num_slices)
   hardware = Hardware.of(devices, dcn_gb_per_s)
   num_processes = len({d.process_index for d in devices})
-  hf.apply_model_config(config)  # train.init_from=hf:DIR: plan DIR's model, once.
+  config = hf.with_model_config(config)  # train.init_from=hf:DIR: plan DIR's model, once.
   rows = []
   for mesh in meshes or ['']:
-    candidate = ml_collections.ConfigDict(config.to_dict())
-    if mesh:
-      config_lib.set_mesh_shape(candidate, mesh, '--meshes')
+    candidate = config_lib.with_values(config, config_lib.mesh_values(mesh, '--meshes')
+                                       if mesh else {})
     for mode in modes:
       logging.info('Compiling %s on %s for %s.', mode, mesh or 'the config\'s mesh', topology)
       rows.append(plan_candidate(candidate, mode, devices, hardware))

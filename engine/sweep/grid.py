@@ -7,7 +7,6 @@ any other key is a config key (engine/config.py, default_config()).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import re
@@ -106,19 +105,19 @@ def _typed(current, key: str, value: str):
 
 
 def variant_config(base: ml_collections.ConfigDict, variant: Variant) -> ml_collections.ConfigDict:
-  """The base config (experiment and the sweep's --config.* flags) with the variant's values."""
-  config = copy.deepcopy(base)
-  with config.unlocked():
-    for key, value in variant.values:
-      if key == 'mesh':
-        config_lib.set_mesh_shape(config, value)
-        continue
-      *sections, leaf = SHORT_KEYS.get(key, key).split('.')
-      section = config
-      for name in sections:
-        section = section[name]
-      section[leaf] = _typed(section.get(leaf), key, value)
-  return config
+  """A copy of the base config (experiment and the sweep's --config.* flags) with the variant's
+  values; the base is left as it was, for the next variant."""
+  values = {}
+  for key, value in variant.values:
+    if key == 'mesh':
+      values.update(config_lib.mesh_values(value))
+      continue
+    *sections, leaf = SHORT_KEYS.get(key, key).split('.')
+    section = base
+    for name in sections:
+      section = section[name]
+    values[SHORT_KEYS.get(key, key)] = _typed(section.get(leaf), key, value)
+  return config_lib.with_values(base, values)
 
 
 def command(experiment: str, base_overrides: list[str], variant: Variant,

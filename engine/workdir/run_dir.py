@@ -7,6 +7,7 @@ package: gcsfs for gs://, see docs/training.md). Local paths are made absolute; 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jax
@@ -16,6 +17,21 @@ from etils import epath
 from engine.errors import ConfigError
 
 CONFIG_FILE = 'config.json'
+
+# The keys added to the schema since older runs wrote their config.json, each with the value
+# those runs used (what the engine did before the key existed). A key added later gets a row.
+ADDED_KEYS = {
+    'data.tokenizer_path': '',
+    'mesh.expert': 1,
+    'mesh.dcn_data': 1,
+    'mesh.dcn_fsdp': 1,
+    'model.sliding_window': 0,
+    'optim.schedule': 'cosine',
+    'optim.decay_fraction': 0.2,
+    'parallelism.fsdp_gather': 'auto',
+    'train.init_from': '',
+    'train.pipeline_repeats': 1,
+}
 
 
 def is_remote(path: str | epath.Path) -> bool:
@@ -53,7 +69,7 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> N
   path = workdir / CONFIG_FILE
   if not path.exists():
     return
-  saved = json.loads(path.read_text())
+  saved = json.loads(upgrade(ml_collections.ConfigDict(json.loads(path.read_text()))).to_json())
   for section in ('model', 'data'):
     if saved.get(section) != json.loads(config[section].to_json()):
       raise ConfigError(
@@ -123,13 +139,21 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
                       'not a config a training run wrote: restore it, or pass the --workdir of '
                       'a training run.')
   saved.pop('tokenizer', None)  # The kept tokenizer's record (engine/workdir/tokenizer.py).
-  config = ml_collections.ConfigDict(saved)
-  # Older runs lack these keys.
-  config.train.pipeline_repeats = config.train.get('pipeline_repeats', 1)
-  config.optim.schedule = config.optim.get('schedule', 'cosine')
-  config.optim.decay_fraction = config.optim.get('decay_fraction', 0.2)
-  config.mesh.expert = config.mesh.get('expert', 1)
-  return config
+  return upgrade(ml_collections.ConfigDict(saved))
+
+
+def upgrade(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A recorded config (a config.json read back) as a copy with the keys an older run lacks
+  (ADDED_KEYS) at the values it ran with; keys it has are kept. Every read of a saved
+  config.json goes through here, so the back-fills live in one table."""
+  upgraded = copy.deepcopy(config)
+  with upgraded.unlocked():
+    for key, value in ADDED_KEYS.items():
+      section, leaf = key.split('.')
+      if isinstance(upgraded.get(section), ml_collections.ConfigDict) and (
+          leaf not in upgraded[section]):
+        upgraded[section][leaf] = value
+  return upgraded
 
 
 def write_config(config: ml_collections.ConfigDict, workdir: epath.Path,

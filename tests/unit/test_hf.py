@@ -92,8 +92,7 @@ def _config(path, mesh=(1, 1, 1)):
   config = tiny_config(mesh=mesh)
   config.train.init_from = f'hf:{path}'
   config.model.max_len = config.data.seq_len = SEQ
-  hf.apply_model_config(config)
-  return config
+  return hf.with_model_config(config)
 
 
 def _tokens():

@@ -219,7 +219,7 @@ def test_family_loads_with_the_reference_logits(tmp_path, family, fmt):
   hf_config = FAMILIES[family] if fmt == 'v5' else legacy(FAMILIES[family])
   tensors = _checkpoint(tmp_path / 'hf', hf_config)
   config = _engine_config(tmp_path / 'hf')
-  hf.apply_model_config(config)
+  config = hf.with_model_config(config)
   model = config.model
   assert (model.name, model.hf_architecture) == ('llama', hf_config['architectures'][0])
   assert model.num_experts == (_experts(hf_config) if family in MOE_NAMES else 0)
@@ -288,7 +288,7 @@ def test_attention_scale_sets_the_logit_scale(tmp_path):
   in the generation cache, each against the reference computed with that scale."""
   tensors = _checkpoint(tmp_path / 'hf', FAMILIES['qwen3'])
   config = _engine_config(tmp_path / 'hf')
-  hf.apply_model_config(config)
+  config = hf.with_model_config(config)
   config.model.attention_scale = 0.05
   setup = lay_out(config, 256, jax.devices()[:1])
   params = hf.load_params(str(tmp_path / 'hf'), setup.abstract_state()['params'])

@@ -45,7 +45,7 @@ def test_experts_load_sharded_by_expert_and_export_back(tmp_path, family):
   hf_config = FAMILIES[family]
   tensors = _checkpoint(tmp_path / 'hf', hf_config, seed=5)
   config = _engine_config(tmp_path / 'hf')
-  hf.apply_model_config(config)
+  config = hf.with_model_config(config)
   model = config.model
   expert_dim = hf_config.get('moe_intermediate_size', hf_config['intermediate_size'])
   assert (model.num_experts, model.experts_per_token, model.moe_mlp_dim, model.moe_router,
@@ -111,7 +111,7 @@ def test_a_run_from_mixtral_trains_and_exports_what_it_trained(tmp_path):
   assert (out['architectures'], out['num_local_experts']) == (['MixtralForCausalLM'], 4)
   # Read back: the trained parameters, exactly.
   config = _engine_config(tmp_path / 'out', (8, 1, 1))
-  hf.apply_model_config(config)
+  config = hf.with_model_config(config)
   params = hf.load_params(str(tmp_path / 'out'), lay_out(config, 256).abstract_state()['params'])
   saved = ml_collections.ConfigDict(json.loads((workdir / 'config.json').read_text()))
   saved.mesh.data, saved.mesh.fsdp, saved.mesh.tensor = 8, 1, 1
