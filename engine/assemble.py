@@ -164,10 +164,10 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
              corpus: data.Corpus | None = None, training: bool = True,
              tokenizer=None) -> Run:
   """The config validated and laid out on `devices` (default: all of this run's), before
-  anything compiles. `corpus` reuses data already read (commands that assemble several
-  variants of one config); `tokenizer` is the one that decodes, already loaded (a finished
-  run's kept copy), for the reads other than CORPUS; `training=False` skips the checks that only a train step needs
-  (the batch's split, the pipeline schedule), for a finished run's generation and export."""
+  anything compiles. `corpus` reuses data already read (commands that assemble several variants of
+  one config); `tokenizer` is the one that decodes, already loaded (a finished run's kept copy), for
+  the reads other than CORPUS; `training=False` skips the checks that only a train step needs (the
+  batch's split, the pipeline schedule), for a finished run's generation and export."""
   devices = list(devices if devices is not None else jax.devices())
   config = check(config, devices, training=training, reads_text=reads != VOCABULARY)
   if corpus is None and reads == CORPUS:

@@ -1,9 +1,9 @@
 """The config schema and its defaults, experiment arguments, and mesh sizes.
 
 Every experiment file starts from `default_config()` and overrides what it needs, so the schema
-lives here once. engine/validation/__init__.py checks a whole tree against it before anything compiles,
-raising `engine.errors.ConfigError`. A config is a value once built: a command that varies one
-(a mesh, a mode) derives a copy with `with_values`, never rewriting the config it was given.
+lives here once. engine/validation/__init__.py checks a whole tree against it before anything
+compiles, raising `engine.errors.ConfigError`. A config is a value once built: a command that varies
+one (a mesh, a mode) derives a copy with `with_values`, never rewriting the config it was given.
 """
 
 from __future__ import annotations

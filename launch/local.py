@@ -6,8 +6,8 @@
 
 Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (read by
 engine.distributed), ENGINE_RUN_TOKEN (a fresh random secret per launch, the same for all: the
-start-up roll call admits only its holders, engine/distributed/roll_call.py) and XLA_FLAGS for K simulated
-devices. Their output is streamed with a `[pI]` prefix, less Gloo's connection notices
+start-up roll call admits only its holders, engine/distributed/roll_call.py) and XLA_FLAGS for K
+simulated devices. Their output is streamed with a `[pI]` prefix, less Gloo's connection notices
 (GlooFilter). If any process fails, the others are stopped (SIGTERM, then SIGKILL after
 --grace_s: JAX traps SIGTERM as a preemption notice, so a process blocked in a collective only
 goes at the SIGKILL) and the launcher exits with that process's status, naming it. SIGTERM or

@@ -4,8 +4,8 @@ It reads only the model's spec (engine/models/spec.py: width, depth, the dimensi
 row-parallel matmuls contract) and the parameter table (by logical dimension names: the head
 counts), never a parameter's name.
 
-Units match engine.analysis.collectives: bytes of each collective's result on one device, summed over
-its executions in one step. Keys are (kind, mesh axes).
+Units match engine.analysis.collectives: bytes of each collective's result on one device, summed
+over its executions in one step. Keys are (kind, mesh axes).
 
 - Data parallel: one all-reduce of every gradient over the batch axes its parameter is
   replicated on (the local gradient shard's size).

@@ -13,9 +13,9 @@ transformers 5's `rope_parameters` config format, "v5", or rewritten into the ol
 and a tied head, Mixtral's and Qwen3-MoE's experts (the engine's dropless dispatch), every norm
 and bias random). Then, in each mode, this process:
 
-  1. loads the directory as `train.init_from=hf:DIR` does (engine.assemble, engine.hf.load.load_params)
-     on a DATAxFSDPxTENSOR mesh (default 2x2x2: 8 devices; run directly, this command asks XLA
-     for 8 CPU devices itself when XLA_FLAGS does not say);
+  1. loads the directory as `train.init_from=hf:DIR` does (engine.assemble,
+     engine.hf.load.load_params) on a DATAxFSDPxTENSOR mesh (default 2x2x2: 8 devices; run
+     directly, this command asks XLA for 8 CPU devices itself when XLA_FLAGS does not say);
   2. compares, through each mode's own compiled code: auto, the logits of the auto forward pass
      (as engine.evaluate computes them) against transformers'; both modes, the eval step's mean
      next-token loss, and the loss of one train step, against the cross-entropy of transformers'

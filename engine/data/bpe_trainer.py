@@ -31,7 +31,8 @@ def train(texts, vocab_size: int, out: str, exact: bool = False):
   command's): refuse, writing nothing, a text too small for `vocab_size` tokens (the trainer
   stops when no pair is left to merge)."""
   import tokenizers  # pylint: disable=g-import-not-at-top
-  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers
   if vocab_size < 257:
     raise ConfigError(f'--vocab_size={vocab_size}: a byte-level BPE needs more than the 256 '
                       'bytes and the end-of-text token; use at least 257 (typical: 4096-65536).')

@@ -1,13 +1,13 @@
 """A shard set's meta.json, checked against itself and against the run before anything is read.
 
-On open (`read_meta`): the JSON and its fields and types; the counts (num_tokens is the sum of
-the shards' tokens; every record but the stream's last holds record_tokens tokens); the dtype
-for the vocabulary; each shard file present, inside the set, and of the recorded size; the
-recorded largest id below the vocabulary. Against the run (`check_tokenizer`): the tokenizer
-kind is data.tokenizer, and its file (data.tokenizer_path, else the one recorded) is the one the
-set was written with: the same SHA-256 where meta.json records it (sets written by older
-versions of engine.data.prepare lack it), and the same vocabulary and end- / beginning-of-text ids. Each file's SHA-256 and
-record count are checked when the reader first opens it, and every record's ids as it is read
+On open (`read_meta`): the JSON and its fields and types; the counts (num_tokens is the sum of the
+shards' tokens; every record but the stream's last holds record_tokens tokens); the dtype for the
+vocabulary; each shard file present, inside the set, and of the recorded size; the recorded largest
+id below the vocabulary. Against the run (`check_tokenizer`): the tokenizer kind is data.tokenizer,
+and its file (data.tokenizer_path, else the one recorded) is the one the set was written with: the
+same SHA-256 where meta.json records it (sets written by older versions of engine.data.prepare lack
+it), and the same vocabulary and end- / beginning-of-text ids. Each file's SHA-256 and record count
+are checked when the reader first opens it, and every record's ids as it is read
 (engine/data/shards.py). Every mismatch is one ConfigError naming the file and the fix.
 """
 

@@ -3,8 +3,8 @@
   byte           the UTF-8 bytes (256 ids); no special tokens.
   char           the sorted characters of the corpus; no special tokens.
   hf             a Hugging Face `tokenizer.json` (the `tokenizers` library): BPE, WordPiece,
-                 Unigram, whatever the file describes; `python -m engine.data.train_tokenizer` trains
-                 a byte-level BPE one on any text, the embedded corpus included.
+                 Unigram, whatever the file describes; `python -m engine.data.train_tokenizer`
+                 trains a byte-level BPE one on any text, the embedded corpus included.
   sentencepiece  a SentencePiece `.model` file.
 
 Every tokenizer encodes text to int32 ids and decodes them back; a subword one also names its

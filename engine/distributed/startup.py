@@ -6,10 +6,10 @@ from, in order:
   2. the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (what
      launch/local.py sets);
   3. a cluster JAX detects by itself: a Cloud TPU VM (single or multi-host), a SLURM job, ...
-Otherwise the run is single-process and nothing is initialised. On CPU the cross-process
-collectives use gloo. A process that stops sending heartbeats for `heartbeat_timeout_s` is
-declared dead and the others stop with an error instead of waiting forever. With an explicit
-coordinator, a roll call (engine/distributed/roll_call.py) first names the processes that never started.
+Otherwise the run is single-process and nothing is initialised. On CPU the cross-process collectives
+use gloo. A process that stops sending heartbeats for `heartbeat_timeout_s` is declared dead and the
+others stop with an error instead of waiting forever. With an explicit coordinator, a roll call
+(engine/distributed/roll_call.py) first names the processes that never started.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import jax
 from absl import logging
 
 from engine.cli.argv import fail
-from engine.distributed.roll_call import PeerMissingError, await_peers  # noqa: F401  (callers catch it here)
+# PeerMissingError: callers catch it here.
+from engine.distributed.roll_call import PeerMissingError, await_peers  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The command line of engine.evaluate: `python -m engine.evaluate --workdir=RUN [--text_file=FILE]` (the scoring itself: engine/evaluate/scoring.py)."""
+"""The command line of engine.evaluate: `python -m engine.evaluate --workdir=RUN
+[--text_file=FILE]` (the scoring itself: engine/evaluate/scoring.py)."""
 
 from absl import flags
 

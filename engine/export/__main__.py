@@ -1,4 +1,5 @@
-"""The command line of engine.export: `python -m engine.export --workdir=RUN --out=DIR` (the export itself: engine/export/exporter.py)."""
+"""The command line of engine.export: `python -m engine.export --workdir=RUN --out=DIR` (the
+export itself: engine/export/exporter.py)."""
 
 from absl import flags
 

@@ -1,4 +1,5 @@
-"""The command line of engine.generate: `python -m engine.generate --workdir=RUN --prompt=TEXT` (the sampling itself: engine/generate/sampling.py)."""
+"""The command line of engine.generate: `python -m engine.generate --workdir=RUN --prompt=TEXT`
+(the sampling itself: engine/generate/sampling.py)."""
 
 from absl import flags
 

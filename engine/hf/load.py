@@ -73,7 +73,8 @@ def model_config(hf: dict, where: str) -> dict:
   except UnsupportedCheckpoint as e:
     raise ConfigError(str(e)) from None
   except (KeyError, TypeError, ValueError) as e:
-    raise ConfigError(f'{where}: config.json lacks or garbles {e} for {fmt.architecture}.') from None
+    raise ConfigError(
+        f'{where}: config.json lacks or garbles {e} for {fmt.architecture}.') from None
 
 
 def _model_values(config) -> dict[str, object]:

@@ -1,9 +1,10 @@
 """How a model family describes its Hugging Face checkpoints: the interface engine/hf/load.py reads.
 
 A family that can load and save Hugging Face checkpoints registers an `HFFormat` in
-engine/models/__init__.py (`HF_FORMATS`). It names each of its parameters' Hugging Face tensor
-and layout, and translates the checkpoint's config.json to and from its `model` config keys.
-engine/hf/load.py then only reads and writes safetensors, slice by slice; it knows no parameter name.
+engine/models/__init__.py (`HF_FORMATS`). It names each of its parameters' Hugging Face tensor and
+layout, and translates the checkpoint's config.json to and from its `model` config keys.
+engine/hf/load.py then only reads and writes safetensors, slice by slice; it knows no parameter
+name.
 
 Layouts (Hugging Face's `nn.Linear` weights are [out, in]; the engine's are [in, out], with heads
 split out and stacked layers along leading axes):

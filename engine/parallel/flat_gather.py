@@ -1,22 +1,21 @@
 """Manual FSDP's gathers, one collective per group of weights (PyTorch FSDP's flat parameter).
 
-A collective costs a fixed latency besides its bytes: every device must reach it (a rendezvous
-of all device threads on XLA:CPU, a launch and a handshake on accelerators). A Llama layer has
-seven FSDP-split weights; gathered one by one they are seven all-gathers in the forward pass,
-seven again in the rematerialised backward pass and, as their transposes, seven reduce-scatters
-of the gradients. XLA:CPU combines neither all-gathers nor reduce-scatters (it does combine
-all-reduces, which is why auto mode's all-reduced FSDP gradients came out ahead of manual mode's
-reduce-scatters, profiled in docs/benchmarks.md). So the weights split over the same mesh axes, in the same
-dtype, travel together: their local shards are flattened into one buffer, gathered in one
-`all_gather`, and cut back into whole weights. The transpose of that gather is one
-`psum_scatter` of the layer's gradients. Same bytes, one collective instead of seven, at the
-price of a copy of the gathered weights (the cut, and a transpose for a weight split on a
-dimension other than its first).
+A collective costs a fixed latency besides its bytes: every device must reach it (a rendezvous of
+all device threads on XLA:CPU, a launch and a handshake on accelerators). A Llama layer has seven
+FSDP-split weights; gathered one by one they are seven all-gathers in the forward pass, seven again
+in the rematerialised backward pass and, as their transposes, seven reduce-scatters of the
+gradients. XLA:CPU combines neither all-gathers nor reduce-scatters (it does combine all-reduces,
+which is why auto mode's all-reduced FSDP gradients came out ahead of manual mode's reduce-scatters,
+profiled in docs/benchmarks.md). So the weights split over the same mesh axes, in the same dtype,
+travel together: their local shards are flattened into one buffer, gathered in one `all_gather`, and
+cut back into whole weights. The transpose of that gather is one `psum_scatter` of the layer's
+gradients. Same bytes, one collective instead of seven, at the price of a copy of the gathered
+weights (the cut, and a transpose for a weight split on a dimension other than its first).
 
-Only where that pays: parallelism.fsdp_gather=auto (engine/assemble.py: flat_gather) groups on
-CPU devices. XLA:TPU and XLA:GPU have combiner passes for all-gathers and reduce-scatters of
-their own; compiled for TPU v5p (the 8B plan in docs/benchmarks.md) the per-weight gathers needed less
-memory and less time on the interconnect than the flat ones.
+Only where that pays: parallelism.fsdp_gather=auto (engine/assemble.py: flat_gather) groups on CPU
+devices. XLA:TPU and XLA:GPU have combiner passes for all-gathers and reduce-scatters of their own;
+compiled for TPU v5p (the 8B plan in docs/benchmarks.md) the per-weight gathers needed less memory
+and less time on the interconnect than the flat ones.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The command line of engine.plan: `python -m engine.plan --config=EXPERIMENT --topology=v5p:4x4x8` (the planning itself: engine/plan/planner.py)."""
+"""The command line of engine.plan: `python -m engine.plan --config=EXPERIMENT
+--topology=v5p:4x4x8` (the planning itself: engine/plan/planner.py)."""
 
 import json
 import sys

@@ -35,7 +35,8 @@ import re
 import time
 
 # The plan compiles for the topology and runs nothing: CPU even on a TPU VM, which `import engine`
-# leaves to JAX (engine/runtime/platforms.py). libtpu still loads: jax.experimental.topologies needs it.
+# leaves to JAX (engine/runtime/platforms.py). libtpu still loads: jax.experimental.topologies
+# needs it.
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Several plans may load libtpu at once (it takes a lock by default); without a TPU host these
 # settings only keep libtpu from guessing (and warning about) one.

@@ -40,6 +40,6 @@ def tune_malloc() -> bool:
       (_M_ARENA_MAX, _ARENAS), (_M_MMAP_THRESHOLD, _KEEP_MAPPED_BYTES),
       (_M_TRIM_THRESHOLD, _KEEP_MAPPED_BYTES)))
   if not done:
-    logging.warning('glibc refused the allocator settings of engine.runtime.allocator; CPU steps may be '
-                    'slower (page faults).')
+    logging.warning('glibc refused the allocator settings of engine.runtime.allocator; CPU steps '
+                    'may be slower (page faults).')
   return done

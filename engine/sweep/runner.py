@@ -95,7 +95,8 @@ def run_variant(command: list[str], workdir: str, log_path: str, num_steps: int)
     try:
       code = child.wait()
     except BaseException:  # The sweep was stopped: so is the variant, after a checkpoint.
-      child.send_signal(signal.SIGTERM)  # Its first SIGTERM: a clean stop (engine.train.preemption).
+      # Its first SIGTERM: a clean stop (engine.train.preemption).
+      child.send_signal(signal.SIGTERM)
       child.wait()
       raise
   record = {'exit_code': code, 'seconds': round(time.monotonic() - start, 1),

@@ -1,8 +1,8 @@
 """The run's working directory: checks, the recorded config, and paths that may be remote.
 
-Every read and write of the workdir goes through `etils.epath` (as Orbax's do), so a workdir may
-be a local path or a bucket URI such as gs://bucket/run (remote schemes need their filesystem
-package: gcsfs for gs://, see docs/training.md). Local paths are made absolute; URIs are kept as given.
+Every read and write of the workdir goes through `etils.epath` (as Orbax's do), so a workdir may be
+a local path or a bucket URI such as gs://bucket/run (remote schemes need their filesystem package:
+gcsfs for gs://, see docs/training.md). Local paths are made absolute; URIs are kept as given.
 """
 
 from __future__ import annotations
