@@ -10,6 +10,7 @@ import pytest
 
 from engine import parallel
 from engine.plan import planner as plan_lib
+from engine.plan import report as plan_report
 from engine.analysis import collectives, comm_theory
 from engine.errors import ConfigError
 from engine.main import run as run_main
@@ -72,7 +73,7 @@ def test_gpt_plan_fits_ranks_and_falls_with_fsdp(gpt_plan):
       assert estimate['serial_s'] >= estimate['overlapped_s'] > 0
       assert estimate['ici_s'] > 0 and estimate['dcn_s'] == 0
       assert 0 < row['mfu'] <= row['mfu_overlapped'] <= 1
-  report = plan_lib.markdown(gpt_plan, 'experiments/tiny.py')
+  report = plan_report.markdown(gpt_plan, 'experiments/tiny.py')
   assert report.count('Train it: `python -m engine.main --config=experiments/tiny.py') == 4
 
 
@@ -111,7 +112,7 @@ def test_llama_on_fsdp_x_tensor_and_the_plan_config_trains(tmp_path):
   assert row['status'] == 'fits' and row['mesh'] == 'fsdp 4 x tensor 2'
   # The plan records the exact config, and the command it prints trains it (here, on 8
   # simulated devices).
-  command = plan_lib.train_command('experiments/tiny.py', overrides, row['mesh_shape'],
+  command = plan_report.train_command('experiments/tiny.py', overrides, row['mesh_shape'],
                                    row['mode'], ml_collections.ConfigDict(row['config']))
   argv = command.replace('WORKDIR', str(tmp_path / 'run')).split()[3:]
   assert run_main(argv) == 0
@@ -213,4 +214,4 @@ def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
     assert row['roofline']['compiled_flops_per_device'] == pytest.approx(executed, rel=0.05)
   manual = next(r for r in result['candidates'] if r['mode'] == 'manual')
   assert manual['all_to_all_bytes']['compiled'] == theory
-  assert '| all-to-all MiB (theory / compiled) |' in plan_lib.markdown(result, 'x')
+  assert '| all-to-all MiB (theory / compiled) |' in plan_report.markdown(result, 'x')

@@ -281,7 +281,7 @@ def test_reports_mark_lower_bounds():
 
 
 def test_plan_report_marks_lower_bounds():
-  from engine.plan import planner as plan_lib  # pylint: disable=import-outside-toplevel
+  from engine.plan import report as plan_report  # pylint: disable=import-outside-toplevel
   runs = _unknown_and_known_runs()
   config = {'model': {'name': 'gpt', 'num_layers': 2, 'embed_dim': 32, 'dtype': 'float32',
                       'remat': 'none'},
@@ -298,7 +298,7 @@ def test_plan_report_marks_lower_bounds():
         'communication': [communication]})
   result = {'topology': 'v5p:2x2x2', 'num_slices': 1, 'devices': 8, 'chip': 'TPU v5p',
             'hbm_bytes_per_device': 2**30, 'candidates': candidates}
-  text = plan_lib.markdown(result, 'experiments/tiny.py')
+  text = plan_report.markdown(result, 'experiments/tiny.py')
   rows = [line for line in text.splitlines() if line.startswith('| all-reduce')]
   assert rows == ['| all-reduce | data | 5 | 0.0 | 0.0 | 1.00 |',
                   "| all-reduce | data | >= 1 (a loop's trip count unknown) | >= 0.0 | 0.0 | "
