@@ -171,9 +171,9 @@ def test_window_losses_are_the_eval_steps_loss_per_window(mode, mesh):
   rng = np.random.default_rng(2)
   tokens = rng.integers(1, 32, (8, 17))
   tokens[rng.random((8, 17)) < 1 / (2 + np.arange(8)[:, None])] = 0  # Unequal counts per row.
-  want_sums, want_counts = parallel.STEP_BUILDERS['auto'](one).window_losses(params, tokens)
+  want_sums, want_counts = parallel.build_steps('auto', one).window_losses(params, tokens)
   setup = _documents_layout(mesh)
-  steps = parallel.STEP_BUILDERS[mode](setup)
+  steps = parallel.build_steps(mode, setup)
   params = jax.device_put(jax.device_get(params), setup.state_shardings()['params'])
   sums, counts = jax.device_get(steps.window_losses(params, tokens))
   assert counts.tolist() == (tokens[:, :-1] != 0).sum(-1).tolist()  # By hand.

@@ -43,7 +43,7 @@ def _cpu_collectives(config, mode):
   """The same layout compiled for this machine's 8 simulated devices."""
   train_setup = lay_out(config, config.model.vocab_size)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-  compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+  compiled = parallel.build_steps(mode, train_setup).train.lower(
       train_setup.abstract_state(), batch).compile()
   table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
                                                               train_setup.mesh))
@@ -159,7 +159,7 @@ def test_executed_flops_match_the_compiled_unrolled_step(remat):
   config.data.seq_len = config.model.max_len = 128
   config.data.global_batch_size = 8
   train_setup = lay_out(config, 1024)
-  compiled = parallel.STEP_BUILDERS['auto'](train_setup).train.lower(
+  compiled = parallel.build_steps('auto', train_setup).train.lower(
       train_setup.abstract_state(), train_setup.abstract_batch(8, 128)).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -71,7 +71,7 @@ def test_ring_moves_each_key_value_block_context_minus_1_times_each_way(model, m
   else:
     train_setup = lay_out(config, 256)
     batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-    compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
+    compiled = parallel.build_steps('manual', train_setup).train.lower(
         train_setup.abstract_state(), batch).compile()
   assert train_setup.options.remat == 'none'  # One forward pass: no recomputed permutes.
   found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)

@@ -163,7 +163,7 @@ def reference():
   tokens = rng.integers(1, VOCAB, (8, 17))
   tokens[rng.random((8, 17)) < 1 / (2 + np.arange(8)[:, None])] = EOS
   tokens[:, 5] = EOS
-  loss, grads = parallel.STEP_BUILDERS['auto'](setup).gradients(params, tokens)
+  loss, grads = parallel.build_steps('auto', setup).gradients(params, tokens)
   return jax.device_get(params), tokens, float(loss), jax.device_get(grads)
 
 
@@ -177,7 +177,7 @@ def test_a_train_step_matches_one_device(mode, mesh, microbatches, reference):
   params, tokens, want_loss, want_grads = reference
   setup = _layout(mesh, microbatches)
   params = jax.device_put(params, setup.state_shardings()['params'])
-  loss, grads = parallel.STEP_BUILDERS[mode](setup).gradients(params, tokens)
+  loss, grads = parallel.build_steps(mode, setup).gradients(params, tokens)
   np.testing.assert_allclose(float(loss), want_loss, atol=1e-5)
   for got, want in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, np.abs(want).max()))
@@ -195,7 +195,7 @@ def test_a_mean_of_per_device_means_fails_the_check(reference, monkeypatch):
   monkeypatch.setattr(manual, 'kept_count', local_count)
   setup = _layout((8, 1, 1, 1, 1))
   params = jax.device_put(params, setup.state_shardings()['params'])
-  loss, _ = parallel.STEP_BUILDERS['manual'](setup).gradients(params, tokens)
+  loss, _ = parallel.build_steps('manual', setup).gradients(params, tokens)
   # At initialisation every token's loss is near log(vocab), so the means differ little; still
   # 30x the parity check's tolerance.
   assert abs(float(loss) - want_loss) > 1e-4
@@ -224,10 +224,10 @@ def test_the_splash_ring_masks_documents_like_one_device():
   tokens[4:][rng.random((4, 513)) < 1 / 40] = EOS
   one = layout((1, 1, 1, 1), 'einsum')
   params = one.init(0)[0]['params']
-  want_loss, want_grads = jax.device_get(parallel.STEP_BUILDERS['auto'](one).gradients(
+  want_loss, want_grads = jax.device_get(parallel.build_steps('auto', one).gradients(
       params, tokens))
   ring = layout((4, 1, 1, 2), 'splash')
-  loss, grads = parallel.STEP_BUILDERS['manual'](ring).gradients(
+  loss, grads = parallel.build_steps('manual', ring).gradients(
       jax.device_put(params, ring.state_shardings()['params']), tokens)
   np.testing.assert_allclose(float(loss), float(want_loss), atol=1e-5)
   for got, want in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(want_grads)):

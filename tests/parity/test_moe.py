@@ -185,7 +185,7 @@ def test_the_all_to_all_bytes_are_what_theory_says(dispatch, mesh):
   config = layout_config(mesh, dispatch, 'manual')
   train_setup = lay_out(config, 256)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-  compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
+  compiled = parallel.build_steps('manual', train_setup).train.lower(
       train_setup.abstract_state(), batch).compile()
   table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
                                                               train_setup.mesh))

@@ -39,7 +39,7 @@ def _steps(config, mode, num_steps=1):
   setup = lay_out(config, corpus.tokenizer.vocab_size)
   state, _ = setup.init(config.seed)
   model = nnx.merge(setup.graphdef, jax.device_get(state['params']))
-  steps = parallel.STEP_BUILDERS[mode](setup)
+  steps = parallel.build_steps(mode, setup)
   on_mesh = lambda batch: jax.device_put(batch, setup.batch_sharding())
   # The gradients step compiles too: only for the runs compared with the reference.
   first_gradients = (steps.gradients(state['params'], on_mesh(batches[0]))[1]

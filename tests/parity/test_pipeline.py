@@ -79,7 +79,7 @@ def test_manual_schedule_permutes_and_parameter_memory(mesh, repeats, references
   else:
     train_setup = lay_out(config, 256)
     batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-    compiled = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
+    compiled = parallel.build_steps('manual', train_setup).train.lower(
         train_setup.abstract_state(), batch).compile()
   table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
                                                               train_setup.mesh))

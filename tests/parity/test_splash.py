@@ -59,7 +59,7 @@ def test_the_tpu_train_step_calls_the_kernel():
   # probabilities could make such a buffer.
   config.model.embed_dim, config.model.mlp_dim = 512, 1024
   train_setup = lay_out(config, 256, plan_lib.topology_devices(TOPOLOGY))
-  hlo = parallel.STEP_BUILDERS['auto'](train_setup).train.lower(
+  hlo = parallel.build_steps('auto', train_setup).train.lower(
       train_setup.abstract_state(), train_setup.abstract_batch(8, 256)).compile().as_text()
   assert 'tpu_custom_call' in hlo
   assert not re.search(r'f32\[[0-9,]*256,256\]', hlo)
@@ -127,7 +127,7 @@ def test_the_tpu_ring_calls_the_kernel_per_block():
   config = _ring_config(1024)
   config.model.embed_dim, config.model.mlp_dim = 512, 1024
   train_setup = lay_out(config, 256, plan_lib.topology_devices(TOPOLOGY))
-  hlo = parallel.STEP_BUILDERS['manual'](train_setup).train.lower(
+  hlo = parallel.build_steps('manual', train_setup).train.lower(
       train_setup.abstract_state(), train_setup.abstract_batch(8, 1024)).compile().as_text()
   assert hlo.count('custom_call_target="tpu_custom_call"') == 5 * 3
   assert not re.search(r'f32\[[0-9,]*256,256\]', hlo)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # Every test here trains, compiles large or start
 def _compiled(config, mode):
   train_setup = lay_out(config, 256)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-  compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+  compiled = parallel.build_steps(mode, train_setup).train.lower(
       train_setup.abstract_state(), batch).compile()
   return compiled, collectives.count_collectives(compiled.as_text(), train_setup.mesh)
 
@@ -134,7 +134,7 @@ def test_manual_gradient_reductions_move_the_dtype_asked_for(reduce_dtype):
   config.model.dtype = 'bfloat16'
   config.parallelism.grad_reduce_dtype = reduce_dtype
   train_setup = lay_out(config, 256)
-  jaxpr = jax.make_jaxpr(parallel.STEP_BUILDERS['manual'](train_setup).train)(
+  jaxpr = jax.make_jaxpr(parallel.build_steps('manual', train_setup).train)(
       train_setup.abstract_state(), train_setup.abstract_batch(16, 16))
   found = {(c.primitive, c.axes, c.dtype) for c in collectives.requested_collectives(jaxpr)
            if c.shape}  # Arrays, not the loss or norms.

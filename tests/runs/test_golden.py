@@ -38,7 +38,7 @@ def _first_steps():
   config.data.source = 'synthetic'
   run = assemble(config)
   corpus, train_setup = run.corpus, run.setup
-  steps = parallel.STEP_BUILDERS[config.parallelism.mode](train_setup)
+  steps = parallel.build_steps(config.parallelism.mode, train_setup)
   state, _ = train_setup.init(config.seed)
   initial = [np.asarray(x, np.float64) for x in jax.tree.leaves(state['params'])]
   batches = data.train_iterator(corpus, config.data, config.seed)

@@ -199,7 +199,7 @@ def test_a_skipped_step_keeps_parameters_and_optimizer_state_bit_for_bit(monkeyp
   corpus, batches = train_batches(config)
   train_setup = lay_out(config, corpus.tokenizer.vocab_size)
   assert train_setup.options.skip_nonfinite
-  train_step = parallel.STEP_BUILDERS['manual'](train_setup).train
+  train_step = parallel.build_steps('manual', train_setup).train
   state, _ = train_setup.init(config.seed)
   sharding = train_setup.batch_sharding()
   poisoned = {2, 3}

@@ -103,7 +103,7 @@ def compiled_run(config, mode, num_steps):
   GIL, so a second core shortens each run by about half its compile time."""
   corpus, batches = train_batches(config)
   train_setup = lay_out(config, corpus.tokenizer.vocab_size)
-  steps = parallel.STEP_BUILDERS[mode](train_setup)
+  steps = parallel.build_steps(mode, train_setup)
   abstract = train_setup.abstract_state()
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   lowered = [steps.gradients.lower(abstract['params'], batch), steps.train.lower(abstract, batch)]

@@ -65,7 +65,7 @@ def _compiled_manual_step(mesh, fsdp_gather='auto', **model):
   config.model.update(model)
   config.parallelism.fsdp_gather = fsdp_gather
   train_setup = lay_out(config, 256)
-  steps = parallel.STEP_BUILDERS['manual'](train_setup)
+  steps = parallel.build_steps('manual', train_setup)
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
   compiled = steps.train.lower(train_setup.abstract_state(), batch).compile()
   return (compiled, collectives.count_collectives(compiled.as_text(), train_setup.mesh),
@@ -182,7 +182,7 @@ def test_auto_mode_reads_a_vocab_parallel_embedding_without_a_matmul():
     config.model.num_heads = 8
     train_setup = lay_out(config, 256)
     batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-    compiled = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+    compiled = parallel.build_steps(mode, train_setup).train.lower(
         train_setup.abstract_state(), batch).compile()
     flops[mode] = compiled.cost_analysis()['flops']
   one_hot_forward = 2 * 16 * 16 * 256 * 32 / 8  # B * L * V * D per device, V split 8 ways.

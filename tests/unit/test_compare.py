@@ -16,7 +16,7 @@ from tests.support.helpers import tiny_config
 def _counts_from_compiled(config, mode):
   train_setup = lay_out(config, 256)
   batch = train_setup.abstract_batch(16, 16)
-  text = parallel.STEP_BUILDERS[mode](train_setup).train.lower(
+  text = parallel.build_steps(mode, train_setup).train.lower(
       train_setup.abstract_state(), batch).compile().as_text()
   return collectives.summarize(collectives.count_collectives(text, train_setup.mesh))
 

@@ -145,7 +145,7 @@ def test_loaded_sharded_on_2x2x2_in_both_modes(tmp_path, mode):
   tokens = _tokens()
   reference = np.asarray(optax.softmax_cross_entropy_with_integer_labels(
       _reference_logits(tensors, c, tokens[:, :-1]), tokens[:, 1:])).mean()
-  steps = parallel.STEP_BUILDERS[mode](train_setup)
+  steps = parallel.build_steps(mode, train_setup)
   batch = jax.device_put(tokens, train_setup.batch_sharding())
   assert float(steps.eval(params, batch)) == pytest.approx(reference, abs=1e-4)
 
