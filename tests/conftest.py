@@ -6,25 +6,12 @@ about two thirds of each compile. XLA's HLO optimisations, which decide the coll
 fusions and the memory the tests check, run as usual; subprocesses the tests start inherit the
 flags (a later --xla_force_host_platform_device_count overrides the count).
 
-The allocator settings that `import engine` applies for faster CPU steps
-(engine/runtime/allocator.py) are off: they made the suite's many multi-threaded compiles 15-20 %
-slower, and tests measure numbers, not step time.
-
-A program compiled twice in one run of the suite (a reference run that several files compute, a
-run and its resumption, the processes a test starts) compiles once: JAX's persistent compilation
-cache, in a directory made for this run and removed at its end, shared by pytest-xdist's workers
-and the subprocesses, which inherit the environment. A cached executable reports the same HLO,
-memory and cost analyses, and JAX still reports its compile events (tests count them).
+The allocator settings that `import engine` applies for faster CPU steps (engine/runtime/allocator.py) are
+off: they made the suite's many multi-threaded compiles 15-20 % slower, and tests measure
+numbers, not step time.
 """
 
 import os
-import shutil
-import tempfile
-
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
-  # Set in pytest's first process, before pytest-xdist starts the workers that inherit it.
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='engine-tests-xla-cache-')
-  os.environ['ENGINE_TESTS_CACHE_OWNER'] = str(os.getpid())
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8'
@@ -44,9 +31,3 @@ def eight_devices():
   assert jax.device_count() == NUM_DEVICES, (
       f'tests need {NUM_DEVICES} CPU devices, got {jax.device_count()}; XLA_FLAGS was set too '
       'late (JAX initialised before tests/conftest.py ran).')
-
-
-def pytest_unconfigure(config):
-  del config
-  if os.environ.get('ENGINE_TESTS_CACHE_OWNER') == str(os.getpid()):
-    shutil.rmtree(os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
