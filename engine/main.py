@@ -103,7 +103,7 @@ def main(argv):
   except OSError as error:  # Writing metrics to a full disk, say.
     if _DEBUG.value:
       raise
-    what = DISK_FULL if is_disk_full(error) else innermost(error)
+    what = DISK_FULL if is_disk_full(error, _WORKDIR.value) else innermost(error)
     distributed.fail_run(f'--workdir={_WORKDIR.value}: {what}; free space there or fix the file '
                          'named, then rerun the same command to resume from the last checkpoint, '
                          'or rerun with another --workdir.', 1)

@@ -181,18 +181,20 @@ class Checkpointer:
   def _failed(self, step: int, error: BaseException) -> CheckpointError:
     """Removes what the failed save of `step` left and says what happened, in one message."""
     self._saving_step = None
+    cause = error
+    while cause.__cause__ is not None or cause.__context__ is not None:
+      cause = cause.__cause__ or cause.__context__
+    # Before the partial files go: removing them frees the space that ran out.
+    disk_full = is_disk_full(cause, self.directory)
     removed = 'Its partial files were removed'
     if jax.process_index() != 0:
       removed = 'Its partial files are removed when the run resumes'
     elif not _remove_partial(self.directory, step):
       removed = 'Its partial files could not all be removed yet (the next run removes them)'
-    cause = error
-    while cause.__cause__ is not None or cause.__context__ is not None:
-      cause = cause.__cause__ or cause.__context__
     latest = max((s for s in self.manager.all_steps() if s < step), default=None)
     kept = (f'the newest complete checkpoint is step {latest}' if latest is not None else
             'no complete checkpoint exists yet')
-    if is_disk_full(cause):
+    if disk_full:
       return CheckpointError(
           f'Saving the checkpoint of step {step} to {self.directory} failed: {DISK_FULL}. '
           f'{removed} and {kept}. Free space there, then rerun the same command to resume; or '

@@ -144,6 +144,17 @@ def test_a_full_disk_is_recognised_in_each_form():
   assert not is_disk_full(OSError(errno.EFBIG, 'File too large'))
 
 
+def test_a_write_cut_short_on_a_full_disk_is_recognised_by_the_free_space(tmp_path, monkeypatch):
+  # What tensorstore said once when the disk filled during a save: a read of the cut file.
+  cut_short = ValueError('NOT_FOUND: Error writing "x/4" in OCDBT database: Error reading Byte '
+                         'range [24711, 27228) of local file "d/dd72"')
+  assert not is_disk_full(cut_short, str(tmp_path))
+  full = os.statvfs_result((4096, 4096, 200, 0, 0, 100, 0, 0, 0, 255))
+  monkeypatch.setattr(os, 'statvfs', lambda path: full)
+  assert is_disk_full(cut_short, str(tmp_path))
+  assert not is_disk_full(cut_short)  # No directory to look at: the message alone decides.
+
+
 # Runs the command after it with files above 30 kB unwritable, on process 1 only (its share of
 # a checkpoint is written in files of 50 to 110 kB, measured).
 _LIMIT_PROCESS_1 = [
