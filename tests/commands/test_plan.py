@@ -8,15 +8,14 @@ import sys
 import ml_collections
 import pytest
 
-from engine import parallel
 from engine.plan import planner as plan_lib
 from engine.plan import report as plan_report
-from engine.analysis import collectives, comm_theory
+from engine.analysis import comm_theory
 from engine.errors import ConfigError
 from engine.main import run as run_main
 from engine.assemble import lay_out
 from experiments import tiny as tiny_experiment
-from tests.support.helpers import tiny_config
+from tests.support.helpers import collective_table, compiled_train_step, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPOLOGY = 'v5p:2x2x2'  # 8 chips: the same device count as the CPU tests' simulated mesh.
@@ -41,12 +40,7 @@ def gpt_plan():
 
 def _cpu_collectives(config, mode):
   """The same layout compiled for this machine's 8 simulated devices."""
-  train_setup = lay_out(config, config.model.vocab_size)
-  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-  compiled = parallel.build_steps(mode, train_setup).train.lower(
-      train_setup.abstract_state(), batch).compile()
-  table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
-                                                              train_setup.mesh))
+  table = collective_table(*compiled_train_step(config, mode, config.model.vocab_size))
   return {key: row['array_bytes'] for key, row in table.items() if row['array_bytes']}
 
 
@@ -158,9 +152,7 @@ def test_executed_flops_match_the_compiled_unrolled_step(remat):
   config.model.num_layers, config.model.vocab_size = 4, 1024
   config.data.seq_len = config.model.max_len = 128
   config.data.global_batch_size = 8
-  train_setup = lay_out(config, 1024)
-  compiled = parallel.build_steps('auto', train_setup).train.lower(
-      train_setup.abstract_state(), train_setup.abstract_batch(8, 128)).compile()
+  train_setup, compiled = compiled_train_step(config, 'auto', 1024)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   model_flops = train_setup.model.flops_per_token(128) * 8 * 128

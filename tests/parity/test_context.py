@@ -5,12 +5,11 @@ import math
 
 import pytest
 
-from engine import parallel
 from engine.analysis import collectives, comm_theory
 from engine.errors import ConfigError
 from engine.validation import validate
-from engine.assemble import lay_out
-from tests.support.helpers import (assert_same_run, compiled_run, engine_run,
+from tests.support.helpers import (assert_same_run, compiled_run, compiled_train_step,
+                                   engine_run,
                                    single_device_run, tiny_config)
 
 STEPS = 3
@@ -69,10 +68,7 @@ def test_ring_moves_each_key_value_block_context_minus_1_times_each_way(model, m
     run, train_setup, compiled = compiled_run(config, 'manual', STEPS)
     assert_same_run(run, references['gpt'])
   else:
-    train_setup = lay_out(config, 256)
-    batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-    compiled = parallel.build_steps('manual', train_setup).train.lower(
-        train_setup.abstract_state(), batch).compile()
+    train_setup, compiled = compiled_train_step(config, 'manual')
   assert train_setup.options.remat == 'none'  # One forward pass: no recomputed permutes.
   found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
   table = collectives.summarize(found)

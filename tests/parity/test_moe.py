@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine import models, parallel
-from engine.analysis import collectives, comm_theory
+from engine import models
+from engine.analysis import comm_theory
 from engine.analysis.reference import ReferenceRun
 from engine.assemble import lay_out
 from engine.errors import ConfigError
@@ -27,7 +27,8 @@ from engine.models import moe
 from engine.models.ops import LocalOps
 from engine.parallel import manual_ops
 from engine.validation import validate
-from tests.support.helpers import assert_same_run, engine_run, single_device_run, tiny_config
+from tests.support.helpers import (assert_same_run, collective_table, compiled_train_step,
+                                   engine_run, single_device_run, tiny_config)
 
 D, E, K, F, S = 8, 4, 2, 16, 6  # embed, experts, experts per token, expert hidden, shared.
 
@@ -183,12 +184,8 @@ def test_the_all_to_all_bytes_are_what_theory_says(dispatch, mesh):
   x data 2), and every other collective as the theory says too: FSDP and tensor's, and the
   pipeline's, where the router's loads ride with the micro-batches."""
   config = layout_config(mesh, dispatch, 'manual')
-  train_setup = lay_out(config, 256)
-  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-  compiled = parallel.build_steps('manual', train_setup).train.lower(
-      train_setup.abstract_state(), batch).compile()
-  table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
-                                                              train_setup.mesh))
+  train_setup, compiled = compiled_train_step(config, 'manual')
+  table = collective_table(train_setup, compiled)
   theory = comm_theory.expected_bytes(train_setup, config.data.global_batch_size,
                                       config.data.seq_len)
   exchange = table[('all-to-all', ('expert',))]

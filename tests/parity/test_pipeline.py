@@ -8,15 +8,14 @@ import sys
 
 import pytest
 
-from engine import parallel
-from engine.analysis import collectives, comm_theory
+from engine.analysis import comm_theory
 from engine.analysis.benchmark import fit_bubble
 from engine.errors import ConfigError
 from engine.validation import validate
 from engine.models.layers import LAYERS, REPEATS
 from engine.parallel.pipeline import bubble_fraction
-from engine.assemble import lay_out
-from tests.support.helpers import (assert_same_run, compiled_run, engine_run,
+from tests.support.helpers import (assert_same_run, collective_table, compiled_run,
+                                   compiled_train_step, engine_run,
                                    single_device_run, tiny_config)
 
 STEPS = 3
@@ -77,12 +76,8 @@ def test_manual_schedule_permutes_and_parameter_memory(mesh, repeats, references
     run, train_setup, compiled = compiled_run(config, 'manual', STEPS)
     assert_same_run(run, references[('gpt', 4)])
   else:
-    train_setup = lay_out(config, 256)
-    batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-    compiled = parallel.build_steps('manual', train_setup).train.lower(
-        train_setup.abstract_state(), batch).compile()
-  table = collectives.summarize(collectives.count_collectives(compiled.as_text(),
-                                                              train_setup.mesh))
+    train_setup, compiled = compiled_train_step(config, 'manual')
+  table = collective_table(train_setup, compiled)
   permutes = table[('collective-permute', ('stage',))]
   # repeats x microbatches + stages - 2 shifts forward, as many backward, of one micro-batch.
   assert permutes['executions'] == 2 * (repeats * microbatches + stages - 2)

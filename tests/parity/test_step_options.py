@@ -16,17 +16,15 @@ import pytest
 from engine import parallel
 from engine.analysis import collectives
 from engine.assemble import lay_out
-from tests.support.helpers import assert_same_run, engine_run, single_device_run, train_batches
+from tests.support.helpers import (assert_same_run, compiled_train_step, engine_run,
+                                   single_device_run, train_batches)
 from tests.parity.test_llama import llama_config
 
 pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
 
 
 def _compiled(config, mode):
-  train_setup = lay_out(config, 256)
-  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-  compiled = parallel.build_steps(mode, train_setup).train.lower(
-      train_setup.abstract_state(), batch).compile()
+  train_setup, compiled = compiled_train_step(config, mode)
   return compiled, collectives.count_collectives(compiled.as_text(), train_setup.mesh)
 
 

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from engine import data, models, parallel
+from engine.analysis import collectives
 from engine.analysis.reference import ReferenceRun
 from engine.config import default_config
 from engine.assemble import lay_out, resolve_vocab_size
@@ -92,6 +93,22 @@ def _single_device_run(config, num_steps) -> Run:
   metrics = [run.step(batches[i]) for i in range(num_steps)]
   return Run(np.array([m['loss'] for m in metrics]), np.array([m['grad_norm'] for m in metrics]),
              _flat(first_gradients), _flat(run.params))
+
+
+def compiled_train_step(config, mode: str, vocab_size: int = 256, devices=None):
+  """(the layout, `mode`'s train step compiled ahead of time for the abstract state and batch):
+  what a test reads the HLO, memory or cost analysis of, without running a step."""
+  train_setup = lay_out(config, vocab_size, devices)
+  batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
+  compiled = parallel.build_steps(mode, train_setup).train.lower(
+      train_setup.abstract_state(), batch).compile()
+  return train_setup, compiled
+
+
+def collective_table(train_setup, compiled) -> dict:
+  """The compiled step's collectives by (kind, mesh axes): executions and bytes (summarize)."""
+  return collectives.summarize(collectives.count_collectives(compiled.as_text(),
+                                                             train_setup.mesh))
 
 
 def compiled_run(config, mode, num_steps):

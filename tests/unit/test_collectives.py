@@ -12,7 +12,7 @@ from engine.train.metrics import log_memory
 from engine.models.ops import LAYERS
 from engine.sharding import spec_axes
 from engine.assemble import lay_out
-from tests.support.helpers import tiny_config
+from tests.support.helpers import compiled_train_step, tiny_config
 
 MESH_222 = {'data': 2, 'fsdp': 2, 'tensor': 2}
 
@@ -180,10 +180,7 @@ def test_auto_mode_reads_a_vocab_parallel_embedding_without_a_matmul():
   for mode in ('auto', 'manual'):
     config = tiny_config(mesh=(1, 1, 8))
     config.model.num_heads = 8
-    train_setup = lay_out(config, 256)
-    batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-    compiled = parallel.build_steps(mode, train_setup).train.lower(
-        train_setup.abstract_state(), batch).compile()
+    _, compiled = compiled_train_step(config, mode)
     flops[mode] = compiled.cost_analysis()['flops']
   one_hot_forward = 2 * 16 * 16 * 256 * 32 / 8  # B * L * V * D per device, V split 8 ways.
   assert flops['auto'] < flops['manual'] + one_hot_forward / 2, flops
