@@ -5,6 +5,7 @@ imports them.
   collectives.py     counts the collectives of a compiled step by kind and mesh axes
   hlo_loops.py       reads the trip counts of compiled loops that do not record them (TPU)
   comm_theory.py     the bytes a layout should move, from the model's spec and the rules
+  verdicts.py        which collectives move bytes off their theory, and the known reasons why
   benchmark.py       step time, FLOP/s, memory and collectives of modes x meshes, interleaved
                      in one run (command: python -m engine.bench)
   torch_reference.py the GPT in PyTorch, a child process the bench can interleave (not imported)

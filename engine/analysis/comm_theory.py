@@ -9,10 +9,18 @@ over its executions in one step. Keys are (kind, mesh axes).
 
 - Data parallel: one all-reduce of every gradient over the batch axes its parameter is
   replicated on (the local gradient shard's size).
-- FSDP: every gathered parameter of a stacked layer all-gathered twice (forward, and again in
-  the backward pass under remat), every other one once (before the model runs, kept for the
-  backward pass), and each gradient reduce-scattered once. With several micro-batches every
-  parameter is gathered once per optimizer step (and its gradient still reduce-scattered once).
+- FSDP: every gathered matrix of a stacked layer all-gathered twice (forward, and again in the
+  backward pass under remat), every other parameter once (before the model runs, kept for the
+  backward pass), and each gradient reduce-scattered once. A stacked layer's vector split over
+  FSDP is a bias (the norms' scales are never split), and a bias' gradient needs no bias: the
+  backward pass does not gather it again. With several micro-batches every parameter is
+  gathered once per optimizer step (and its gradient still reduce-scattered once).
+  `backward_regather=False` predicts a compiler that merges the backward pass' re-gathers with
+  the forward's (XLA:CPU on layers written out, `model.scan_layers=False`: it drops remat's
+  optimization barriers, and its common-subexpression elimination then keeps every layer's
+  gathered weights alive until the backward pass).
+- Per layer means per layer a device runs: with pipeline stages, its stage's layers on every
+  iteration of the schedule, bubbles included (`executed_layers`).
 - Micro-batches change none of the rest: gradients are synchronised once per optimizer step,
   and activation reductions move the same bytes in k slices.
 - Megatron tensor parallel: per layer and per row-parallel matmul, one all-reduce of the
@@ -74,7 +82,8 @@ def _ordered(axes, mesh_axes) -> tuple[str, ...]:
   return tuple(a for a in mesh_axes if a in axes)
 
 
-def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[Key, int]:
+def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
+                   backward_regather: bool = True) -> dict[Key, int]:
   mesh_shape = dict(setup.mesh.shape)
   names = tuple(mesh_shape)
   rules = setup.rules
@@ -103,23 +112,25 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
     gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
     if gathered:
       factor = math.prod(mesh_shape[a] for a in gathered)
-      once_per_step = setup.options.microbatches > 1 or LAYERS not in p.logical_axes
-      gathers = 1 if once_per_step else 2
+      regathered = (backward_regather and setup.options.microbatches == 1
+                    and LAYERS in p.logical_axes and len(p.shape) > 2)  # Not a stacked bias.
+      gathers = 2 if regathered else 1
       expected[('all-gather', gathered)] += gathers * shard_bytes * factor
       expected[('reduce-scatter', gathered)] += shard_bytes
 
   model = setup.model
   activation = local_batch * seq_len * model.embed_dim * activation_bytes
+  layers = executed_layers(setup)
   for contracted in model.row_parallel_per_layer:
     row_parallel = _ordered(rules.mesh_axes(contracted, activation=True), names)
     if row_parallel:
-      expected[('all-reduce', row_parallel)] += 2 * model.num_layers * activation
+      expected[('all-reduce', row_parallel)] += round(2 * layers * activation)
   if context > 1:
     keys_or_values = (local_batch * seq_len * math.prod(_ring_heads(setup))
                       * activation_bytes)
     forward_passes = 1 if setup.options.remat == 'none' else 2
-    expected[('collective-permute', _ordered(context_axes, names))] += (
-        model.num_layers * (forward_passes + 1) * (context - 1) * 2 * keys_or_values)
+    expected[('collective-permute', _ordered(context_axes, names))] += round(
+        layers * (forward_passes + 1) * (context - 1) * 2 * keys_or_values)
   stage_axes = _ordered(rules.mesh_axes(LAYERS), names)
   if stage_axes:
     stages = math.prod(mesh_shape[a] for a in stage_axes)
@@ -134,6 +145,18 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int) -> dict[K
     expected[('all-reduce', vocab_parallel)] += (
         2 * activation + 3 * local_batch * seq_len * FLOAT32_BYTES)
   return dict(expected)
+
+
+def executed_layers(setup: TrainSetup) -> float:
+  """Layers one device runs per step, in whole local batches: all of them, or with pipeline
+  stages its stage's L / S on every iteration of the schedule, bubbles included (R x M + S - 1
+  iterations of a micro-batch through L / (S x R) layers, R layer groups, M micro-batches)."""
+  mesh_shape, model = dict(setup.mesh.shape), setup.model
+  stages = math.prod(mesh_shape[a] for a in setup.rules.mesh_axes(LAYERS))
+  if stages == 1:
+    return model.num_layers
+  items = model.layer_groups * setup.options.microbatches
+  return model.num_layers / stages * (items + stages - 1) / items
 
 
 def _ring_heads(setup: TrainSetup) -> tuple[int, int]:
@@ -171,11 +194,10 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
     rows = n * local_batch * seq_len * min(K, E // n)
     id_bytes = rows * 4 if expert_axes else 0
   forward_passes = 1 if setup.options.remat == 'none' else 2
-  # Pipeline stages: each runs its layers on every iteration, bubbles included.
   stage_axes = rules.mesh_axes(LAYERS)
   stages = math.prod(mesh_shape[a] for a in stage_axes)
   items = model.layer_groups * setup.options.microbatches if stages > 1 else 1
-  layers = model.num_layers / stages * (items + stages - 1) / items
+  layers = executed_layers(setup)
   # The statistics are per execution of a layer: once per micro-batch (and pipeline iteration).
   executions = layers * (items if stages > 1 else setup.options.microbatches)
   row_bytes = rows * model.embed_dim * activation_bytes

@@ -11,6 +11,7 @@ matplotlib.use('Agg')  # Files only; no display on training machines.
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from engine.analysis import verdicts  # noqa: E402
 from engine.parallel.pipeline import bubble_fraction  # noqa: E402
 
 PLOTS = ('loss.png', 'step_time.png', 'communication.png')
@@ -137,7 +138,9 @@ def _communication_table(report: dict) -> list[str]:
     for m in modes:
       e = row[m]
       ratio = lower_bound(e, f'{e["ratio"]:.2f}') if e['ratio'] is not None else (
-          '**unexpected**' if e['unexpected'] else '-')
+          'unexpected' if e['unexpected'] else '-')
+      if verdicts.is_off(e):
+        ratio = f'**{ratio}**'
       cells += [lower_bound(e, e['executions']) + (
                     " (a loop's trip count unknown)" if e.get('lower_bound') else ''),
                 lower_bound(e, f'{e["bytes"] / 1024:.1f}'), ratio]
@@ -184,25 +187,23 @@ def _grouped_query_note(report: dict) -> list[str]:
 
 
 def _communication(report: dict) -> list[str]:
-  """The communication table and its notes: lower bounds, the schedule, and the collectives
-  the theory did not expect."""
+  """The communication table and its notes: lower bounds and the schedule (the rows off their
+  theory head the report: engine.analysis.verdicts)."""
   modes = report['modes']
   out = _communication_table(report)
   uncertain = [f'{m}: {r["kind"]} over {r["axes"]}' for r in report['communication']
                for m in modes if r[m].get('lower_bound')]
   if uncertain:
     out += [f'**Lower bounds** ({"; ".join(uncertain)}). {LOWER_BOUND_NOTE}', '']
-  out += _schedule_note(report) + _grouped_query_note(report)
-  flagged = [f'{m}: {r["kind"]} over {r["axes"]}' for r in report['communication'] for m in modes
-             if r[m]['unexpected']]
-  if flagged:
-    out += ['Not expected by the theory for this layout: ' + '; '.join(flagged) + '.', '']
-  return out
+  return out + _schedule_note(report) + _grouped_query_note(report)
 
 
 def markdown(report: dict) -> str:
   """The whole report as Markdown, one section after another, the plots last."""
-  out = _summary(report) + _numerics(report) + _speed(report) + _memory(report)
+  out = _summary(report)
+  if 'off_theory' in report:  # First: a ratio far from 1 is the report's most telling line.
+    out += verdicts.markdown([verdicts.Flag(**f) for f in report['off_theory']])
+  out += _numerics(report) + _speed(report) + _memory(report)
   out += _communication(report)
   out += ['## Plots', ''] + [f'![{name}]({name})' for name in PLOTS]
   return '\n'.join(out) + '\n'

@@ -18,7 +18,7 @@ from absl import logging
 
 from engine import parallel
 from engine.workdir import run_dir as workdir_lib
-from engine.analysis import benchmark, collectives, comm_theory, compare_report
+from engine.analysis import benchmark, collectives, comm_theory, compare_report, verdicts
 from engine.analysis.reference import ReferenceRun
 from engine.assemble import assemble
 
@@ -156,6 +156,10 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
       'attention_heads': train_setup.attention_heads(),
       'communication': communication_table(runs, theory),
   }
+  flags = verdicts.off_theory(report['communication'], modes,
+                              verdicts.context_for(train_setup, config))
+  verdicts.log(flags)
+  report['off_theory'] = [dataclasses.asdict(f) for f in flags]
   if len(runs) == 2:
     report['speed']['ratio'] = {'of': f'{runs[1].mode}/{runs[0].mode}',
                                 'median': runs[1].median_ms() / runs[0].median_ms()}

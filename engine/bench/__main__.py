@@ -40,6 +40,7 @@ The command lives here, not in engine/analysis/, for its short name; it is an an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -50,7 +51,7 @@ from ml_collections import config_flags
 from engine import config as config_lib
 from engine import parallel
 from engine.train import profiling
-from engine.analysis import benchmark
+from engine.analysis import benchmark, comm_theory, comparison, verdicts
 from engine.bench import baseline, calibration, op_profile
 from engine.assemble import assemble
 from engine.cli.command_line import check_out_prefix, run_command
@@ -179,7 +180,8 @@ def report(config, runs: list, tokens: int, matmul: float | None, external: dict
            f'{jax.device_count()} x {jax.devices()[0].device_kind}; {_STEPS.value} timed steps')
   if matmul:
     title += f'; calibrated matmul: {matmul / 1e12:.4g} TFLOP/s per device'
-  text = benchmark.markdown(rows, title, external)
+  off = off_theory(config, [r for r in runs if not r.mode.endswith(baseline.SUFFIX)])
+  text = '\n'.join(verdicts.markdown(off)) + '\n' + benchmark.markdown(rows, title, external)
   if _DENSE.value:
     text += '\n\n' + benchmark.dense_comparison(rows)
   pairs = baseline.comparison(rows) if _BASELINE.value else None
@@ -200,8 +202,22 @@ def report(config, runs: list, tokens: int, matmul: float | None, external: dict
                  'config': json.loads(config.to_json()), 'variants': rows, 'external': external,
                  'baseline': pairs and {'directory': os.path.abspath(_BASELINE.value),
                                         'comparison': pairs},
-                 'ops_seconds_per_step': ops}, f, indent=1)
+                 'ops_seconds_per_step': ops,
+                 'off_theory': [dataclasses.asdict(f) for f in off]}, f, indent=1)
     logging.info('Wrote %s.md and %s.json', _OUT.value, _OUT.value)
+
+
+def off_theory(config, runs: list) -> list:
+  """Every variant's collectives off the communication theory (engine.analysis.verdicts),
+  logged as they are found."""
+  found = []
+  for run in runs:
+    theory = comm_theory.expected_bytes(run.setup, config.data.global_batch_size,
+                                        config.data.seq_len)
+    found += verdicts.off_theory(comparison.communication_table([run], theory), [run.mode],
+                                 verdicts.context_for(run.setup, config), run.mesh)
+  verdicts.log(found)
+  return found
 
 
 def profiled_ops(runs: list) -> dict[str, dict[str, float]]:

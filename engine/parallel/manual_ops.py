@@ -19,7 +19,8 @@ from engine.parallel.steps import REMAT_POLICIES, map_params_together
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
 
-_NOT_KEPT = frozenset({'all_gather', 'split', 'reshape', 'transpose', 'convert_element_type'})
+_NOT_KEPT = frozenset({'all_gather', 'split', 'slice', 'squeeze', 'reshape', 'transpose',
+                       'convert_element_type'})
 
 
 class ManualOps(LocalOps):
@@ -51,8 +52,9 @@ class ManualOps(LocalOps):
     self.gather = gather
     self.flat_gather = setup.options.flat_gather
     keep = REMAT_POLICIES[setup.options.remat] or jax.checkpoint_policies.everything_saveable
-    # Neither gathered weights nor the cuts and casts that make them (flat_gather) are kept for
-    # the backward pass, whatever the policy: peak memory holds one layer's full parameters.
+    # Neither gathered weights nor the cuts and casts that make them (flat_gather), nor the
+    # slices a model takes of them (`w_qkv[c]`), are kept for the backward pass, whatever the
+    # policy: peak memory holds one layer's full parameters.
     self.remat_policy = lambda prim, *args, **params: (
         prim.name not in _NOT_KEPT and keep(prim, *args, **params))
 

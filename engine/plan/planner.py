@@ -49,7 +49,7 @@ from absl import logging  # noqa: E402
 
 from engine import chips, parallel, validation  # noqa: E402
 from engine import config as config_lib  # noqa: E402
-from engine.analysis import benchmark, collectives, comm_theory  # noqa: E402
+from engine.analysis import benchmark, collectives, comm_theory, verdicts  # noqa: E402
 from engine.analysis.comparison import communication_table  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
@@ -245,6 +245,10 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
   peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
   fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
   run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
+  communication = communication_table([run], theory)
+  flags = verdicts.off_theory(communication, [mode],
+                              verdicts.context_for(train_setup, config, 'tpu'), row['mesh'])
+  verdicts.log(flags)
   return {
       **row, 'status': 'fits' if fits else 'does not fit', 'compile_s': compile_s,
       'memory': memory, 'hbm_bytes': hardware.hbm_bytes, 'roofline': estimate,
@@ -252,7 +256,8 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
       'expert_padding_flops_per_step': padding,
       'mfu': model_flops / (hardware.num_devices * peak * estimate['serial_s']),
       'mfu_overlapped': model_flops / (hardware.num_devices * peak * estimate['overlapped_s']),
-      'communication': communication_table([run], theory),
+      'communication': communication,
+      'off_theory': [dataclasses.asdict(f) for f in flags],
       # The experts' exchange per step and device, bytes of the results (theory, compiled).
       'all_to_all_bytes': {'theory': sum(b for (k, _), b in theory.items() if k == 'all-to-all'),
                            'compiled': sum(r['array_bytes'] for (k, _), r in table.items()

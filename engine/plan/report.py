@@ -7,6 +7,7 @@ import ml_collections
 
 from engine import chips
 from engine import config as config_lib
+from engine.analysis import verdicts
 from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound
 
 
@@ -68,7 +69,9 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
       f'{c0["data"]["global_batch_size"]}, {c0["model"]["dtype"]}, remat {c0["model"]["remat"]} '
       f'on {result["topology"]} x {result["num_slices"]} slice(s): {result["devices"]} x '
       f'{result["chip"]} devices, {_gib(result["hbm_bytes_per_device"])} GiB HBM each', '',
-      *_ranking(result)]
+      *_ranking(result), '',
+      *verdicts.markdown([verdicts.Flag(**f) for r in result['candidates']
+                          for f in r.get('off_theory', [])])]
   lines += ['', 'Peak: arguments + outputs + temporaries - donated, from the compiled program '
             '(a compile that ran out of HBM: the HLO temporaries the compiler needed). Step time: '
             'compute = FLOPs executed / peak (the model\'s 6N + attention, 8N under full remat, '
@@ -89,6 +92,8 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
       e = row[r['mode']]
       ratio = lower_bound(e, f'{e["ratio"]:.2f}') if e['ratio'] is not None else (
           'not in theory' if e['unexpected'] else '-')
+      if verdicts.is_off(e):
+        ratio = f'**{ratio}**'
       executions = lower_bound(e, e['executions']) + (
           " (a loop's trip count unknown)" if e.get('lower_bound') else '')
       mib = lower_bound(e, f'{e["bytes"] / 2**20:.1f}')

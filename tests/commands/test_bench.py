@@ -71,6 +71,9 @@ def test_bench_measures_every_mode_on_every_mesh(bench):
     sums = op_profile.split(totals)
     assert sums['compute'] > 0 and sums['collectives'] > 0, totals
   assert 'Self time per step by op' in markdown and '| data 8 manual |' in markdown
+  # The report opens with the collectives off their theory: none unexplained here.
+  assert markdown.startswith('## Collectives off their theory')
+  assert 'UNEXPLAINED' not in markdown and all(f['reason'] for f in report['off_theory'])
 
 
 @pytest.mark.slow

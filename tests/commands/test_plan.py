@@ -69,6 +69,9 @@ def test_gpt_plan_fits_ranks_and_falls_with_fsdp(gpt_plan):
       assert 0 < row['mfu'] <= row['mfu_overlapped'] <= 1
   report = plan_report.markdown(gpt_plan, 'experiments/tiny.py')
   assert report.count('Train it: `python -m engine.main --config=experiments/tiny.py') == 4
+  # Right under the ranking: the collectives off their theory, every one explained.
+  assert report.index('## Collectives off their theory') < report.index('## data 8, auto')
+  assert 'UNEXPLAINED' not in report
 
 
 @pytest.mark.slow

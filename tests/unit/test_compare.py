@@ -46,6 +46,10 @@ def test_report_agrees_counts_collectives_and_writes_plots(tmp_path):
   assert open(tmp_path / 'loss.png', 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
   text = open(tmp_path / 'report.md').read()
   assert '## Communication per step and device' in text and 'AGREES' in text
+  # The verdict on the collectives comes first, and on 2x2x2 explains every row off its theory.
+  assert text.index('## Collectives off their theory') < text.index('## Numerics')
+  assert 'UNEXPLAINED' not in text
+  assert all(flag['reason'] for flag in report['off_theory'])
   assert json.load(open(tmp_path / 'report.json'))['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 2,
                                                                'context': 1, 'stage': 1,
                                                                'expert': 1}
@@ -72,7 +76,9 @@ def test_summed_instead_of_averaged_gradients_are_reported_as_diverging(tmp_path
 # 1024, MLP up 32*64 = 2048, its bias 64, MLP down 64*32 = 2048, its bias 32 (8416 per layer).
 TOTAL_FLOATS = 8192 + 512 + 64 + 2 * 8416  # 25600
 TOP_SHARDED_FLOATS = 8192 + 512  # Embeddings: gathered once, before the layers.
-LAYER_SHARDED_FLOATS = 2 * (3072 + 1024 + 2048 + 2048 + 32)  # Gathered again in the backward.
+LAYER_MATRIX_FLOATS = 2 * (3072 + 1024 + 2048 + 2048)  # Gathered again in the backward.
+LAYER_BIAS_FLOATS = 2 * 32  # The MLP-down bias: its gradient needs no bias, so gathered once.
+LAYER_SHARDED_FLOATS = LAYER_MATRIX_FLOATS + LAYER_BIAS_FLOATS
 FSDP_SHARDED_FLOATS = TOP_SHARDED_FLOATS + LAYER_SHARDED_FLOATS  # 25152: every embed dimension
 REPLICATED_FLOATS = TOTAL_FLOATS - FSDP_SHARDED_FLOATS  # 448: norms and the MLP-up bias
 
@@ -89,7 +95,8 @@ def test_theory_data_parallel_is_one_all_reduce_of_all_gradients():
 
 def test_theory_fsdp_gathers_layers_twice_and_scatters_once():
   assert _theory((1, 8, 1)) == {
-      ('all-gather', ('fsdp',)): 4 * (TOP_SHARDED_FLOATS + 2 * LAYER_SHARDED_FLOATS),
+      ('all-gather', ('fsdp',)): 4 * (TOP_SHARDED_FLOATS + LAYER_BIAS_FLOATS
+                                      + 2 * LAYER_MATRIX_FLOATS),
       ('reduce-scatter', ('fsdp',)): 4 * FSDP_SHARDED_FLOATS // 8,
       ('all-reduce', ('fsdp',)): 4 * REPLICATED_FLOATS,
   }
