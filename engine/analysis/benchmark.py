@@ -29,6 +29,7 @@ from engine import chips
 from engine.analysis import collectives
 from engine.config import MESH_AXES, with_values
 from engine.errors import ConfigError
+from engine.runtime.progress import Progress, phase
 from engine.train.metrics import log_memory
 from engine.state import TrainSetup
 
@@ -66,13 +67,15 @@ def mesh_name(shape: dict[str, int]) -> str:
   return ' x '.join(parts) or 'one device'
 
 
-def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch) -> ModeRun:
+def compile_mode(train_setup: TrainSetup, mode: str, abstract_batch,
+                 place: str = 'the variant') -> ModeRun:
+  """`place` names the variant in the progress lines ('variant 2 of 4')."""
   steps = parallel.build_steps(mode, train_setup)
-  start = time.perf_counter()
-  compiled = compile_train_step(steps, train_setup, abstract_batch)
-  seconds = time.perf_counter() - start
-  name = f'{mode} {mesh_name(dict(train_setup.mesh.shape))} train step'
-  return ModeRun(mode, train_setup, compiled, seconds, log_memory(name, compiled),
+  mesh = mesh_name(dict(train_setup.mesh.shape))
+  with phase(f'the train step, {mode} on {mesh} ({place})') as timer:
+    compiled = compile_train_step(steps, train_setup, abstract_batch)
+  return ModeRun(mode, train_setup, compiled, timer.seconds,
+                 log_memory(f'{mode} {mesh} train step', compiled),
                  collectives.count_collectives(compiled.as_text(), train_setup.mesh))
 
 
@@ -93,14 +96,16 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
   """
   seq_len = config.data.seq_len
   batch_sizes = batch_sizes or [config.data.global_batch_size] * len(variants)
-  runs = [compile_mode(s, mode, s.abstract_batch(size, seq_len))
-          for (mode, s), size in zip(variants, batch_sizes)]
+  runs = [compile_mode(s, mode, s.abstract_batch(size, seq_len),
+                       f'variant {i} of {len(variants)}')
+          for i, ((mode, s), size) in enumerate(zip(variants, batch_sizes), 1)]
   states = [run.setup.init(config.seed)[0] for run in runs]
   processes = jax.process_count()
   batches = data.batches(corpus, config.data, 'train', max(batch_sizes), config.seed,
                          jax.process_index(), processes)
   if before_rounds:
     before_rounds()
+  progress = Progress(warmup + num_steps, f'Interleaved steps ({warmup} warm-up)', 'round')
   for i in range(warmup + num_steps):
     # Whoever runs first in a round finds the caches cold after the others; rotating the order
     # every round spreads that over all of them.
@@ -123,8 +128,8 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
       run.grad_norms.append(float(metrics['grad_norm']))
       if observe:
         observe(i + 1, run, states[k], host_batch)
-    if (i + 1) % 10 == 0 or i + 1 == warmup + num_steps:
-      logging.info('Round %d of %d done (%d warm-up).', i + 1, warmup + num_steps, warmup)
+    progress.update()
+  progress.finish()
   if profile:
     _profile_variants(runs, states, batch_sizes, [batches[warmup + i] for i in range(
         min(PROFILE_STEPS, num_steps))], profile)

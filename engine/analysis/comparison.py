@@ -21,6 +21,7 @@ from engine.workdir import run_dir as workdir_lib
 from engine.analysis import benchmark, collectives, comm_theory, compare_report, verdicts
 from engine.analysis.reference import ReferenceRun
 from engine.assemble import assemble
+from engine.runtime.progress import phase
 
 
 def flat_params(params) -> dict[str, np.ndarray]:
@@ -132,8 +133,9 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
   workdir_lib.prepare(workdir)  # A directory this process can write, before anything runs.
   observer = None
   if jax.process_count() == 1:
-    reference = ReferenceRun(train_setup.model, config.optim, config.train.num_steps,
-                             config.seed)
+    with phase('the single-device reference', 'Initialising', 'Initialised'):
+      reference = ReferenceRun(train_setup.model, config.optim, config.train.num_steps,
+                               config.seed)  # Its step compiles in the first round.
     observer = NumericsObserver(reference, atol)
   else:
     logging.warning('Several processes: the single-device reference is skipped.')

@@ -23,6 +23,7 @@ import numpy as np
 from engine.analysis import collectives
 from engine.analysis.benchmark import ModeRun, child_failed
 from engine.errors import ConfigError
+from engine.runtime.progress import phase
 
 SUFFIX = ' (baseline)'  # After the mode, in its rows.
 
@@ -51,7 +52,8 @@ class BaselineReference:
                                     cwd=self.directory, env=env)
     self._send(json.dumps({'config': config_json, 'meshes': meshes, 'modes': modes}),
                'did not start')
-    line = self.process.stdout.readline()
+    with phase(f"the baseline's variants (a child process, in {self.directory})"):
+      line = self.process.stdout.readline()  # Its 'ready' comes once they are compiled.
     if not line.startswith('ready '):
       self._failed('did not start')
     self.variants = json.loads(line[len('ready '):])['variants']

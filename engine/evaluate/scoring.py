@@ -36,6 +36,7 @@ from engine.parallel import auto
 from engine.parallel.steps import Steps, kept_tokens
 from engine.data.text_files import read_text
 from engine.errors import ConfigError
+from engine.runtime.progress import Progress
 
 
 def check_length(tokens: np.ndarray, seq_len: int, what: str = 'the text') -> None:
@@ -56,12 +57,15 @@ def window_losses(setup, params, windows: np.ndarray, batch: int, steps: Steps |
   ways = math.prod(setup.mesh.shape[a] for a in setup.rules.mesh_axes('batch', True))
   batch = -(-batch // ways) * ways
   sums, counts = [], []
+  progress = Progress(-(-len(windows) // batch), 'Scoring', 'batch')  # The first one compiles.
   for start in range(0, len(windows), batch):
     rows = windows[start:start + batch]
     padded = np.concatenate([rows, np.repeat(rows[-1:], batch - len(rows), axis=0)])
     summed, count = program(params, padded)
     sums.append(np.asarray(summed, np.float64)[:len(rows)])
     counts.append(np.asarray(count)[:len(rows)])
+    progress.update()
+  progress.finish()
   return np.concatenate(sums), np.concatenate(counts)
 
 

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import time
 
 # The plan compiles for the topology and runs nothing: CPU even on a TPU VM, which `import engine`
 # leaves to JAX (engine/runtime/platforms.py). libtpu still loads: jax.experimental.topologies
@@ -55,6 +54,7 @@ from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.hf import load as hf  # noqa: E402
 from engine.models.moe_dispatch import capacity  # noqa: E402
+from engine.runtime.progress import phase  # noqa: E402
 from engine.train.metrics import log_memory  # noqa: E402
 
 _TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
@@ -207,8 +207,9 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
 
 
 def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
-                   hardware: Hardware) -> dict:
-  """Compiles one candidate (config with its mesh) for one mode; returns its plan row."""
+                   hardware: Hardware, place: str = 'the candidate') -> dict:
+  """Compiles one candidate (config with its mesh) for one mode; returns its plan row. `place`
+  names it in the progress lines ('candidate 2 of 6')."""
   config = config_lib.with_values(config, {'parallelism.mode': mode})
   row = {'mode': mode, 'config': json.loads(config.to_json())}
   try:
@@ -216,21 +217,23 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
     train_setup = run.setup
   except ConfigError as e:  # A candidate the engine would refuse: a row, not a stop.
     sizes = config_lib.format_mesh(config.mesh, all_axes=True)
+    logging.info('Skipped %s, %s on %s: the engine refuses it.', place, mode, sizes)
     return {**row, 'mesh': sizes, 'status': 'invalid', 'error': str(e)}
   mesh_shape = dict(train_setup.mesh.shape)
   row.update(mesh=benchmark.mesh_name(mesh_shape), mesh_shape=mesh_shape)
   global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
-  start = time.perf_counter()
   try:
-    compiled = run.compile_train_step()
+    with phase(f'the train step, {mode} on {row["mesh"]} ({place})') as timer:
+      compiled = run.compile_train_step()
   except Exception as e:  # pylint: disable=broad-except
     if (oom := _out_of_memory(e)) is None:
       raise
-    return {**row, 'status': 'does not fit', 'compile_s': time.perf_counter() - start,
+    logging.info('The %s train step on %s does not fit in HBM (%s).', mode, row['mesh'], place)
+    return {**row, 'status': 'does not fit', 'compile_s': timer.seconds,
             'memory': {'peak_estimate_bytes': oom['needed_bytes'],
                        'temp_size_in_bytes': oom['needed_bytes']},
             'hbm_bytes': hardware.hbm_bytes, 'error': str(e).splitlines()[0][:300]}
-  compile_s = time.perf_counter() - start
+  compile_s = timer.seconds
   memory = log_memory(f'{mode} {row["mesh"]} train step', compiled)
   found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
   table = collectives.summarize(found)
@@ -277,13 +280,13 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
   hardware = Hardware.of(devices, dcn_gb_per_s)
   num_processes = len({d.process_index for d in devices})
   config = hf.with_model_config(config)  # train.init_from=hf:DIR: plan DIR's model, once.
-  rows = []
+  rows, count = [], len(meshes or ['']) * len(modes)
   for mesh in meshes or ['']:
     candidate = config_lib.with_values(config, config_lib.mesh_values(mesh, '--meshes')
                                        if mesh else {})
     for mode in modes:
-      logging.info('Compiling %s on %s for %s.', mode, mesh or 'the config\'s mesh', topology)
-      rows.append(plan_candidate(candidate, mode, devices, hardware))
+      place = f'candidate {len(rows) + 1} of {count}'
+      rows.append(plan_candidate(candidate, mode, devices, hardware, place))
   if all(row['status'] == 'invalid' for row in rows):
     raise ConfigError(f'no candidate can run on {topology}; the first, mesh '
                       f'{rows[0]["mesh"]}: {rows[0]["error"]}')

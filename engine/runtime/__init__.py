@@ -1,6 +1,8 @@
-"""Process settings around JAX, applied before its backends start.
+"""Process settings around JAX, applied before its backends start, and the console's progress
+lines.
 
   allocator.py       glibc's malloc kept from returning memory between CPU steps
   platforms.py       which JAX platforms to start (CPU where libtpu is installed but no TPU is)
   library_output.py  the libraries' chatter quieted, their tracebacks for explained errors hidden
+  progress.py        progress lines of long work: a phase's time, a loop's count and time left
 """

@@ -1,7 +1,8 @@
 """Sweeps: every combination of a grid of config values trained (command: python -m engine.sweep).
 
   __main__.py  the command line: its flags, the variants' command lines, the end's summary
-  runner.py    one engine.main child per variant, recorded in sweep.json as each ends: resumable
+  runner.py    one engine.main child per variant, its progress logged, recorded in sweep.json as
+               each ends: resumable
   grid.py      the grid parsed into variants, each variant's config and command line
   report.py    the table, CSV and loss curves of the finished variants
 """

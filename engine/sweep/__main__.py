@@ -8,7 +8,8 @@ variant's values] --workdir=DIR/<variant>`, one after another (--print_commands 
 command lines, for a launcher, and runs nothing). `mode` is short for parallelism.mode and `mesh`
 for the mesh (e.g. --grid=mesh=8x1x1,2x2x2). Every variant's config is checked before the first
 starts, in a short child process (so that this one never holds the accelerators): a bad one is
-one `error:` line. DIR/sweep.json records each variant's status; a rerun skips the finished
+one `error:` line. While a variant runs, its step and time left are logged every 15 s (from its
+metrics.jsonl). DIR/sweep.json records each variant's status; a rerun skips the finished
 ones and resumes the others from their checkpoints. A failed variant is recorded (exit status,
 last error line; its output is in DIR/logs/<variant>.log) and the sweep goes on; the exit status
 is 1 if any failed. SIGTERM or SIGINT stops the running variant after a checkpoint (recorded

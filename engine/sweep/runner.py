@@ -1,4 +1,5 @@
-"""The sweep's runner: every variant's engine.main, one after another, each recorded as it ends.
+"""The sweep's runner: every variant's engine.main, one after another, its step and time left
+logged while it runs (wait_reporting), each recorded as it ends.
 
 DIR/sweep.json (STATE_FILE) records each variant's status, exit status, seconds, command line and
 log; a rerun skips the variants finished with the same command line and resumes the others from
@@ -23,6 +24,7 @@ from engine import assemble
 from engine.sweep import grid as sweep_grid
 from engine.sweep import report as sweep_report
 from engine.errors import ConfigError
+from engine.runtime.progress import Progress
 
 STATE_FILE = 'sweep.json'
 
@@ -87,13 +89,55 @@ def _final_step(workdir: str) -> int:
   return max(steps, default=0)
 
 
-def run_variant(command: list[str], workdir: str, log_path: str, num_steps: int) -> dict:
-  """Runs one variant's engine.main to its end; its record for sweep.json."""
+# How often the running variant's step and time left are logged, at most; how often its
+# metrics.jsonl is read (often enough that the first line logged has a rate for the time left).
+REPORT_EVERY_S, POLL_S = 15.0, 3.0
+
+
+def _last_step(workdir: str) -> int | None:
+  """The step of the last complete line of the variant's metrics.jsonl (None before it has
+  one): only the file's end is read, however long the run."""
+  try:
+    with open(os.path.join(workdir, 'metrics.jsonl'), 'rb') as f:
+      f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+      lines = f.read().decode(errors='replace').split('\n')[:-1]  # The last may be half written.
+  except OSError:
+    return None
+  for line in reversed(lines):
+    try:
+      return int(json.loads(line)['step'])
+    except (ValueError, KeyError, TypeError):
+      continue  # The first line of the tail, cut at its start.
+  return None
+
+
+def wait_reporting(child: subprocess.Popen, workdir: str, num_steps: int, label: str,
+                   every_s: float = REPORT_EVERY_S, poll_s: float = POLL_S) -> int:
+  """Waits for the variant's process to end (its exit status), logging its step and time left
+  at most every `every_s` seconds from its metrics.jsonl, which engine.main writes line by line:
+  the run's own record, so the sweep needs no pipe or thread, and the child's whole output stays
+  in its log file. A resumed variant's file ends with the earlier attempt's last step until the
+  child rewrites it: that step is not this attempt's progress."""
+  progress = Progress(num_steps, label, 'step', every_s)
+  before = _last_step(workdir)
+  while True:
+    try:
+      return child.wait(timeout=poll_s)
+    except subprocess.TimeoutExpired:
+      step = _last_step(workdir)
+      if step is not None and step != before and step > progress.done:
+        progress.update(step)
+
+
+def run_variant(command: list[str], workdir: str, log_path: str, num_steps: int,
+                label: str = 'the variant') -> dict:
+  """Runs one variant's engine.main to its end, logging its progress (`label` names it); its
+  record for sweep.json."""
   start = time.monotonic()
   with open(log_path, 'a') as log:
     child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
-      code = child.wait()
+      code = wait_reporting(child, workdir, num_steps, label)
     except BaseException:  # The sweep was stopped: so is the variant, after a checkpoint.
       # Its first SIGTERM: a clean stop (engine.train.preemption).
       child.send_signal(signal.SIGTERM)
@@ -125,7 +169,7 @@ def run_all(directory: str, variants, configs, commands) -> dict:
     log_path = os.path.join(directory, 'logs', f'{variant.name}.log')
     try:
       record = run_variant(command, os.path.join(directory, variant.name), log_path,
-                           config.train.num_steps)
+                           config.train.num_steps, where)
     except (KeyboardInterrupt, Stopped):
       state[variant.name] = {'status': 'preempted', 'command': shlex.join(command),
                              'log': log_path}

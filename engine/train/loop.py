@@ -23,6 +23,7 @@ from absl import logging
 
 from engine import data, sharding
 from engine.distributed import startup as distributed
+from engine.runtime.progress import phase
 from engine.hf import load as hf
 from engine.workdir import lock as run_lock
 from engine.workdir import summary as run_summary
@@ -154,9 +155,12 @@ class StepLoop:
 def compile_steps(run: Run, memory: dict) -> tuple:
   """The train and eval steps compiled for the run's abstract state and batch (memory stats
   logged and kept)."""
-  train_step = run.compile_train_step()
+  with phase('the train step'):
+    train_step = run.compile_train_step()
   memory['train_step'] = log_memory('train step', train_step)
-  return train_step, run.compile_eval_step()
+  with phase('the eval step'):
+    eval_step = run.compile_eval_step()
+  return train_step, eval_step
 
 
 def _log_start(run: Run) -> None:

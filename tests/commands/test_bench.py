@@ -2,16 +2,22 @@
 
 import collections
 import json
+import logging
 import os
 import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from engine import chips
+from engine.analysis import benchmark
+from engine.assemble import assemble
 from engine.bench import op_profile
 from engine.errors import ConfigError
+from engine.runtime.progress import duration
+from tests.support.helpers import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -21,17 +27,23 @@ def bench(tmp_path_factory):
   """One bench run for the tests below: two meshes, both modes, this tree as its own baseline.
   (the report, OUT.md's text, the directory of --out and --profile)."""
   tmp_path = tmp_path_factory.mktemp('bench')
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
-      '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'))
-  subprocess.run(
-      [sys.executable, '-m', 'engine.bench', '--config=experiments/tiny.py',
-       '--config.model.num_layers=2', '--config.data.source=synthetic',
-       '--meshes=8x1x1,1x2x4', '--modes=auto,manual', '--steps=2', '--warmup=1',
-       '--peak_tflops=0.5', f'--out={tmp_path / "bench"}', f'--profile={tmp_path / "trace"}',
-       f'--baseline={ROOT}'],
-      check=True, env=env, cwd=ROOT, timeout=600)
+  done = _bench('--meshes=8x1x1,1x2x4', '--modes=auto,manual', '--steps=2', '--warmup=1',
+                '--peak_tflops=0.5', f'--out={tmp_path / "bench"}',
+                f'--profile={tmp_path / "trace"}', f'--baseline={ROOT}')
+  assert done.returncode == 0, done.stderr
+  (tmp_path / 'stderr.txt').write_text(done.stderr)
   return (json.loads((tmp_path / 'bench.json').read_text()),
           (tmp_path / 'bench.md').read_text(), tmp_path)
+
+
+def _bench(*flags, devices=8):
+  """engine.bench on the tiny model, on `devices` CPU devices; its output captured."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
+      f'--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0'))
+  return subprocess.run(
+      [sys.executable, '-m', 'engine.bench', '--config=experiments/tiny.py',
+       '--config.model.num_layers=2', '--config.data.source=synthetic', *flags],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
@@ -74,6 +86,42 @@ def test_bench_measures_every_mode_on_every_mesh(bench):
   # The report opens with the collectives off their theory: none unexplained here.
   assert markdown.startswith('## Collectives off their theory')
   assert 'UNEXPLAINED' not in markdown and all(f['reason'] for f in report['off_theory'])
+
+
+@pytest.mark.slow
+def test_bench_logs_each_compile_and_the_rounds(bench):
+  stderr = (bench[2] / 'stderr.txt').read_text()
+  for i, (mesh, mode) in enumerate([('data 8', 'auto'), ('data 8', 'manual'),
+                                    ('fsdp 2 x tensor 4', 'auto'),
+                                    ('fsdp 2 x tensor 4', 'manual')], 1):
+    assert f'Compiling the train step, {mode} on {mesh} (variant {i} of 4) ...' in stderr
+    assert f'Compiled the train step, {mode} on {mesh} (variant {i} of 4) in ' in stderr
+  assert f"Compiled the baseline's variants (a child process, in {ROOT}) in " in stderr
+  assert 'Interleaved steps (1 warm-up): round 3/3 done in ' in stderr
+
+
+def test_the_rounds_log_each_compile_with_its_time(caplog):
+  """run_variants, the loop of engine.bench, engine.analysis.compare and engine.analysis.bubble,
+  on the tiny model on one device: a line as the compile starts, one with the time it took
+  (the time the table reports), and the rounds' last line."""
+  run = assemble(tiny_config(), jax.devices()[:1])
+  caplog.set_level(logging.INFO, logger='absl')
+  runs = benchmark.run_variants(run.config, run.corpus, [('auto', run.setup)], 1, warmup=1)
+  lines = [r.getMessage() for r in caplog.records if r.name == 'absl']
+  compiled = duration(runs[0].compile_seconds)
+  assert lines[0] == 'Compiling the train step, auto on one device (variant 1 of 1) ...'
+  assert f'Compiled the train step, auto on one device (variant 1 of 1) in {compiled}.' in lines
+  assert lines[-1].startswith('Interleaved steps (1 warm-up): round 2/2 done in ')
+
+
+def test_verbosity_minus_one_keeps_only_the_report():
+  """The same lines from the command are absl INFO lines: --verbosity=-1 drops them all."""
+  done = _bench('--modes=auto', '--steps=1', '--warmup=0', '--nocalibrate', '--verbosity=-1',
+                devices=1)
+  assert done.returncode == 0, done.stderr
+  assert '| one device | auto |' in done.stdout
+  assert not [line for line in done.stderr.splitlines() if line.startswith('I') or any(
+      word in line for word in ('Compil', 'Interleaved'))], done.stderr
 
 
 @pytest.mark.slow
