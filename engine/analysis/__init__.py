@@ -20,4 +20,10 @@ imports them.
   hf_checker.py      hf_check's runs: the transformers child, every family checked, the report
   hf_compare.py      hf_check's engine side: one checkpoint loaded, measured and compared
   hf_reference.py    the transformers side of hf_check, a child process (not imported)
+  tokenizer_check.py the exported tokenizers against transformers' AutoTokenizer on a long text
+                     (command: python -m engine.analysis.tokenizer_check --transformers_python=PY)
+  tokenizer_compare.py  tokenizer_check's engine side: tokenizers trained, exports written, ids
+                     compared, the report
+  tokenizer_reference.py  the AutoTokenizer side of tokenizer_check, a child process (not
+                     imported)
 """

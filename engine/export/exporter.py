@@ -14,8 +14,11 @@ machine's devices (any mesh it was trained on), and writes a directory that tran
   model.safetensors        the parameters, in --dtype (float32, bfloat16 or float16);
   tokenizer files          the run's tokenizer (for shards, the one their meta.json names):
                            data.tokenizer=hf: tokenizer.json, sentencepiece: tokenizer.model, each
-                           with a tokenizer_config.json; byte and char vocabularies have no
-                           Hugging Face tokenizer file, and none is written.
+                           with a tokenizer_config.json naming a class that takes the file as
+                           written, whatever the model type (and tokenization_exported.py, that
+                           class for trust_remote_code=True; engine/hf/save.py says why); byte
+                           and char vocabularies have no Hugging Face tokenizer file, and none is
+                           written.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def export(workdir: str, out: str, dtype: str = 'float32') -> list[str]:
 _CHECKPOINT_FILES = re.compile(
     r'^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|'
     r'model\.safetensors\.index\.json|tokenizer(_config)?\.json|tokenizer\.model|'
-    r'special_tokens_map\.json)$')
+    r'special_tokens_map\.json|tokenization_exported\.py)$')
 
 
 def _check_out(out: str) -> None:

@@ -47,7 +47,6 @@ def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
   (Llama's 1 and 2), which are other tokens of another vocabulary. Returns the tensor names
   written."""
   fmt = models.hf_format_for(model_config)
-  config = fmt.to_hf_config(model_config, vocab_size)
   tensors = {}
   for tensor in fmt.tensors:
     if tensor.path not in params:
@@ -61,16 +60,25 @@ def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
       tensors[tensor_name(tensor.name, lead, at)] = np.ascontiguousarray(
           to_hf(tensor.layout, array[at]))
   tensors = {name: _cast(name, value, dtype) for name, value in tensors.items()}
-  # transformers 5 reads `dtype`; earlier versions `torch_dtype`.
-  config.update(dtype=dtype, torch_dtype=dtype, **(token_ids or {}))
   os.makedirs(out, exist_ok=True)
   save_file(tensors, os.path.join(out, 'model.safetensors'), metadata={'format': 'pt'})
-  _write_json(os.path.join(out, 'config.json'), config)
-  if token_ids is not None:
-    _write_json(os.path.join(out, 'generation_config.json'), dict(token_ids))
+  write_config(model_config, vocab_size, out, dtype, token_ids)
   logging.info('Wrote %d tensors (%.1f MB, %s) to %s', len(tensors),
                sum(v.nbytes for v in tensors.values()) / 1e6, dtype, out)
   return sorted(tensors)
+
+
+def write_config(model_config, vocab_size: int, out: str, dtype: str = 'float32',
+                 token_ids: dict[str, int | None] | None = None) -> None:
+  """config.json of the model family's Hugging Face format (its `model_type` is what
+  AutoTokenizer reads too) and, with `token_ids`, generation_config.json (see `save`)."""
+  config = models.hf_format_for(model_config).to_hf_config(model_config, vocab_size)
+  # transformers 5 reads `dtype`; earlier versions `torch_dtype`.
+  config.update(dtype=dtype, torch_dtype=dtype, **(token_ids or {}))
+  os.makedirs(out, exist_ok=True)
+  _write_json(os.path.join(out, 'config.json'), config)
+  if token_ids is not None:
+    _write_json(os.path.join(out, 'generation_config.json'), dict(token_ids))
 
 
 def _cast(name: str, value: np.ndarray, dtype: str) -> np.ndarray:
@@ -91,16 +99,75 @@ def _write_json(path: str, content: dict) -> None:
     f.write('\n')
 
 
+# The tokenizer classes AutoTokenizer loads (transformers >= 5), by data.tokenizer: each takes the
+# file as written. transformers' own class for a model type would rebuild it: Qwen2Tokenizer
+# (model types qwen2, qwen3, qwen3_moe) splits the text with Qwen's pattern, LlamaTokenizer turns
+# a SentencePiece model into a byte-fallback BPE without its normaliser.
+TOKENIZER_CLASSES = {'hf': 'PreTrainedTokenizerFast', 'sentencepiece': 'SentencePieceBackend'}
+# Where trust_remote_code=True loads the same classes from (auto_map, below).
+EXPORTED_CLASSES_FILE = 'tokenization_exported.py'
+_EXPORTED_CLASSES = {
+    'hf': ('ExportedTokenizer', 'tokenizer.json as written, its normaliser and pre-tokenizer '
+           'included.'),
+    'sentencepiece': ('ExportedSentencePieceTokenizer', 'tokenizer.model through the '
+                      'sentencepiece library, its normaliser included.')}
+
+
+def _exported_classes_source(kind: str) -> str:
+  name, what = _EXPORTED_CLASSES[kind]
+  return (f'"""The tokenizer of this engine.export directory for AutoTokenizer with '
+          f'trust_remote_code=True:\n{what}"""\n\n'
+          f'from transformers import {TOKENIZER_CLASSES[kind]}\n\n\n'
+          f'class {name}({TOKENIZER_CLASSES[kind]}):\n  """{what}"""\n')
+
+
+def tokenizer_config(kind: str, tokens: dict[str, str | None], max_len: int) -> dict:
+  """tokenizer_config.json of a data.tokenizer=`kind` export; `tokens`: the bos_token,
+  eos_token (and unk_token) strings, None where the tokenizer has none.
+
+  transformers >= 5 picks the class by the config's model_type before tokenizer_config's, and
+  for some model types (qwen2) never takes the latter's; an `auto_map` entry turns both choices
+  off. Without trust_remote_code it runs nothing (`tokenizer_class` is the class that loads);
+  with it, EXPORTED_CLASSES_FILE's subclass of the same class loads. The beginning-of-text id
+  comes first, as engine.data.prepare, engine.generate and engine.evaluate put it: for
+  sentencepiece by add_bos_token (transformers ignores it beside a tokenizer.json, whose own
+  post-processor adds it: `_add_bos`)."""
+  config = {'tokenizer_class': TOKENIZER_CLASSES[kind],
+            'auto_map': {'AutoTokenizer': [
+                None, f'{EXPORTED_CLASSES_FILE[:-3]}.{_EXPORTED_CLASSES[kind][0]}']}}
+  if kind == 'sentencepiece':
+    config.update(add_bos_token=tokens['bos_token'] is not None, add_eos_token=False)
+    if tokens['bos_token'] is not None:
+      config['special_tokens_pattern'] = 'bos'  # How SentencePieceBackend adds it.
+  return {**config, **tokens, 'model_max_length': max_len}
+
+
+def _add_bos(tokenizer, bos: str | None) -> bool:
+  """Gives the `tokenizers` Tokenizer a post-processor that puts `bos` first, if it has one and
+  no post-processor of its own: what transformers adds by default (the engine encodes without
+  it, then adds the id itself). Whether it did."""
+  from tokenizers import processors  # pylint: disable=g-import-not-at-top
+  if bos is None or tokenizer.post_processor is not None:
+    return False
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single=f'{bos} $A', pair=f'{bos} $A {bos} $B',
+      special_tokens=[(bos, tokenizer.token_to_id(bos))])
+  return True
+
+
 def save_tokenizer(tokenizer, out: str, max_len: int) -> str:
   """Writes the run's tokenizer as Hugging Face's `AutoTokenizer` loads it, into `out`; returns
   a line saying what it wrote (nothing for byte and character vocabularies, which have no Hugging
   Face tokenizer file).
 
-    hf             tokenizer.json (copied) + tokenizer_config.json (PreTrainedTokenizerFast: the
-                   tokenizer.json decides everything, special tokens added or not included);
-    sentencepiece  tokenizer.model (copied) + tokenizer_config.json (LlamaTokenizer, which adds
-                   the beginning-of-text id as engine.data.prepare and engine.generate do; reading
-                   a .model needs the sentencepiece and protobuf packages).
+    hf             tokenizer.json, loaded whole by PreTrainedTokenizerFast (the run's, with a
+                   post-processor that adds the beginning-of-text id where it has none);
+    sentencepiece  tokenizer.model (copied), run by the sentencepiece library itself
+                   (SentencePieceBackend; reading it needs the sentencepiece and protobuf
+                   packages);
+
+  each with tokenizer_config.json (`tokenizer_config`) and EXPORTED_CLASSES_FILE. python -m
+  engine.analysis.tokenizer_check checks that transformers gives the engine's ids.
   """
   kind = tokenizer.kind
   if kind not in ('hf', 'sentencepiece'):
@@ -110,19 +177,22 @@ def save_tokenizer(tokenizer, out: str, max_len: int) -> str:
   ids = {'bos_token': tokenizer.bos_id, 'eos_token': tokenizer.eos_id}
   if kind == 'hf':
     import tokenizers  # pylint: disable=g-import-not-at-top
-    name, piece = 'tokenizer.json', tokenizers.Tokenizer.from_file(tokenizer.path).id_to_token
-    config = {'tokenizer_class': 'PreTrainedTokenizerFast'}
+    backend = tokenizers.Tokenizer.from_file(tokenizer.path)
+    name, piece = 'tokenizer.json', backend.id_to_token
   else:
     import sentencepiece  # pylint: disable=g-import-not-at-top
     processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer.path)
     name, piece = 'tokenizer.model', processor.id_to_piece
     if processor.unk_id() >= 0:
       ids['unk_token'] = processor.unk_id()
-    config = {'tokenizer_class': 'LlamaTokenizer', 'add_bos_token': tokenizer.bos_id is not None,
-              'add_eos_token': False}
-  config.update({key: None if i is None else piece(i) for key, i in ids.items()})
-  config['model_max_length'] = max_len
-  shutil.copyfile(tokenizer.path, os.path.join(out, name))
+  tokens = {key: None if i is None else piece(i) for key, i in ids.items()}
+  config = tokenizer_config(kind, tokens, max_len)
+  if kind == 'hf' and _add_bos(backend, tokens['bos_token']):
+    backend.save(os.path.join(out, name))
+  else:
+    shutil.copyfile(tokenizer.path, os.path.join(out, name))
   _write_json(os.path.join(out, 'tokenizer_config.json'), config)
-  return f'{name} and tokenizer_config.json ({config["tokenizer_class"]}) from {tokenizer.path}.'
-
+  with open(os.path.join(out, EXPORTED_CLASSES_FILE), 'w') as f:
+    f.write(_exported_classes_source(kind))
+  return (f'{name}, tokenizer_config.json ({config["tokenizer_class"]}) and '
+          f'{EXPORTED_CLASSES_FILE} from {tokenizer.path}.')

@@ -1,5 +1,7 @@
-"""Keeping the libraries' output readable: their INFO chatter and the tracebacks they print for
-failures the engine reports itself in one line (`--debug` keeps everything)."""
+"""Keeping the console readable: the short log lines (log_format.py), and the libraries' INFO
+chatter and the tracebacks they print for failures the engine reports itself in one line
+(`--debug` keeps everything). Every command sets its console up here, through
+quiet_library_output."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import threading
 
 from absl import logging
 
+from engine.runtime.log_format import use_short_format
+
 
 def quiet_library_output(debug: bool = False) -> None:
   """Drops the INFO chatter of Orbax and grain (they log through absl) so progress stays
   readable; their warnings and errors still show. Unless `debug`, also drops the tracebacks that
   a failed checkpoint write makes Orbax log and tensorstore print: the engine's own error line
-  names the step and the cause."""
+  names the step and the cause. Log lines take the short format (log_format.py)."""
+  use_short_format()
 
   def from_library(record) -> bool:
     return any(f'{os.sep}{lib}{os.sep}' in record.pathname for lib in ('orbax', 'grain'))

@@ -4,5 +4,5 @@
   runner.py    one engine.main child per variant, its progress logged, recorded in sweep.json as
                each ends: resumable
   grid.py      the grid parsed into variants, each variant's config and command line
-  report.py    the table, CSV and loss curves of the finished variants
+  report.py    the table (best variant marked), CSV, loss curves and final losses per value
 """

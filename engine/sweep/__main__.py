@@ -13,8 +13,10 @@ metrics.jsonl). DIR/sweep.json records each variant's status; a rerun skips the 
 ones and resumes the others from their checkpoints. A failed variant is recorded (exit status,
 last error line; its output is in DIR/logs/<variant>.log) and the sweep goes on; the exit status
 is 1 if any failed. SIGTERM or SIGINT stops the running variant after a checkpoint (recorded
-as preempted) and the sweep. At the end: DIR/sweep.md and DIR/sweep.csv (final and best eval loss,
-median tokens/s, peak memory, status), printed too, and DIR/loss_curves.png.
+as preempted) and the sweep. At the end: DIR/sweep.md and DIR/sweep.csv (final train loss, final
+and best eval loss, median tokens/s, peak memory, status; the best variant, the lowest final eval
+loss of the finished ones, marked), printed too, DIR/loss_curves.png (every variant's curves) and
+DIR/final_loss.png (the final losses against each swept value).
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def main(argv):
   workdirs = {v.name: os.path.join(directory, v.name) for v in variants}
   rows = {name: sweep_report.results(workdirs[name], state.get(name, {}).get('status', '-'))
           for name in workdirs}
-  print(sweep_report.write_all(directory, rows, workdirs), end='')
+  values = {v.name: v.values for v in variants}
+  print(sweep_report.write_all(directory, rows, workdirs, values), end='')
   failed = [name for name, row in rows.items() if row['status'] != 'finished']
   if failed:
     fail(f'{len(failed)} of {len(rows)} variants did not finish ({", ".join(failed)}); their '

@@ -100,6 +100,28 @@ def test_show_layout_prints_every_parameter_and_draws_the_layout():
   assert pictures == {'blocks/w_up_DF': weight, 'input batch': batch}, out
 
 
+def _train_tokenizer(tmp_path, *flags):
+  return subprocess.run(
+      [sys.executable, '-m', 'engine.data.train_tokenizer', '--input=README.md',
+       '--vocab_size=300', f'--out={tmp_path / "bpe.json"}', '--overwrite', *flags], cwd=ROOT,
+      capture_output=True, text=True, timeout=120)
+
+
+def test_a_commands_log_lines_are_short_unless_verbosity_asks_for_absls(tmp_path):
+  """Every log line of a command is `L HH:MM:SS message` (engine/runtime/log_format.py); under
+  --verbosity=1, absl's full format (date, microseconds, thread, file:line)."""
+  proc = _train_tokenizer(tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stderr.splitlines()
+  assert any(re.fullmatch(r'I \d\d:\d\d:\d\d Trained on 1 documents \(.*', line)
+             for line in lines), lines
+  assert all(re.match(r'[IWEF] \d\d:\d\d:\d\d \S', line) for line in lines), lines
+  verbose = _train_tokenizer(tmp_path, '--verbosity=1')
+  assert verbose.returncode == 0, verbose.stderr
+  assert re.search(r'^I\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ train_tokenizer\.py:\d+\] Trained on 1 '
+                   'documents', verbose.stderr, re.M), verbose.stderr
+
+
 def test_argv_is_read_as_absl_reads_it():
   """engine/cli/argv.py, which the checks before absl, the sweep and the launchers share."""
   argv = ['prog', '-config=a.py', '--workdir', '/tmp/w', '--config=b.py:x', '--debug',

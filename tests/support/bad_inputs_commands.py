@@ -58,6 +58,7 @@ SWEEP = '--workdir=$T/sweep'
 PIPELINE = '--config=experiments/tiny.py:mesh=2x1x1x1x4'
 V5P = '--topology=v5p:2x2x2'
 HF_CHECK = '--torch_python=/bin/true'  # Never run: the rows fail first.
+TOKENIZER_CHECK = '--transformers_python=/bin/true'  # Never run: the rows fail first.
 MESH_FORMAT = ('a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]], 3 to 6 integers joined by '
                'x (axes not given are 1); e.g. 2x2x2, 2x1x1x2x2 for context 2 and stage 2, or '
                '1x1x1x1x1x4 for expert 4 (-1: the devices the other axes leave, e.g. -1x1x2).')
@@ -290,6 +291,18 @@ COMMAND_ROWS = {
          'qwen3_moe.'),
         ([HF_CHECK, '--formats=x'], 2, "--formats: 'x' is unknown; choose from v5,legacy."),
         ([HF_CHECK, '--mesh=2x'], 2, f'--mesh=2x: {MESH_FORMAT}'),
+    ],
+    'engine.analysis.tokenizer_check': [
+        ([], 2, '--transformers_python is required: A Python with transformers (and '
+         'sentencepiece, protobuf), e.g. ENV/bin/python.'),
+        (['--transformers_python=$T/no_such_python'], 2, '--transformers_python=$T/no_such_python: '
+         'cannot run it (No such file or directory); pass a Python with transformers, '
+         'sentencepiece and protobuf (pip install transformers sentencepiece protobuf).'),
+        ([TOKENIZER_CHECK, '--kinds=wordpiece'], 2, "--kinds: 'wordpiece' is unknown; choose from "
+         'bpe,bpe_bos,sentencepiece_bpe,sentencepiece_unigram.'),
+        ([TOKENIZER_CHECK, '--architectures=GPT2LMHeadModel'], 2, "--architectures: "
+         "'GPT2LMHeadModel' is unknown; choose from LlamaForCausalLM,MistralForCausalLM,"
+         'Qwen2ForCausalLM,Qwen3ForCausalLM,MixtralForCausalLM,Qwen3MoeForCausalLM.'),
     ],
     'engine.data.prepare': [
         ([], 2, '--input is required: Text file, directory, or "embedded"; repeatable.'),

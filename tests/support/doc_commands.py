@@ -52,6 +52,8 @@ SETUP = Skip('environment setup; CI runs it before the suite')
 NO_HF = Skip('needs a downloaded Hugging Face checkpoint (/models/...)')
 TRAINED_FROM_HF = Skip('reads a run trained from a Hugging Face checkpoint (/models/...)')
 NO_TORCH = Skip('needs a Python with torch and transformers (--torch_python)')
+NO_TRANSFORMERS = Skip('needs a Python with transformers (--transformers_python); the suite runs '
+                       'it when TRANSFORMERS_PYTHON names one (tests/unit/test_tokenizer_export.py)')
 NO_LIBTPU = Skip('needs libtpu\'s TPU compiler (the tpu extra) and compiles an 8B model')
 ACCELERATOR = Skip('sized for accelerators: 153M parameters, sequence 1024, batch 64')
 TINY_RUN = Skip('the same run as README\'s `python -m engine.main --config=experiments/tiny.py '
@@ -124,6 +126,8 @@ CHECKS = {
             outputs=('/tmp/run_hf/config.json',), order=1),
     'python -m engine.analysis.hf_check --torch_python=/path/to/venv/bin/python --out=/tmp/hfc':
         NO_TORCH,
+    'python -m engine.analysis.tokenizer_check --transformers_python=/path/to/venv/bin/python '
+    '--text_file=../shared/data/tinyshakespeare.txt --out=/tmp/tok': NO_TRANSFORMERS,
     # README and docs/multihost.md, "Many processes".
     'python -m launch.local --num_processes=2 --devices_per_process=4 -- python -m engine.main '
     '--config=experiments/tiny.py:mesh=2x2x2,steps=100 --workdir=/tmp/tiny_2x4':

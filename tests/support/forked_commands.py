@@ -32,7 +32,7 @@ from engine.evaluate import scoring as evaluate
 from engine.cli import command_line as cli
 from engine.generate import sampling as generate
 from engine.plan import planner as plan
-from engine.analysis import comparison, hf_checker, layout  # noqa: F401
+from engine.analysis import comparison, hf_checker, layout, tokenizer_compare  # noqa: F401
 from engine.data import bpe_trainer, shard_writer  # noqa: F401
 from engine.sweep import runner  # noqa: F401
 

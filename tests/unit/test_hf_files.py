@@ -226,11 +226,12 @@ def test_export_writes_config_generation_config_weights_and_tokenizer(trained, t
   written = export_files(workdir, str(tmp_path / 'float32'))
   out = tmp_path / 'float32'
   assert written.files == ['config.json', 'generation_config.json', 'model.safetensors',
-                           'tokenizer.json', 'tokenizer_config.json']
+                           'tokenization_exported.py', 'tokenizer.json', 'tokenizer_config.json']
   # From the run's own copy (WORKDIR/tokenizer/), identical to the file it trained with.
   kept = os.path.join(workdir, 'tokenizer', 'tokenizer.json')
-  assert written.tokenizer == (f'tokenizer.json and tokenizer_config.json '
-                               f'(PreTrainedTokenizerFast) from {kept}.')
+  assert written.tokenizer == (f'tokenizer.json, tokenizer_config.json '
+                               f'(PreTrainedTokenizerFast) and tokenization_exported.py from '
+                               f'{kept}.')
   assert open(kept, 'rb').read() == open(tokenizer_path, 'rb').read()
   config = json.loads((out / 'config.json').read_text())
   assert (config['bos_token_id'], config['eos_token_id']) == (300, 0)
@@ -238,10 +239,25 @@ def test_export_writes_config_generation_config_weights_and_tokenizer(trained, t
   assert (config['max_position_embeddings'], config['vocab_size']) == (16, 320)
   assert json.loads((out / 'generation_config.json').read_text()) == {'bos_token_id': 300,
                                                                       'eos_token_id': 0}
-  assert (out / 'tokenizer.json').read_bytes() == pathlib.Path(tokenizer_path).read_bytes()
+  # The run's tokenizer.json, with a post-processor that puts the beginning-of-text id first
+  # (transformers adds special tokens by default; the engine encodes without, then adds it).
+  exported = json.loads((out / 'tokenizer.json').read_text())
+  source = json.loads(pathlib.Path(tokenizer_path).read_text())
+  assert source['post_processor'] is None
+  assert exported['post_processor']['type'] == 'TemplateProcessing'
+  assert {**exported, 'post_processor': None} == source
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  assert tokenizers.Tokenizer.from_file(str(out / 'tokenizer.json')).encode('to be').ids == [
+      300, *tokenizer.encode('to be').tolist()]
+  # The class that loads tokenizer.json whole, whatever the model type (auto_map: see
+  # engine/hf/save.py).
   assert json.loads((out / 'tokenizer_config.json').read_text()) == {
-      'tokenizer_class': 'PreTrainedTokenizerFast', 'bos_token': BEGIN_OF_TEXT,
+      'tokenizer_class': 'PreTrainedTokenizerFast',
+      'auto_map': {'AutoTokenizer': [None, 'tokenization_exported.ExportedTokenizer']},
+      'bos_token': BEGIN_OF_TEXT,
       'eos_token': '<|endoftext|>', 'model_max_length': 16}
+  assert 'class ExportedTokenizer(PreTrainedTokenizerFast):' in (
+      out / 'tokenization_exported.py').read_text()
   # --dtype: the float32 weights rounded, in safetensors' BF16 / F16; config.json says which.
   full = _tensors(out)
   assert {dtype for dtype, _ in full.values()} == {'F32'} and len(full) == 21
@@ -266,11 +282,17 @@ def test_sentencepiece_tokenizer_files_and_none_for_bytes(tmp_path):
   out = tmp_path / 'sp_out'
   out.mkdir()
   assert hf_save.save_tokenizer(sp, str(out), 16) == (
-      f'tokenizer.model and tokenizer_config.json (LlamaTokenizer) from {tmp_path / "sp.model"}.')
-  assert sorted(os.listdir(out)) == ['tokenizer.model', 'tokenizer_config.json']
-  # LlamaTokenizer adds the beginning-of-text id, as the engine's data and prompts start.
+      'tokenizer.model, tokenizer_config.json (SentencePieceBackend) and tokenization_exported.py '
+      f'from {tmp_path / "sp.model"}.')
+  assert sorted(os.listdir(out)) == ['tokenization_exported.py', 'tokenizer.model',
+                                     'tokenizer_config.json']
+  # The sentencepiece library itself (not LlamaTokenizer's byte-fallback BPE rebuilt from the
+  # vocabulary), the beginning-of-text id first, as the engine's data and prompts start.
   assert json.loads((out / 'tokenizer_config.json').read_text()) == {
-      'tokenizer_class': 'LlamaTokenizer', 'add_bos_token': True, 'add_eos_token': False,
+      'tokenizer_class': 'SentencePieceBackend',
+      'auto_map': {'AutoTokenizer': [None,
+                                     'tokenization_exported.ExportedSentencePieceTokenizer']},
+      'add_bos_token': True, 'add_eos_token': False, 'special_tokens_pattern': 'bos',
       'bos_token': '<s>', 'eos_token': '</s>', 'unk_token': '<unk>', 'model_max_length': 16}
   none = tmp_path / 'byte_out'
   none.mkdir()
@@ -328,7 +350,7 @@ def transformers_check(python: str) -> bool:
       warnings = [line for line in proc.stderr.splitlines() if 'warn' in line.lower()]
       got = json.loads(proc.stdout.strip().splitlines()[-1])
       diff = float(np.abs(np.asarray(got['logits']) - engine_logits).max())
-      checks = {'AutoTokenizer ids == engine ids (without BOS)': got['ids'] == ids[1:],
+      checks = {'AutoTokenizer ids == engine ids (BOS first)': got['ids'] == ids,
                 'decoded == text': got['decoded'] == text,
                 'bos ids (config, generation config, tokenizer) == 300':
                     got['bos'] == [tokenizer.bos_id] * 3,
@@ -375,8 +397,8 @@ def test_export_replaces_an_earlier_export_whole_and_refuses_other_directories(t
   (out / 'model-00001-of-00002.safetensors').write_bytes(b'old')
   written = export_files(workdir, str(out))
   assert written.files == sorted(p.name for p in out.iterdir()) == [
-      'config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json',
-      'tokenizer_config.json']
+      'config.json', 'generation_config.json', 'model.safetensors', 'tokenization_exported.py',
+      'tokenizer.json', 'tokenizer_config.json']
   assert not list(tmp_path.glob('out.*'))  # No staging or replaced copy left beside it.
   # A directory holding anything else is refused, untouched.
   other = tmp_path / 'notes'

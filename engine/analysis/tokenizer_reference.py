@@ -1,0 +1,86 @@
+"""transformers' AutoTokenizer, as the reference for `python -m engine.analysis.tokenizer_check`.
+
+tokenizer_check starts this script as a child process with a Python that has transformers (no
+torch needed), so that the engine's process never imports transformers:
+
+  PYTHON engine/analysis/tokenizer_reference.py REQUEST.json
+
+It imports neither jax nor anything from `engine`. REQUEST.json is {"text_file": PATH, "dirs":
+[DIR, ...]}; for each DIR (an export's config.json and tokenizer files) it loads
+AutoTokenizer.from_pretrained(DIR), encodes the whole text, and writes DIR/transformers_ids.json:
+{"class": the tokenizer's class, "ids": the ids without special tokens, "ids_with_specials":
+what `tokenizer(text)` gives by default, "unk_id": its unknown token's id (null if none),
+"decoded": "ids" decoded without the unknown ids (which sentencepiece writes as " ⁇ ",
+transformers as its unk_token), "warnings": what transformers said while loading}, or {"error": "..."} if it could not. Then it
+prints one line of JSON, {"transformers": VERSION, "tokenizers": VERSION}, and exits 0.
+"""
+
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+import warnings
+
+import tokenizers
+import transformers
+from transformers import AutoTokenizer
+
+
+@contextlib.contextmanager
+def captured_warnings():
+  """Collects what transformers says (its logger's warnings, Python warnings, prints)."""
+  said = []
+
+  class Handler(logging.Handler):
+
+    def emit(self, record):
+      said.append(f'{record.levelname}: {record.getMessage()}')
+
+  handler = Handler(logging.WARNING)
+  logger = logging.getLogger('transformers')
+  logger.addHandler(handler)
+  printed = io.StringIO()
+  try:
+    with warnings.catch_warnings(record=True) as caught, \
+        contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+      warnings.simplefilter('always')
+      yield said
+  finally:
+    logger.removeHandler(handler)
+  said.extend(f'{w.category.__name__}: {w.message}' for w in caught)
+  said.extend(line for line in printed.getvalue().splitlines() if line.strip())
+
+
+def tokenize(directory: str, text: str) -> dict:
+  with captured_warnings() as said:
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+  # verbose=False: no warning that the text is longer than the model's context.
+  ids = tokenizer(text, add_special_tokens=False, verbose=False)['input_ids']
+  unk = tokenizer.unk_token_id
+  return {'class': type(tokenizer).__name__, 'ids': ids,
+          'ids_with_specials': tokenizer(text, verbose=False)['input_ids'], 'unk_id': unk,
+          'decoded': tokenizer.decode([i for i in ids if i != unk]), 'warnings': said}
+
+
+def main(argv) -> int:
+  with open(argv[1]) as f:
+    request = json.load(f)
+  with open(request['text_file'], encoding='utf-8') as f:
+    text = f.read()
+  transformers.utils.logging.disable_progress_bar()
+  for directory in request['dirs']:
+    try:
+      reply = tokenize(directory, text)
+    except Exception as error:  # pylint: disable=broad-except
+      reply = {'error': f'{type(error).__name__}: {error}'}
+    with open(os.path.join(directory, 'transformers_ids.json'), 'w') as f:
+      json.dump(reply, f)
+  print(json.dumps({'transformers': transformers.__version__,
+                    'tokenizers': tokenizers.__version__}))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv))
