@@ -106,7 +106,7 @@ def help_text(program: str, full: bool = False) -> str:
     listing = f'flags, the libraries\' too:\n{flags.FLAGS.get_help()}'
   else:
     listing = f'flags (--helpfull: the libraries\' too):\n{_flag_lines()}'
-  return (f'usage: {usage}\n\n{about}\n\n{listing}\n\nMore: docs/commands.md, '
+  return (f'usage: {usage}\n\n{textwrap.fill(about, 96)}\n\n{listing}\n\nMore: docs/commands.md, '
           f'"{section}".\n')
 
 

@@ -123,7 +123,8 @@ def test_help_exits_0_with_the_usage_first():
     usage, about, _ = COMMANDS[row['program']]
     assert result['code'] == 0, (row, result['output'][-2000:])
     assert lines[0] == f'usage: {usage}', (row, lines[:3])
-    assert lines[2] == about, (row, lines[:3])  # What it does, for its user.
+    paragraph = lines[2:lines.index('', 2)]
+    assert ' '.join(paragraph) == about, (row, lines[:5])  # What it does, for its user.
     assert 'Traceback' not in result['output']
     assert re.search(r'^\s+--\w+', result['output'], re.M), 'no flag is listed'
 
