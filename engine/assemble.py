@@ -156,7 +156,8 @@ def check(config: ml_collections.ConfigDict, devices, *, training: bool = True,
   config = hf.with_model_config(config)
   num_processes = len({d.process_index for d in devices})
   validation.validate(config, len(devices), num_processes, validation.count_slices(devices),
-                      training=training, reads_text=reads_text)
+                      training=training, reads_text=reads_text,
+                      platform=devices[0].platform if devices else '')
   return config
 
 

@@ -329,6 +329,6 @@ def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
     shown = [a for a in MESH_AXES if a not in ('context', 'stage', 'expert') or sizes[a] != 1]
     raise ConfigError(
         f'mesh: {"*".join(shown)} = {"*".join(str(sizes[a]) for a in shown)} = {fixed}, '
-        f'but there are {num_devices} devices; make the product {num_devices} or set one axis '
-        'to -1.')
+        f'but there {"is 1 device" if num_devices == 1 else f"are {num_devices} devices"}; '
+        f'make the product {num_devices} or set one axis to -1.')
   return sizes

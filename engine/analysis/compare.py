@@ -2,12 +2,12 @@
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.compare \
       --config=experiments/shakespeare_char.py:mesh=2x2x2 \
-      --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/compare --steps=10
+      --config.data.path=../shared/data/tinyshakespeare.txt --out=/tmp/compare --steps=10
 
 Every mode starts from the same sharded initial state and sees the same batches; their steps are
 interleaved so that machine drift hits all alike. After each step the parameters of each mode are
 compared with the single-device reference (engine.analysis.reference) on the same batch. The
-report is printed and written to WORKDIR as report.md, report.json and PNG plots
+report is printed and written to OUT as report.md, report.json and PNG plots
 (engine.analysis.compare_report).
 """
 
@@ -20,12 +20,13 @@ from ml_collections import config_flags
 
 from engine.analysis import benchmark, compare_report
 from engine.analysis.comparison import compare
-from engine.cli.command_line import run_command
+from engine.cli.command_line import check_out_directory, define_alias, run_command
 from engine.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Where report.md, report.json and plots go.')
+_OUT = flags.DEFINE_string('out', None, 'Directory for report.md, report.json and the plots.')
+define_alias('workdir', 'out')  # Its earlier name.
 _MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compare, in order.')
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps per mode, after --warmup steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 2, 'Untimed first steps (their numerics still count).')
@@ -40,12 +41,13 @@ def main(argv):
   if not (math.isfinite(_ATOL.value) and _ATOL.value > 0):
     raise ConfigError(f'--atol={_ATOL.value:g} must be a positive number (the '
                       'largest difference from the reference that agrees).')
-  report = compare(_CONFIG.value, _WORKDIR.value, _MODES.value, _STEPS.value, _WARMUP.value,
+  check_out_directory(_OUT.value)
+  report = compare(_CONFIG.value, _OUT.value, _MODES.value, _STEPS.value, _WARMUP.value,
                    _ATOL.value)
   print(compare_report.markdown(report))
 
 
 if __name__ == '__main__':
-  run_command(main, 'engine.analysis.compare', required=('config', 'workdir'))
+  run_command(main, 'engine.analysis.compare', required=('config', 'out'))
 
 

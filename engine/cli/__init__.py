@@ -5,4 +5,5 @@
   command_line.py  flags parsed, bad input as one `error:` line, `run_command` (every command's
                    app.run), the flags commands share
   config_help.py   --print_config, the schema's one-line help, did-you-mean for unknown keys
+  usage.py         what --help prints: each command's usage line and what it does
 """

@@ -5,7 +5,8 @@ internals; `parse_flags` turns each into one line, `error: ...`, naming the flag
 (exit status 2). The common cases are checked on argv before the experiment file runs; --debug
 raises instead, with the traceback. `run_command` is every command's `app.run`: the same
 parsing, the libraries' chatter quieted, and the engine's own errors (a bad config, a damaged
-checkpoint) as that one line.
+checkpoint) as that one line. `--help` prints the command's usage (engine/cli/usage.py) and
+exits 0.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from engine import config as config_lib
 from engine.errors import CheckpointError, ConfigError
 from engine.cli.argv import OVERRIDE, bool_flag, fail, flag_args, flag_value
 from engine.cli.config_help import did_you_mean
+from engine.cli.usage import show_help
 from engine.runtime.library_output import quiet_library_output
 
 
@@ -46,6 +48,11 @@ MAIN = Command(waived=(('print_config', ('workdir',)),), missing=(
 
 
 _HELP = ('--help', '--helpshort', '--helpfull', '--helpxml', '-?')
+# What engine.cli.usage answers (--helpxml, for tools, stays absl's).
+_SHORT_HELP = ('--help', '-help', '--helpshort', '-helpshort', '-?')
+_FULL_HELP = ('--helpfull', '-helpfull')
+# Old flag names kept working: {name: [its aliases]} (define_alias).
+_ALIASES: dict[str, list[str]] = {}
 # With these, argv is not the whole story (flags from files, unknown flags allowed): absl alone.
 _NOT_CHECKED = ('--flagfile', '-flagfile', '--undefok', '-undefok')
 _TYPE_NAMES = {int: 'an integer', float: 'a number', bool: 'true or false'}
@@ -96,8 +103,8 @@ def _check_required(argv: Sequence[str], command: Command) -> None:
   if any(arg.split('=')[0] in _HELP for arg in flag_args(argv)):
     return  # Help needs none.
   waived = {name for flag, names in command.waived if bool_flag(argv, flag) for name in names}
-  missing = tuple(name for name in command.required
-                  if flag_value(argv, name) is None and name not in waived)
+  missing = tuple(name for name in command.required if name not in waived and all(
+      flag_value(argv, given) is None for given in (name, *_ALIASES.get(name, ()))))
   if not missing:
     return
   said = dict(command.missing)
@@ -194,6 +201,10 @@ def parse_flags(argv: Sequence[str], command: Command = MAIN) -> list[str]:
   """absl's flag parsing, with every bad flag (a missing or unreadable experiment file, an
   unknown key, a value of the wrong type) reported in one line, `error: ...`, exit status 2;
   --debug raises instead, with the traceback."""
+  asked = [arg for arg in flag_args(argv) if arg in _SHORT_HELP + _FULL_HELP]
+  if asked:  # Help, before anything else is read: exit status 0, as a request fulfilled.
+    show_help(command.program, full=asked[-1] in _FULL_HELP)
+    raise SystemExit(0)
   try:
     if not any(arg.split('=')[0] in _NOT_CHECKED for arg in flag_args(argv)):
       _check_argv(argv, command)
@@ -202,6 +213,19 @@ def parse_flags(argv: Sequence[str], command: Command = MAIN) -> list[str]:
     if _debug_requested(argv):
       raise
     fail(_flag_error(error, argv, command))
+
+
+def define_alias(old: str, name: str) -> None:
+  """--old keeps working as --name (a renamed flag), required-flag checks included."""
+  flags.DEFINE_alias(old, name)
+  _ALIASES.setdefault(name, []).append(old)
+
+
+def check_out_directory(path: str | None, flag: str = '--out') -> None:
+  """--out=DIR, where a command writes several files: not a file (it is created if missing)."""
+  if path is not None and os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f'{flag}={path} is a file, not a directory; pass a new path or a '
+                      'directory to write into.')
 
 
 def check_out_prefix(prefix: str | None, flag: str = '--out') -> None:

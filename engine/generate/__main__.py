@@ -8,8 +8,9 @@ from engine.assemble import assemble_finished_run
 from engine.cli.command_line import add_bos_flag, run_command
 from engine.data.text_files import read_text
 from engine.errors import ConfigError
-from engine.generate.sampling import (DEFAULT_NEW_TOKENS, Generator, Sampling,
-                                      check_sampling_flags, prompts_and_slots, resolve_new_tokens)
+from engine.generate.sampling import (DEFAULT_NEW_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_K,
+                                      Generator, Sampling, check_sampling_flags,
+                                      prompts_and_slots, resolve_new_tokens)
 from engine.workdir.checkpoint import restore_params
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The training run to sample from.')
@@ -22,8 +23,10 @@ _MAX_PROMPT = flags.DEFINE_integer(
     'max_prompt_len', 0, 'Prompt tokens, the beginning-of-text token not counted (0: the '
     'longest prompt\'s; for GPT its max_len - max_new_tokens, less one for a '
     'beginning-of-text token).')
-_TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0: greedy.')
-_TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens (0: all).')
+_TEMPERATURE = flags.DEFINE_float('temperature', DEFAULT_TEMPERATURE, 'Softmax temperature of '
+                                  'the draws; 0: greedy (the likeliest token every time).')
+_TOP_K = flags.DEFINE_integer('top_k', DEFAULT_TOP_K, 'Sample among the k likeliest tokens (0: '
+                              'all).')
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample within this probability mass.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 _NUM_SAMPLES = flags.DEFINE_integer('num_samples', 1, 'Samples per prompt.')

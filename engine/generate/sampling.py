@@ -16,7 +16,9 @@ encodes the prompts, samples, and drives the steps (Generator).
 
 Sampling: greedy at temperature 0, else softmax(logits / temperature) restricted to the top_k
 tokens and the top_p probability mass, from a key folded from --seed and the step: the same
-seed gives the same samples. A row stops at the tokenizer's end-of-text token, if it has one.
+seed gives the same samples. The command and the training loop's samples default to nanoGPT's
+choice, temperature 0.8 among the 200 likeliest tokens (DEFAULT_TEMPERATURE, DEFAULT_TOP_K);
+`Sampling()` itself is greedy. A row stops at the tokenizer's end-of-text token, if it has one.
 
 Each prompt starts with the tokenizer's beginning-of-text token, if it has one, as every training
 document does (engine.data.prepare); --noadd_bos leaves it out. It takes a cache slot of its own:
@@ -41,6 +43,12 @@ from engine.parallel.decode import build_decode_steps, cache_axes
 from engine.state import TrainSetup
 from engine.errors import ConfigError
 
+# engine.generate's defaults, nanoGPT's: greedy decoding of a small model repeats itself ("the
+# the the"); a warm draw among the likeliest tokens reads like the training text.
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_K = 200
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   temperature: float = 0.0  # 0: greedy.
@@ -54,7 +62,7 @@ def sample(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
   low = jnp.finfo(jnp.float32).min
-  if sampling.top_k:
+  if 0 < sampling.top_k < logits_BV.shape[-1]:  # A k of the whole vocabulary restricts nothing.
     kth = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
     logits_BV = jnp.where(logits_BV < kth, low, logits_BV)
   if sampling.top_p < 1.0:

@@ -15,17 +15,25 @@ from absl import logging
 from engine.runtime.log_format import use_short_format
 
 
+# Library warnings about what the engine asked for on purpose. Orbax warns on every read-only
+# checkpoint manager (the one that restores parameters for generate, evaluate and export).
+_KNOWN_HARMLESS = ('Given directory is read only=',)
+
+
 def quiet_library_output(debug: bool = False) -> None:
   """Drops the INFO chatter of Orbax and grain (they log through absl) so progress stays
-  readable; their warnings and errors still show. Unless `debug`, also drops the tracebacks that
-  a failed checkpoint write makes Orbax log and tensorstore print: the engine's own error line
-  names the step and the cause. Log lines take the short format (log_format.py)."""
+  readable; their warnings and errors still show, but for the few _KNOWN_HARMLESS ones. Unless
+  `debug`, also drops the tracebacks that a failed checkpoint write makes Orbax log and
+  tensorstore print: the engine's own error line names the step and the cause. Log lines take
+  the short format (log_format.py)."""
   use_short_format()
 
   def from_library(record) -> bool:
     return any(f'{os.sep}{lib}{os.sep}' in record.pathname for lib in ('orbax', 'grain'))
 
   def keep(record) -> bool:
+    if from_library(record) and record.getMessage().startswith(_KNOWN_HARMLESS):
+      return False
     if not debug and from_library(record):
       record.exc_info, record.exc_text = None, None  # The message line stays.
     if not debug and record.name == 'asyncio' and 'orbax' in record.getMessage():

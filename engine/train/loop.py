@@ -30,6 +30,7 @@ from engine.workdir import summary as run_summary
 from engine.workdir import tokenizer as run_tokenizer
 from engine.workdir import run_dir as workdir_lib
 from engine.assemble import Run, assemble
+from engine.optimizer import schedule_end
 from engine.workdir.checkpoint import Checkpointer, restore_params
 from engine.train.finiteness import FinitenessGuard
 from engine.train.hooks import Checkpoints, Evaluation, Hook, close_all
@@ -59,15 +60,24 @@ class TrainResult:
   summary: dict | None = None  # WORKDIR/summary.json's contents (process 0 only).
 
 
-def initial_state(run: Run, checkpointer: Checkpointer, train_iterator, workdir) -> tuple:
-  """(state, its step, init memory): the workdir's newest intact checkpoint (data position
-  included), else a fresh sharded state, with train.init_from's parameters if given."""
-  config, abstract_state = run.config, run.setup.abstract_state()
-  # Every process resumes from the same step, whose files process 0 has checked.
+def resume_step(run: Run, checkpointer: Checkpointer, workdir) -> int | None:
+  """The step of the workdir's newest intact checkpoint (the same on every process, whose files
+  process 0 has checked), once this config is known to continue that run; None if there is
+  none."""
+  config = run.config
   start_step = checkpointer.choose_resume_step(config.train.skip_damaged_checkpoints)
   if start_step is not None:
     workdir_lib.check_resumable(config, workdir)
     run_tokenizer.check_resumed(run.tokenizer, workdir)
+  return start_step
+
+
+def initial_state(run: Run, checkpointer: Checkpointer, train_iterator,
+                  start_step: int | None) -> tuple:
+  """(state, its step, init memory): the checkpoint of `start_step` (data position included),
+  else (None) a fresh sharded state, with train.init_from's parameters if given."""
+  config, abstract_state = run.config, run.setup.abstract_state()
+  if start_step is not None:
     return checkpointer.restore(start_step, abstract_state, train_iterator), start_step, {}
   # Another run's parameters are checked against this model before anything compiles.
   init_from = config.train.init_from
@@ -188,6 +198,24 @@ def _final_report(config, checkpointer: Checkpointer, preemption: PreemptionWatc
     result.preempted = True
 
 
+def _already_finished(config, checkpointer: Checkpointer, workdir, step: int) -> TrainResult:
+  """A rerun of a run whose checkpoint has reached train.num_steps: nothing is compiled or
+  written (config.json, summary.json and the loss curve stay the finished run's), and the log
+  says how to train further."""
+  checkpointer.close()
+  keep_end = ''
+  if config.optim.decay_steps == -1 and config.optim.schedule != 'constant':
+    # Its schedule ends at train.num_steps: a resume that moved the end would be refused.
+    end = schedule_end(config.optim, config.train.num_steps)
+    keep_end = (f' and --config.optim.decay_steps={end} (the {config.optim.schedule} schedule '
+                f'keeps its end at step {end}; the rate stays at its end value after it)')
+  logging.info('The run in %s is finished: its checkpoint is at step %d (train.num_steps=%d), so '
+               'nothing was trained or written. To train further, rerun with '
+               '--config.train.num_steps=M (M > %d)%s.', workdir, step, config.train.num_steps,
+               step, keep_end)
+  return TrainResult({}, {}, {}, step, {})
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
   """Trains (or resumes) the experiment `config` in `workdir` (a local path or gs://...)."""
   run = assemble(config)
@@ -205,7 +233,10 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
   train_iterator = data.train_iterator(run.corpus, config.data, config.seed)
   checkpointer = Checkpointer(workdir / 'checkpoints', config.train.checkpoint_every,
                               config.train.keep_checkpoints, config.train.async_checkpoints)
-  state, start_step, memory = initial_state(run, checkpointer, train_iterator, workdir)
+  start_step = resume_step(run, checkpointer, workdir)
+  if start_step is not None and start_step >= config.train.num_steps:
+    return _already_finished(config, checkpointer, workdir, start_step)
+  state, start_step, memory = initial_state(run, checkpointer, train_iterator, start_step)
   logging.info('Parameters per device: %.2f MiB',
                sharding.bytes_per_device(state['params']) / 2**20)
   train_step, eval_step = compile_steps(run, memory)
@@ -221,9 +252,6 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
   result = TrainResult({}, {}, {}, start_step, memory)
   guard = FinitenessGuard(config.train.skip_nonfinite_steps, checkpointer, workdir)
   result.skipped_steps = guard.skipped
-  if start_step >= num_steps:
-    logging.info('The checkpoint in %s is at step %d, train.num_steps=%d: nothing to train.',
-                 workdir, start_step, num_steps)
   writer.start_clock(start_step)
   preemption = PreemptionWatch()
   loop = StepLoop(

@@ -5,8 +5,8 @@ Every train.sample_every steps the loop decodes train.sample_prompt with engine.
 Generator from the live parameters, on the run's own mesh (the layout is the setup's in either
 mode), and process 0 logs `step S sample: <text>`. The generator compiles at the first sample
 step (logged); the key of step S's sample is seed S, so a Generator given the same prompt ids,
-temperature, length and seed S reproduces it from step S's checkpoint (engine.generate
---seed=S).
+temperature, length, top-k (engine.generate's default, DEFAULT_TOP_K) and seed S reproduces it
+from step S's checkpoint (engine.generate --seed=S).
 
 engine/validation/samples.py refuses bad values at validation; `Sampler(run)` refuses a prompt the
 tokenizer or the model's positions cannot take, before the workdir is written.
@@ -70,7 +70,9 @@ class Sampler(Hook):
     self.prompt = encode_prompts(self.tokenizer, [self.text],
                                           what='train.sample_prompt')[0]
     self.new_tokens = new_tokens(config, len(self.prompt))
-    self.sampling = generate.Sampling(temperature=config.train.sample_temperature)
+    # Among engine.generate's default top-k tokens, so that it reproduces the sample.
+    self.sampling = generate.Sampling(temperature=config.train.sample_temperature,
+                                      top_k=generate.DEFAULT_TOP_K)
     self.generator = None  # Built, and compiled, at the first sample step.
 
   def due(self, step: int) -> bool:

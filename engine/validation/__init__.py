@@ -46,14 +46,15 @@ _MAX_SEED = 2**32 - 2
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes: int = 1,
-             num_slices: int = 1, training: bool = True,
-             reads_text: bool = True) -> ml_collections.ConfigDict:
+             num_slices: int = 1, training: bool = True, reads_text: bool = True,
+             platform: str = '') -> ml_collections.ConfigDict:
   """Checks the whole config, section by section; returns it unchanged or raises ConfigError
   naming key and fix. `num_slices` > 1 (several TPU slices): the dcn axes split the mesh by
   slice, not by process. `training=False` (a finished run laid out for generation or export)
   skips what only a train step needs: the batch's split and the pipeline schedule;
   `reads_text=False` (a command that needs only the vocabulary, such as engine.plan) does not
-  ask for data.path's file."""
+  ask for data.path's file; `platform` (the devices', e.g. 'cpu') tailors the fix a mesh too
+  large for them gets."""
   config_help.check_known_keys(config)
   if config.model.name not in models.MODELS:
     raise ConfigError(f'model.name={config.model.name!r} is unknown; choose one of '
@@ -68,7 +69,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
     raise ConfigError(f'seed={config.seed} must lie in [0, {_MAX_SEED}]: the data order is '
                       'shuffled with 32-bit seeds (evaluation uses seed + 1); give e.g. '
                       '--config.seed=0.')
-  mesh = check_mesh(config.mesh, num_devices, num_processes, num_slices)
+  mesh = check_mesh(config.mesh, num_devices, num_processes, num_slices, platform)
   check_splash(config, mesh)  # Before the context checks: their fix would not apply.
   rules = check_parallelism(config, mesh)
   check_model_keys(config.model, mesh)  # The model's own keys (a MoE's experts on the mesh).

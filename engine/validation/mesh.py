@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import math
+
 from ml_collections import ConfigDict
 
-from engine.config import resolve_mesh_shape
+from engine.config import MESH_AXES, resolve_mesh_shape
 from engine.errors import ConfigError
 
 
@@ -15,9 +17,19 @@ def count_slices(devices) -> int:
 
 
 def check_mesh(mesh_config: ConfigDict, num_devices: int, num_processes: int,
-               num_slices: int) -> dict[str, int]:
-  """The mesh's sizes over the devices, and its split across hosts or slices."""
-  mesh = resolve_mesh_shape(mesh_config, num_devices)
+               num_slices: int, platform: str = '') -> dict[str, int]:
+  """The mesh's sizes over the devices, and its split across hosts or slices. `platform`: the
+  devices' ('cpu' adds the way to simulate more to the error of a mesh too large)."""
+  try:
+    mesh = resolve_mesh_shape(mesh_config, num_devices)
+  except ConfigError as error:
+    needed = math.prod(int(mesh_config.get(axis, 1)) for axis in MESH_AXES
+                       if int(mesh_config.get(axis, 1)) > 0)
+    if platform != 'cpu' or num_processes > 1 or needed <= num_devices:
+      raise
+    raise ConfigError(
+        f'{str(error).rstrip(".")}; on CPU, simulate {needed} devices by starting the command '
+        f'with XLA_FLAGS=--xla_force_host_platform_device_count={needed}.') from None
   for axis in ('data', 'fsdp'):
     dcn = mesh_config[f'dcn_{axis}']
     if dcn < 1 or mesh[axis] % dcn:

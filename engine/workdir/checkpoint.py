@@ -307,14 +307,22 @@ def _remove_partial(directory: epath.Path, step: int, attempts: int = 20) -> boo
   return False
 
 
+def _read_only_manager(directory: epath.Path) -> ocp.CheckpointManager:
+  """A manager that only reads `directory`'s checkpoints. It knows both items, so that Orbax does
+  not warn that the one left unread ('data') "could not be restored"; and its options are already
+  those of a reader, so that Orbax does not warn that it reset them (create, save interval)."""
+  return ocp.CheckpointManager(
+      directory, item_names=('state', 'data'),
+      item_handlers={'state': ocp.PyTreeCheckpointHandler(), 'data': ocp.JsonCheckpointHandler()},
+      options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0))
+
+
 def restore_params(workdir: str, abstract_params):
   """The parameters of the latest checkpoint in another run's `workdir` (not its optimizer
   state), restored straight into the shardings that `abstract_params` carry: any mesh, either
   mode. Raises ConfigError naming the parameters whose shapes differ."""
   directory = workdir_lib.resolve(workdir) / 'checkpoints'
-  manager = ocp.CheckpointManager(
-      directory, item_names=('state',), item_handlers={'state': ocp.PyTreeCheckpointHandler()},
-      options=ocp.CheckpointManagerOptions(read_only=True))
+  manager = _read_only_manager(directory)
   step = manager.latest_step()
   if step is None:
     raise ConfigError(f'train.init_from={workdir!r} holds no complete checkpoint; pass the '

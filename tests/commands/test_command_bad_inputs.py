@@ -2,7 +2,7 @@
 (tests/support/bad_inputs_commands.py) runs as the real command line (`python -m PROGRAM ARGV`,
 forked from one process that imported JAX and the engine once: tests/support/forked_commands.py)
 and must get its one line, `error: ...`, and exit status: no traceback, nothing written (in its
-scratch directory, nor in the finished run it reads), no XLA compile.
+scratch directory, nor in the finished run it reads, tests/commands/conftest.py's), no XLA compile.
 """
 
 import json
@@ -12,24 +12,11 @@ import sys
 
 import pytest
 
-from engine.train import loop as train
-from experiments import tiny
 from tests.support.bad_input_checks import (ROOT, check_nothing_written, check_output,
                                             make_scratch, snapshot, substitute)
 from tests.support.bad_inputs_commands import COMMAND_ROWS, COMMAND_SCRATCH
 
 ROWS = [(program, *row) for program, rows in COMMAND_ROWS.items() for row in rows]
-
-
-@pytest.fixture(scope='module')
-def finished_run(tmp_path_factory):
-  """$RUN: two steps of a tiny Llama."""
-  config = tiny.get_config()
-  config.model.name = 'llama'
-  config.train.num_steps = 2
-  workdir = tmp_path_factory.mktemp('finished_run')
-  train.train(config, str(workdir))
-  return workdir
 
 
 @pytest.fixture(scope='module')

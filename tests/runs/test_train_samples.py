@@ -13,7 +13,7 @@ from engine.train import samples as train_samples
 from engine.assemble import assemble
 from engine.config import default_config
 from engine.errors import ConfigError
-from engine.generate.sampling import Generator, Sampling, load_run
+from engine.generate.sampling import DEFAULT_TOP_K, Generator, Sampling, load_run
 from engine.train.loop import train
 from tests.support.helpers import tiny_config
 
@@ -78,7 +78,7 @@ def test_samples_at_the_chosen_steps_match_the_checkpoints_generator(sampled):
   assert sorted(returned) == [2, 4] and all(len(ids) == 15 for ids in returned.values())
   run, params = load_run(str(workdir), '1x1x1')
   prompt = np.array([ord('\n')], np.int32)
-  generator = Generator(run.setup, 1, 15, Sampling(temperature=temperature),
+  generator = Generator(run.setup, 1, 15, Sampling(temperature, top_k=DEFAULT_TOP_K),
                         run.tokenizer.vocab_size)
   expected = generator.generate(params, [prompt], 15, seed=STEPS)[0]
   np.testing.assert_array_equal(returned[STEPS], expected)

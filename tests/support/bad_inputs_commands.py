@@ -91,7 +91,9 @@ COMMAND_ROWS = {
         ([RUN, '--prompt=hi', '--mesh=1x1x3'], 2, 'model.num_heads=4 is not divisible by '
          'mesh.tensor=3; change one of them so that mesh.tensor divides model.num_heads.'),
         ([RUN, '--prompt=hi', '--mesh=16x1x1'], 2, 'mesh: data*fsdp*tensor = 16*1*1 = 16, but '
-         'there are 8 devices; make the product 8 or set one axis to -1.'),
+         'there are 8 devices; make the product 8 or set one axis to -1; on CPU, simulate 16 '
+         'devices by starting the command with '
+         'XLA_FLAGS=--xla_force_host_platform_device_count=16.'),
         ([RUN, '--prompts_file=$T/no_such_file.txt'], 2,
          '--prompts_file=$T/no_such_file.txt does not exist; pass another file.'),
         ([RUN, '--prompts_file=$T'], 2,
@@ -229,7 +231,8 @@ COMMAND_ROWS = {
         ([TINY, SWEEP, '--grid=mesh=8x1x1,2x'], 2, f'--grid: mesh=2x: {MESH_FORMAT}'),
         ([TINY, SWEEP, '--grid=mesh=8x1x1,16x1x1'], 2, 'variant mesh=16x1x1: mesh: '
          'data*fsdp*tensor = 16*1*1 = 16, but there are 8 devices; make the product 8 or set one '
-         'axis to -1.'),
+         'axis to -1; on CPU, simulate 16 devices by starting the command with '
+         'XLA_FLAGS=--xla_force_host_platform_device_count=16.'),
         ([TINY, SWEEP, '--grid=mode=auto,bogus'], 2, "variant mode=bogus: parallelism.mode="
          "'bogus' is unknown; choose one of ['auto', 'manual']."),
         ([TINY, '--workdir=$T/notes.txt', '--grid=mode=auto'], 2, '--workdir=$T/notes.txt is a '
@@ -263,14 +266,15 @@ COMMAND_ROWS = {
          "--modes='bogus' is unknown; choose one of ['auto', 'manual']."),
     ],
     'engine.analysis.compare': [
-        ([TINY], 2, '--workdir is required: Where report.md, report.json and plots go.'),
+        ([TINY], 2, '--out is required: Directory for report.md, report.json and the plots.'),
+        # --workdir, compare's earlier name for --out, still works.
         ([TINY, '--workdir=$T/report', '--steps=0'], 2,
          '--steps=0 must be >= 1 and --warmup=2 >= 0.'),
-        ([TINY, '--workdir=$T/report', '--atol=-1'], 2, '--atol=-1 must be a positive number '
+        ([TINY, '--out=$T/report', '--atol=-1'], 2, '--atol=-1 must be a positive number '
          '(the largest difference from the reference that agrees).'),
-        ([TINY, '--workdir=$T/notes.txt'], 2, '--workdir=$T/notes.txt is a file, not a '
-         'directory; pass a new path or the directory of the run to resume.'),
-        ([TINY, '--workdir=$T/report', '--modes=bogus'], 2,
+        ([TINY, '--out=$T/notes.txt'], 2, '--out=$T/notes.txt is a file, not a directory; pass '
+         'a new path or a directory to write into.'),
+        ([TINY, '--out=$T/report', '--modes=bogus'], 2,
          "--modes='bogus' is unknown; choose one of ['auto', 'manual']."),
     ],
     'engine.analysis.show_layout': [

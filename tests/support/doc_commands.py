@@ -93,7 +93,7 @@ CHECKS = {
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.compare '
     '--config=experiments/shakespeare_char.py:mesh=2x2x2 '
     '--config.data.path=../shared/data/tinyshakespeare.txt --config.data.global_batch_size=16 '
-    '--workdir=/tmp/compare --modes=auto,manual --steps=10':
+    '--out=/tmp/compare --modes=auto,manual --steps=10':
         Run('compare', replace=(('--steps=10', '--steps=1'),), add=('--warmup=0',),
             outputs=('/tmp/compare/report.md', '/tmp/compare/report.json')),
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.bench '

@@ -4,9 +4,11 @@ import importlib.util
 import json
 import os
 
+import jax
 import pytest
 
 from engine import models
+from engine.assemble import check
 from engine.workdir import run_dir as workdir
 from engine.config import default_config, parse_arg, resolve_mesh_shape
 from engine.errors import ConfigError
@@ -39,6 +41,28 @@ def test_unknown_key():
 def test_mesh_product_must_equal_device_count():
   c = tiny_config(mesh=(2, 2, 1))
   _expect(c, 'data*fsdp*tensor = 2*2*1 = 4', '8 devices')
+
+
+def test_a_mesh_too_large_for_the_cpu_names_the_flag_that_simulates_devices():
+  fix = 'set one axis to -1'
+  simulate = ('; on CPU, simulate 8 devices by starting the command with '
+              'XLA_FLAGS=--xla_force_host_platform_device_count=8.')
+  with pytest.raises(ConfigError) as error:
+    validate(tiny_config(mesh=(2, 2, 2)), 1, platform='cpu')
+  assert str(error.value) == ('mesh: data*fsdp*tensor = 2*2*2 = 8, but there is 1 device; make the '
+                              f'product 1 or {fix}{simulate}')
+  # Real devices cannot be simulated; a mesh smaller than the devices needs none simulated.
+  _expect(tiny_config(mesh=(2, 2, 2)), f'{fix}.', devices=1)
+  with pytest.raises(ConfigError, match=f'{fix}.$'):
+    validate(tiny_config(mesh=(2, 2, 2)), 1, platform='tpu')
+  with pytest.raises(ConfigError, match=f'{fix}.$'):
+    validate(tiny_config(mesh=(2, 1, 1)), 8, platform='cpu')
+  # With a -1, the fixed axes are the devices needed.
+  with pytest.raises(ConfigError, match='device_count=16.$'):
+    validate(tiny_config(mesh=(-1, 4, 4)), 8, platform='cpu')
+  # Through every command's path: engine.assemble passes the devices' platform.
+  with pytest.raises(ConfigError, match='device_count=16.$'):
+    check(tiny_config(mesh=(16, 1, 1)), jax.devices())
 
 
 def test_mesh_minus_one_fills_the_rest():
