@@ -71,6 +71,11 @@ COMMANDS = {
         'Checks the Hugging Face import and export of every model family against transformers, '
         'run by a Python that has torch and transformers.',
         'Checking against transformers'),
+    'engine.analysis.tokenizer_check': (
+        'python -m engine.analysis.tokenizer_check --transformers_python=PYTHON [--out=PREFIX]',
+        "Checks that transformers' AutoTokenizer gives the engine's ids for every exported "
+        'tokenizer kind and architecture, run by a Python that has transformers.',
+        'Checking against transformers'),
     'engine.data.train_tokenizer': (
         'python -m engine.data.train_tokenizer --input=TEXT --vocab_size=N --out=FILE',
         'Trains a byte-level BPE tokenizer on text files (or the embedded corpus) and writes its '

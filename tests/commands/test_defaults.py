@@ -33,7 +33,7 @@ def _warnings(output: str) -> list[str]:
   """Warning and error records in `output`: absl's (`W1205 09:10:56.1 ...`), Python logging's
   (`WARNING:absl:...`) and Python's warnings (`...Warning: ...`)."""
   return [line for line in output.splitlines()
-          if re.match(r'[WE]\d{4} ', line) or re.match(r'(WARNING|ERROR)[: ]', line)
+          if re.match(r'[WE](\d{4}| \d\d:)', line) or re.match(r'(WARNING|ERROR)[: ]', line)
           or re.search(r'\w+Warning: ', line)]
 
 

@@ -270,7 +270,7 @@ def test_reports_mark_lower_bounds():
   text = compare_report.markdown(report)
   cells = next(line for line in text.splitlines() if line.startswith('| all-reduce'))
   assert cells == ("| all-reduce | data | 2.5 | 5 | 2.5 | 1.00 | >= 1 (a loop's trip count "
-                   "unknown) | >= 0.5 | >= 0.20 |")
+                   "unknown) | >= 0.5 | **>= 0.20** |")
   assert '**Lower bounds** (manual: all-reduce over data).' in text
 
   rows = [{'collectives': [{'kind': k, 'axes': list(a), **r} for (k, a), r in
