@@ -302,5 +302,5 @@ def test_plan_report_marks_lower_bounds():
   rows = [line for line in text.splitlines() if line.startswith('| all-reduce')]
   assert rows == ['| all-reduce | data | 5 | 0.0 | 0.0 | 1.00 |',
                   "| all-reduce | data | >= 1 (a loop's trip count unknown) | >= 0.0 | 0.0 | "
-                  '>= 0.20 |']
+                  '**>= 0.20** |']
   assert text.count('**Lower bounds**') == 1
