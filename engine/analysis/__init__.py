@@ -26,4 +26,5 @@ imports them.
                      compared, the report
   tokenizer_reference.py  the AutoTokenizer side of tokenizer_check, a child process (not
                      imported)
+  transformers_output.py  what transformers says in those children, collected (not imported)
 """

@@ -94,29 +94,8 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
   seq_len //= context  # Each device's part of every sequence.
   batch_axes = rules.mesh_axes('batch', activation=True) + context_axes
   expected: dict[Key, int] = collections.defaultdict(int)
-  reduce_bytes = np.dtype(setup.options.grad_reduce_dtype).itemsize
   activation_bytes = np.dtype(setup.options.compute_dtype).itemsize
-
-  head_axes = _ordered(rules.mesh_axes('heads', activation=True), names)
-  kv_replicated = not rules.mesh_axes('kv_heads', activation=True)
-  for p in setup.parameters():
-    shard_bytes = math.prod(p.shard_shape) * reduce_bytes
-    split = set(spec_axes(p.spec))
-    replicated = _ordered([a for a in batch_axes if a not in split], names)
-    if replicated:
-      expected[('all-reduce', replicated)] += shard_bytes
-    if head_axes and kv_replicated and 'kv_heads' in p.logical_axes:
-      # Key / value heads replicated under split query heads: each device's gradient covers
-      # only the kv heads its query heads read; summed over the heads' axes (compute dtype).
-      expected[('all-reduce', head_axes)] += math.prod(p.shard_shape) * activation_bytes
-    gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
-    if gathered:
-      factor = math.prod(mesh_shape[a] for a in gathered)
-      regathered = (backward_regather and setup.options.microbatches == 1
-                    and LAYERS in p.logical_axes and len(p.shape) > 2)  # Not a stacked bias.
-      gathers = 2 if regathered else 1
-      expected[('all-gather', gathered)] += gathers * shard_bytes * factor
-      expected[('reduce-scatter', gathered)] += shard_bytes
+  _add_parameter_collectives(setup, expected, batch_axes, backward_regather)
 
   model = setup.model
   activation = local_batch * seq_len * model.embed_dim * activation_bytes
@@ -145,6 +124,37 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     expected[('all-reduce', vocab_parallel)] += (
         2 * activation + 3 * local_batch * seq_len * FLOAT32_BYTES)
   return dict(expected)
+
+
+def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
+                               backward_regather: bool) -> None:
+  """Each parameter's own collectives: its gradient's all-reduce over the batch axes it is
+  replicated on (and over the heads' axes for replicated key / value heads), its FSDP gathers
+  and its gradient's reduce-scatter."""
+  mesh_shape, rules = dict(setup.mesh.shape), setup.rules
+  names = tuple(mesh_shape)
+  reduce_bytes = np.dtype(setup.options.grad_reduce_dtype).itemsize
+  activation_bytes = np.dtype(setup.options.compute_dtype).itemsize
+  head_axes = _ordered(rules.mesh_axes('heads', activation=True), names)
+  kv_replicated = not rules.mesh_axes('kv_heads', activation=True)
+  for p in setup.parameters():
+    shard_bytes = math.prod(p.shard_shape) * reduce_bytes
+    split = set(spec_axes(p.spec))
+    replicated = _ordered([a for a in batch_axes if a not in split], names)
+    if replicated:
+      expected[('all-reduce', replicated)] += shard_bytes
+    if head_axes and kv_replicated and 'kv_heads' in p.logical_axes:
+      # Key / value heads replicated under split query heads: each device's gradient covers
+      # only the kv heads its query heads read; summed over the heads' axes (compute dtype).
+      expected[('all-reduce', head_axes)] += math.prod(p.shard_shape) * activation_bytes
+    gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
+    if gathered:
+      factor = math.prod(mesh_shape[a] for a in gathered)
+      regathered = (backward_regather and setup.options.microbatches == 1
+                    and LAYERS in p.logical_axes and len(p.shape) > 2)  # Not a stacked bias.
+      gathers = 2 if regathered else 1
+      expected[('all-gather', gathered)] += gathers * shard_bytes * factor
+      expected[('reduce-scatter', gathered)] += shard_bytes
 
 
 def executed_layers(setup: TrainSetup) -> float:

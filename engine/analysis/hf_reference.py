@@ -51,21 +51,18 @@ warnings, and anything printed (progress bars are switched off first).
 """
 
 import argparse
-import contextlib
-import io
 import json
-import logging
 import os
-import re
 import shutil
 import sys
-import warnings
 
 import numpy as np
 import torch
 import transformers
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig,
                           Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+
+from transformers_output import captured_warnings  # A sibling file: this runs as a script.
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
@@ -98,7 +95,6 @@ FAMILIES = {
                                                          'rope_theta': 1000000.0}),
 }
 FORMATS = ('v5', 'legacy')
-_ANSI = re.compile(r'\x1b\[[0-9;]*m')  # transformers' load report is in bold.
 
 
 def randomize(model, seed):
@@ -128,31 +124,6 @@ def legacy_config(config: dict) -> dict:
   return config
 
 
-@contextlib.contextmanager
-def captured_warnings():
-  """Collects what transformers says (logger records >= WARNING, Python warnings, prints) into
-  the yielded list; nothing reaches this process's stdout, which carries the protocol."""
-  said = []
-
-  class Handler(logging.Handler):
-
-    def emit(self, record):
-      said.append(f'{record.levelname}: {record.getMessage()}')
-
-  handler = Handler(logging.WARNING)
-  logger = logging.getLogger('transformers')
-  logger.addHandler(handler)
-  printed = io.StringIO()
-  try:
-    with warnings.catch_warnings(record=True) as caught, \
-        contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-      warnings.simplefilter('always')
-      yield said
-  finally:
-    logger.removeHandler(handler)
-  said.extend(f'{w.category.__name__}: {w.message}' for w in caught)
-  said.extend(line for line in printed.getvalue().splitlines() if line.strip())
-  said[:] = [_ANSI.sub('', text) for text in said]
 
 
 def load(directory):

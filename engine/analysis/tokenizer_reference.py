@@ -15,42 +15,15 @@ transformers as its unk_token), "warnings": what transformers said while loading
 prints one line of JSON, {"transformers": VERSION, "tokenizers": VERSION}, and exits 0.
 """
 
-import contextlib
-import io
 import json
-import logging
 import os
 import sys
-import warnings
 
 import tokenizers
 import transformers
 from transformers import AutoTokenizer
 
-
-@contextlib.contextmanager
-def captured_warnings():
-  """Collects what transformers says (its logger's warnings, Python warnings, prints)."""
-  said = []
-
-  class Handler(logging.Handler):
-
-    def emit(self, record):
-      said.append(f'{record.levelname}: {record.getMessage()}')
-
-  handler = Handler(logging.WARNING)
-  logger = logging.getLogger('transformers')
-  logger.addHandler(handler)
-  printed = io.StringIO()
-  try:
-    with warnings.catch_warnings(record=True) as caught, \
-        contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-      warnings.simplefilter('always')
-      yield said
-  finally:
-    logger.removeHandler(handler)
-  said.extend(f'{w.category.__name__}: {w.message}' for w in caught)
-  said.extend(line for line in printed.getvalue().splitlines() if line.strip())
+from transformers_output import captured_warnings  # A sibling file: this runs as a script.
 
 
 def tokenize(directory: str, text: str) -> dict:
