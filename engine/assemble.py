@@ -28,6 +28,7 @@ from engine.workdir import run_dir as workdir_lib
 from engine.data import tokenizers
 from engine.mesh import make_mesh
 from engine.optimizer import make_optimizer
+from engine.parallel import pipeline
 from engine.parallel.steps import Steps
 from engine.sharding import rules_for
 from engine.state import StepOptions, TrainSetup, make_setup
@@ -137,6 +138,7 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
                               layer_groups=config.train.pipeline_repeats)
   options = StepOptions(compute_dtype=config.model.dtype, remat=config.model.remat,
                         microbatches=config.train.microbatches,
+                        pipeline_schedule=pipeline.schedule_of(config.train),
                         grad_reduce_dtype=config.parallelism.grad_reduce_dtype,
                         flat_gather=flat_gather(config.parallelism, mesh),
                         skip_nonfinite=config.train.skip_nonfinite_steps > 0,

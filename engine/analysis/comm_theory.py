@@ -40,7 +40,9 @@ over its executions in one step. Keys are (kind, mesh axes).
   stages - 2 times in the forward pass and as often back (repeats = 1: GPipe; > 1: the circular
   schedule); the last stage's output [batch, length, embed] is
   broadcast to every stage (one all-reduce), and the embedding's gradient gathered back from
-  stage 0 (another). Stacked layers' gradients are split over `stage`, so each stage reduces
+  stage 0 (another). The 1F1B schedule (engine/parallel/pipeline_1f1b.py) moves the same
+  activations and cotangents, and instead of those two sums the gradients of every weight
+  outside the stack over the stages (float32, FSDP splits gathered). Stacked layers' gradients are split over `stage`, so each stage reduces
   only its own, once per step; under FSDP each weight is gathered once per step, as with
   micro-batches.
 - Expert parallel (engine/parallel/expert_exchange.py): per layer, the experts' buffer goes to
@@ -116,7 +118,10 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     microbatches, repeats = setup.options.microbatches, model.layer_groups
     expected[('collective-permute', stage_axes)] += (
         2 * (repeats * microbatches + stages - 2) * activation // microbatches)
-    expected[('all-reduce', stage_axes)] += 2 * activation
+    if setup.options.pipeline_schedule == '1f1b':
+      expected[('all-reduce', stage_axes)] += _outer_gradient_bytes(setup)
+    else:
+      expected[('all-reduce', stage_axes)] += 2 * activation
   if model.experts is not None:
     _add_expert_exchange(setup, expected, local_batch, seq_len, activation_bytes)
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
@@ -124,6 +129,19 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     expected[('all-reduce', vocab_parallel)] += (
         2 * activation + 3 * local_batch * seq_len * FLOAT32_BYTES)
   return dict(expected)
+
+
+def _outer_gradient_bytes(setup: TrainSetup) -> int:
+  """The 1F1B pipeline's sum over `stage` of the gradients of the weights outside the stack
+  (the embedding's from the first stage, the head's from the last): float32, FSDP splits
+  gathered (engine/parallel/pipeline_1f1b.py)."""
+  mesh_shape, rules = dict(setup.mesh.shape), setup.rules
+  total = 0
+  for p in setup.parameters():
+    if LAYERS not in p.logical_axes:
+      gathered = {a for name in p.logical_axes for a in rules.gather_axes(name)}
+      total += math.prod(p.shard_shape) * math.prod(mesh_shape[a] for a in gathered)
+  return total * FLOAT32_BYTES
 
 
 def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,

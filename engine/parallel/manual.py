@@ -40,10 +40,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine.parallel import manual_ops
+from engine.parallel import manual_ops, pipeline_1f1b
+from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
-                                   window_losses)
+                                   packed_documents, window_losses)
 from engine.sharding import named, spec_axes
 from engine.state import TrainSetup
 
@@ -67,6 +68,7 @@ class _Gradients:
     self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
     self.gathers = any(setup.rules.gather_axes(name) for p in setup.parameters()
                        for name in p.logical_axes)
+    self.one_f_one_b = pipelined and setup.options.pipeline_schedule == '1f1b'
 
   def map_param_values(self, tree, fn, together: bool = False):
     """fn(value, logical axes) on a tree laid out like the parameters; `together`:
@@ -117,12 +119,53 @@ class _Gradients:
     scattered = self.map_param_values(grads, self.ops.scattered, together=True)
     return value, self.average(scattered)
 
+  def scheduled_gradients(self, params, tokens_BL1):
+    """The 1F1B pipeline (engine/parallel/pipeline_1f1b.py): gradients w.r.t. local copies of
+    the parameters, as accumulated_gradients takes them; the weights outside the stack (the
+    embedding, the head) gathered once for the step and cast to varying over `stage` too, each
+    stage's gradient of them (the embedding's on the first stage, the head's on the last)
+    summed over the stages; then one pmean over the batch axes."""
+    ops, setup = self.ops, self.setup
+    stage_axis, microbatches = ops.stage_axis, setup.options.microbatches
+    local = self.map_param_values(params, lambda p, axes: manual_ops.cast_to_varying(
+        p, ops.batch_reduction(axes)[0]))
+
+    def outer_copies(values, logical_axes):
+      if self.gathers:
+        values = ops.gathered(values, logical_axes)
+      return [manual_ops.cast_to_varying(v, tuple(
+          a for a in (*ops.batch_reduction(axes)[0], stage_axis)
+          if a not in jax.typeof(v).manual_axis_type.varying))
+              for v, axes in zip(values, logical_axes)]
+
+    outer = nnx.to_pure_dict(nnx.state(map_params_together(
+        nnx.merge(setup.graphdef, local), outer_copies, skip_stacked=True), nnx.Param))
+    outer_ops = manual_ops.ManualOps(setup, gather=False) if self.gathers else ops
+    eos_id = setup.options.eos_id
+    count = kept_count(ops, tokens_BL1, eos_id, microbatches)
+    loss_fn = lambda p, tokens, loss_ops: next_token_loss(
+        p, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id, count=count)
+    cut = ModelCut(loss_fn, local, tokens_BL1, ops)
+    rows = None if eos_id is None else packed_documents(ops, tokens_BL1, eos_id)[0].documents
+    loss, stats, d_outer, d_stage = pipeline_1f1b.one_f_one_b(
+        cut, pipeline_1f1b.Lanes(stage_axis, ops.stages), outer, cut.layers_params(local),
+        tokens_BL1, microbatches, count, outer_ops, rows)
+    over_stages = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, stage_axis), tree)
+    d_outer = nnx.merge(setup.graphdef, over_stages(d_outer))
+    if self.gathers:
+      d_outer = map_params_together(d_outer, ops.scattered, skip_stacked=True)
+    grads = cut.with_layers_params(nnx.to_pure_dict(nnx.state(d_outer, nnx.Param)), d_stage)
+    return (over_stages(loss), over_stages(stats)), self.average(grads)
+
   def __call__(self, params, tokens_BL1):
     """(mean loss over the global batch, synchronised gradients)."""
     return self.with_stats(params, tokens_BL1)[:2]
 
   def with_stats(self, params, tokens_BL1):
     """(mean loss, synchronised gradients, the model's statistics over the global batch)."""
+    if self.one_f_one_b:
+      (loss, stats), grads = self.scheduled_gradients(params, tokens_BL1)
+      return self.batch_mean(loss), grads, stats
     if not self.sync_after:
       grads_fn = self.local_gradients
     else:

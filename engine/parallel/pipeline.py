@@ -50,6 +50,19 @@ from engine.parallel.steps import split_microbatches
 from engine.sharding import logical_axes_of
 
 
+# train.pipeline_schedule: '' picks GPipe, or the circular schedule when train.pipeline_repeats
+# > 1; each named one says which it is.
+SCHEDULES = ('gpipe', 'circular', '1f1b')
+
+
+def schedule_of(train_config) -> str:
+  """The schedule a train config asks for (engine.validation checks the combination)."""
+  named = train_config.get('pipeline_schedule', '')
+  if named:
+    return named
+  return 'circular' if train_config.pipeline_repeats > 1 else 'gpipe'
+
+
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
   """The fraction of a step each stage spends idle (repeats > 1: the circular schedule)."""
   return (stages - 1) / (repeats * microbatches + stages - 1)
@@ -89,7 +102,7 @@ def _whole_batch(x_MbLD: jax.Array) -> jax.Array:
   return x_MbLD.swapaxes(0, 1).reshape(-1, *x_MbLD.shape[2:])
 
 
-def _microbatch_items(carry, microbatches: int) -> list:
+def microbatch_items(carry, microbatches: int) -> list:
   """The schedule's inputs, one per micro-batch: x's slice, or for a carry (x, extras) (the
   training loss's auxiliary terms: engine.models.llama.Block) (x's slice, extras): each
   micro-batch starts from `extras` and gathers its own layers' terms on its way through."""
@@ -99,7 +112,7 @@ def _microbatch_items(carry, microbatches: int) -> list:
 
 
 def _outputs(items: list, dtype):
-  """The inverse of _microbatch_items on the finished micro-batches: x whole again; the extras
+  """The inverse of microbatch_items on the finished micro-batches: x whole again; the extras
   averaged over the micro-batches (each counted once, the bubble's never)."""
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *items)
   if not isinstance(stacked, tuple):
@@ -121,10 +134,10 @@ def manual_pipeline(run: Callable, layers: nnx.Module, carry, axis: str, stages:
                     microbatches: int, rows=None):
   """Inside shard_map: this device's stage of `layers` (its share of the stack) on the GPipe
   schedule; returns the last stage's output for the whole local batch, on every stage. `carry`:
-  x [B, L, D], or (x, extras) (_microbatch_items); `rows`: per-row inputs (module docstring)."""
+  x [B, L, D], or (x, extras) (microbatch_items); `rows`: per-row inputs (module docstring)."""
   stage = jax.lax.axis_index(axis)
   schedule = _Schedule(stages, microbatches, num_groups(layers))
-  items = _microbatch_items(carry, microbatches)
+  items = microbatch_items(carry, microbatches)
   dtype = items[0][0].dtype if isinstance(items[0], tuple) else items[0].dtype
   # The circular schedule sends the last stage's output round to stage 0 as well.
   circular = schedule.repeats > 1
@@ -187,7 +200,7 @@ def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microba
   pin = lambda item: _map_x(item, lambda x: constrain(x, _X_AXES))
   pin_S = lambda item_S: _map_x(item_S, lambda x: constrain_stages(x, _X_AXES),
                                 lambda a: constrain_stages(a, (None,) * (a.ndim - 1)))
-  items = [pin(item) for item in _microbatch_items(carry, microbatches)]
+  items = [pin(item) for item in microbatch_items(carry, microbatches)]
   dtype = items[0][0].dtype if isinstance(items[0], tuple) else items[0].dtype
   state_S = pin_S(jax.tree.map(lambda a: jnp.zeros((stages, *a.shape), a.dtype), items[0]))
   returning, outputs = {}, []
@@ -216,7 +229,7 @@ def _is_variable(node) -> bool:
 
 
 def _map_x(item, on_x: Callable, on_extras: Callable = lambda a: a):
-  """An item (x, or (x, extras): _microbatch_items) with on_x applied to x, on_extras to every
+  """An item (x, or (x, extras): microbatch_items) with on_x applied to x, on_extras to every
   leaf of the extras."""
   if not isinstance(item, tuple):
     return on_x(item)

@@ -10,6 +10,7 @@ from ml_collections import ConfigDict
 
 from engine import sharding
 from engine.errors import ConfigError
+from engine.parallel.pipeline import SCHEDULES
 from engine.validation.checks import require_divisible
 
 
@@ -18,6 +19,7 @@ def check_schedule(config: ConfigDict, mesh: dict[str, int], rules: sharding.Rul
   """What a train step needs: the pipeline schedule, and the batch split over the batch axes,
   the processes and the micro-batches."""
   stages, repeats = mesh['stage'], config.train.pipeline_repeats
+  _check_named_schedule(config.train.get('pipeline_schedule', ''), stages, repeats)
   if repeats > 1 and stages == 1:
     raise ConfigError(
         f'train.pipeline_repeats={repeats}: the circular pipeline schedule needs mesh.stage > 1; '
@@ -48,3 +50,24 @@ def check_schedule(config: ConfigDict, mesh: dict[str, int], rules: sharding.Rul
         f'train.microbatches={config.train.microbatches} does not divide the {local_batch} rows '
         f'each device holds (data.global_batch_size={global_batch} over '
         f'{batch_ways} batch shards); choose a divisor of {local_batch}, or a larger batch.')
+
+
+def _check_named_schedule(schedule: str, stages: int, repeats: int) -> None:
+  """train.pipeline_schedule against the mesh and train.pipeline_repeats ('' is always fine)."""
+  if not schedule:
+    return
+  if schedule not in SCHEDULES:
+    raise ConfigError(f'train.pipeline_schedule={schedule!r} is unknown; choose one of '
+                      f'{", ".join(SCHEDULES)} (or leave it empty: gpipe, or circular with '
+                      'train.pipeline_repeats > 1).')
+  if stages == 1:
+    raise ConfigError(f'train.pipeline_schedule={schedule!r} needs pipeline stages, but '
+                      'mesh.stage=1; split the mesh into stages (mesh.stage > 1), or leave '
+                      'train.pipeline_schedule empty.')
+  if schedule == 'circular' and repeats == 1:
+    raise ConfigError("train.pipeline_schedule='circular' needs train.pipeline_repeats > 1 "
+                      '(the groups each stage holds); set it, or choose gpipe.')
+  if schedule != 'circular' and repeats > 1:
+    raise ConfigError(f'train.pipeline_schedule={schedule!r} runs one group of layers per '
+                      f'stage, but train.pipeline_repeats={repeats}; set it to 1, or choose '
+                      'circular.')

@@ -1,0 +1,263 @@
+"""The 1F1B pipeline schedule (one forward, one backward), in either mode: the schedule takes the
+gradients itself, one stage and one micro-batch at a time, with `jax.vjp`.
+
+GPipe (engine/parallel/pipeline.py) runs every micro-batch's forward pass before any backward
+pass begins, and JAX's transpose of that loop keeps every micro-batch's activations alive until
+then. Here, tick t (of M + 2S - 2; S stages, M micro-batches) has stage s run
+
+  the forward pass of micro-batch t - s, on what stage s - 1 sent at tick t - 1 (stage 0: the
+    embedding of the micro-batch), and
+  the backward pass of micro-batch t - (2S - 2 - s), with the cotangent stage s + 1 sent back at
+    tick t - 1 (the last stage: its own output's, from the head and the loss in this tick),
+
+each where that micro-batch exists: the first S - 1 ticks run forward passes only, the last
+S - 1 backward passes only; those are the bubble, (S - 1) / (M + S - 1) of a step, as GPipe's.
+In between, every stage runs one forward and one backward pass per tick: uniform SPMD work.
+
+A stage keeps each micro-batch's input from its forward pass to its backward pass, which
+recomputes the forward pass under `jax.vjp` (the stage's remat policy applies there): at most
+min(M, 2 (S - s) - 1) inputs of [b, L, D] on stage s, not every micro-batch's activations. The
+price is one more forward pass of the stage per micro-batch.
+
+The model is cut at its layer stack (engine/parallel/model_cut.py): the embedding runs on the
+whole batch before the ticks, its gradient after them from the cotangents stage 0 sends back; the
+head and the loss run on the last stage's output in every tick (every stage computes them on its
+own output, the last stage's counts: uniform work).
+
+Manual mode holds one stage per device along the `stage` axis and shifts activations and
+cotangents with `ppermute`; auto mode holds [S, ...] arrays sharded over `stage`, runs each stage
+under `vmap`, and shifts by one along that dimension (a collective-permute after compilation).
+
+Shape suffixes: S stages, M micro-batches, K stash slots, b micro-batch rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.parallel.model_cut import ModelCut
+from engine.parallel.pipeline import microbatch_items
+from engine.parallel.steps import split_microbatches
+
+
+def stash_slots(stages: int, microbatches: int) -> int:
+  """How many micro-batch inputs the first stage holds at most (the others fewer)."""
+  return min(microbatches, 2 * stages - 1)
+
+
+def ticks(stages: int, microbatches: int) -> int:
+  return microbatches + 2 * stages - 2
+
+
+class Lanes:
+  """How a mode holds one value per stage: the manual version, a device's own stage."""
+
+  def __init__(self, axis: str, stages: int):
+    self.axis, self.stages = axis, stages
+
+  def stage_index(self):
+    return jax.lax.axis_index(self.axis)
+
+  def map(self, fn: Callable, *args):
+    """fn(stage index, *the stage's args), for every stage."""
+    return fn(self.stage_index(), *args)
+
+  def to_next(self, tree, first):
+    """Stage s + 1 gets stage s's value; stage 0 gets `first`."""
+    shifted = jax.tree.map(lambda a: jax.lax.ppermute(
+        a, self.axis, [(i, i + 1) for i in range(self.stages - 1)]), tree)
+    return self.where_stage(0, first, shifted)
+
+  def to_previous(self, tree):
+    """Stage s - 1 gets stage s's value; the last stage zeros."""
+    return jax.tree.map(lambda a: jax.lax.ppermute(
+        a, self.axis, [(i + 1, i) for i in range(self.stages - 1)]), tree)
+
+  def where_stage(self, stage: int, value, others):
+    """`value` on stage `stage` (a value of one stage), `others` elsewhere."""
+    on = self.stage_index() == stage
+    return jax.tree.map(lambda v, o: jnp.where(on, v, o), value, others)
+
+  def of_stage(self, tree, stage: int):
+    """Stage `stage`'s value (manual: this device's own, meaningful on that stage)."""
+    del stage
+    return tree
+
+  def zeros(self, tree, stash: bool = False):
+    """Zeros for every stage, shaped like one stage's `tree`."""
+    del stash
+    return jax.tree.map(jnp.zeros_like, tree)
+
+  def pin(self, tree, stash: bool = False):
+    """Lays out a tree of per-stage values (auto mode's; manual values are local)."""
+    del stash
+    return tree
+
+
+class StackedLanes(Lanes):
+  """Auto mode: [S, ...] arrays, the stages run under `vmap` (`pin` lays one out)."""
+
+  def __init__(self, stages: int, pin_x: Callable, pin_other: Callable):
+    super().__init__('stage', stages)
+    self.pin_x, self.pin_other = pin_x, pin_other
+
+  def pin(self, tree, stash: bool = False):
+    """A carry-like tree of [S, ...] arrays (its first leaf x, [S, b, L, D], or with `stash`
+    [S, K, b, L, D]) laid out over `stage`, x's other dimensions by the rules."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [self.pin_x(leaves[0], stash)] + [
+        self.pin_other(a) for a in leaves[1:]])
+
+  def stage_index(self):
+    return jnp.arange(self.stages)
+
+  def map(self, fn, *args):
+    return jax.vmap(fn, spmd_axis_name='stage')(self.stage_index(), *args)
+
+  def to_next(self, tree, first):
+    return self.pin(jax.tree.map(lambda a, f: jnp.concatenate([f[None], a[:-1]]), tree, first))
+
+  def to_previous(self, tree):
+    return self.pin(jax.tree.map(
+        lambda a: jnp.concatenate([a[1:], jnp.zeros_like(a[:1])]), tree))
+
+  def where_stage(self, stage, value, others):
+    return self.pin(jax.tree.map(lambda v, o: o.at[stage].set(v), value, others))
+
+  def of_stage(self, tree, stage):
+    return jax.tree.map(lambda a: a[stage], tree)
+
+  def zeros(self, tree, stash=False):
+    return self.pin(jax.tree.map(lambda a: jnp.zeros((self.stages, *a.shape), a.dtype), tree),
+                    stash)
+
+
+def _floats(tree) -> list:
+  """The leaves that carry gradients (a carry's integer counters do not)."""
+  return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
+
+
+def _with_floats(tree, floats: list):
+  """`tree` with its inexact leaves replaced, in order."""
+  leaves, treedef = jax.tree.flatten(tree)
+  it = iter(floats)
+  return jax.tree.unflatten(treedef, [next(it) if jnp.issubdtype(a.dtype, jnp.inexact) else a
+                                      for a in leaves])
+
+
+def _tree_add(a, b):
+  return jax.tree.map(jnp.add, a, b)
+
+
+def _masked(valid, tree):
+  return jax.tree.map(lambda g: jnp.where(valid, g, jnp.zeros_like(g)), tree)
+
+
+def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_BL1,
+                microbatches: int, count, outer_ops, rows=None):
+  """(the mean loss over the micro-batches, their mean statistics, the gradients of the mean
+  loss w.r.t. `outer_params` (everything but the stacked layers; the stacked subtree zeros),
+  those w.r.t. `stage_params` (each stage's layers, as `lanes` holds them)).
+
+  `outer_params` feed the embedding and the head (with `outer_ops`); `count`: the packed
+  documents' kept predictions per micro-batch (steps.kept_count), or None; `rows`: per-row
+  inputs of the layers (packed documents' segments and positions, [B, L] each), or None.
+  Manual mode: every result is this device's, to be summed over the stages by the caller."""
+  S, M = lanes.stages, microbatches
+  K = stash_slots(S, M)
+  stacked = isinstance(lanes, StackedLanes)
+  tokens_MbL1 = split_microbatches(tokens_BL1, M)
+  rows_M = None if rows is None else jax.tree.map(lambda a: split_microbatches(a, M), rows)
+  rows_of = lambda m: None if rows_M is None else jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, m % M, 0, keepdims=False), rows_M)
+
+  carry, embed_vjp = jax.vjp(lambda p: cut.embed(p, tokens_BL1, outer_ops), outer_params)
+  items = microbatch_items(carry, M)
+  one = items[0]  # One micro-batch's carry: the shapes every tick moves.
+
+  def forward(t):
+    def run(s, params, x, stash):
+      m = t - s
+      valid = (m >= 0) & (m < M)
+      y = cut.stage(params, x, rows_of(m))
+      slot = m % K
+      kept = jax.tree.map(lambda new, old: jnp.where(
+          valid, new, jax.lax.dynamic_index_in_dim(old, slot, 0, keepdims=False)), x, stash)
+      stash = jax.tree.map(lambda s_, k: jax.lax.dynamic_update_index_in_dim(s_, k, slot, 0),
+                           stash, kept)
+      return y, stash
+    return run
+
+  def backward(t):
+    def run(s, params, dy, stash):
+      m = t - (2 * S - 2 - s)
+      valid = (m >= 0) & (m < M)
+      x = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m % K, 0, keepdims=False),
+                       stash)
+      floats = lambda p, xf: _floats(cut.stage(p, _with_floats(x, xf), rows_of(m)))
+      _, stage_vjp = jax.vjp(floats, params, _floats(x))
+      d_params, dx = stage_vjp(dy)
+      return _masked(valid, d_params), dx
+    return run
+
+  def head(t, y):
+    m = t - (S - 1)  # The micro-batch the last stage finished.
+    (loss, stats), head_vjp = jax.vjp(
+        lambda p, yf: cut.head(p, _with_floats(y, yf), tokens_MbL1[m], outer_ops),
+        outer_params, _floats(y))
+    d_params, dy = head_vjp((jnp.ones_like(loss) / M, jax.tree.map(jnp.zeros_like, stats)))
+    return loss / M, jax.tree.map(lambda a: a / M, stats), d_params, dy
+
+  x = lanes.where_stage(0, one, lanes.zeros(one))
+  stash = lanes.zeros(jax.tree.map(lambda a: jnp.zeros((K, *a.shape), a.dtype), one), True)
+  dy = lanes.zeros(_floats(one))
+  d_stage = jax.tree.map(jnp.zeros_like, stage_params)
+  d_outer, loss, stats, d_first = None, 0.0, None, [None] * M
+  for t in range(ticks(S, M)):
+    if t < M + S - 1:  # Some stage has a forward pass to run.
+      y, stash = lanes.map(forward(t), stage_params, x, stash)
+      y, stash = lanes.pin(y), lanes.pin(stash, stash=True)
+    if 0 <= t - (S - 1) < M:  # The last stage finished a micro-batch: its loss and cotangent.
+      loss_m, stats_m, d_head, dy_last = head(t, lanes.of_stage(y, S - 1))
+      if not stacked:  # Every stage computed them; the last stage's count.
+        mine = lanes.stage_index() == S - 1
+        loss_m, stats_m, d_head = (_masked(mine, v) for v in (loss_m, stats_m, d_head))
+      loss = loss + loss_m
+      stats = stats_m if stats is None else _tree_add(stats, stats_m)
+      d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)
+      dy = lanes.where_stage(S - 1, dy_last, dy)
+    if t >= S - 1:  # Some stage has a backward pass to run.
+      d_params, dx = lanes.map(backward(t), stage_params, dy, stash)
+      d_stage = _tree_add(d_stage, d_params)
+      dx = lanes.pin(dx)
+      if 0 <= t - (2 * S - 2) < M:  # Stage 0 finished a micro-batch's backward pass.
+        first_dx = lanes.of_stage(dx, 0)
+        d_first[t - (2 * S - 2)] = first_dx if stacked else _masked(
+            lanes.stage_index() == 0, first_dx)
+      dy = lanes.to_previous(dx)
+    if t + 1 < M + S - 1:
+      first = items[t + 1] if t + 1 < M else jax.tree.map(jnp.zeros_like, one)
+      x = lanes.to_next(y, first)
+  # The embedding's gradient, from the cotangents of every micro-batch's stack input: x's
+  # micro-batches whole again. The extras every micro-batch starts from are the model's
+  # constants (zeros it adds its layers' terms to): nothing to differentiate.
+  d_x = _whole_batch(jnp.stack([d[0] for d in d_first]))
+  d_extras = [jnp.zeros_like(a) for a in _floats(carry)[1:]]
+  d_carry = _zero_integers(_with_floats(carry, [d_x] + d_extras))
+  d_outer = _tree_add(d_outer, embed_vjp(d_carry)[0])
+  return loss, stats, d_outer, d_stage
+
+
+def _whole_batch(x_MbLD):
+  """The inverse of split_microbatches."""
+  return x_MbLD.swapaxes(0, 1).reshape(-1, *x_MbLD.shape[2:])
+
+
+def _zero_integers(tree):
+  """Cotangents for a carry's integer leaves: float0 zeros, as jax.vjp expects."""
+  return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else
+                      np.zeros(a.shape, jax.dtypes.float0), tree)

@@ -1,0 +1,176 @@
+"""The 1F1B pipeline schedule (train.pipeline_schedule='1f1b'): both modes against the
+single-device run on stage 2 and stage 4 meshes with data, fsdp and tensor; packed documents and
+a mixture of experts; a stash one slot short fails the check; the manual step's collectives as
+the theory says; its memory bounded as the micro-batches grow; bad schedules refused."""
+
+import jax
+import numpy as np
+import pytest
+
+from engine import parallel
+from engine.analysis import comm_theory
+from engine.errors import ConfigError
+from engine.parallel import pipeline_1f1b
+from engine.validation import validate
+from tests.parity.test_documents import EOS, VOCAB
+from tests.parity.test_moe import moe_config
+from tests.parity.test_pipeline import _config
+from tests.support.helpers import (assert_same_run, collective_table, compiled_train_step,
+                                   engine_run, single_device_run)
+
+STEPS = 2
+
+
+def _one_f_one_b(mesh, model='gpt', layers=2, microbatches=2):
+  config = _config(mesh, model, layers, microbatches)
+  config.train.pipeline_schedule = '1f1b'
+  return config
+
+
+@pytest.fixture(scope='module')
+def references():
+  return {(model, layers): single_device_run(_config(model=model, layers=layers), STEPS)
+          for model, layers in (('gpt', 4), ('llama', 2))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode, model, layers, mesh, microbatches', [
+    ('manual', 'gpt', 4, (2, 1, 1, 1, 4), 8), ('auto', 'gpt', 4, (2, 1, 1, 1, 4), 4),
+    ('manual', 'gpt', 4, (4, 1, 1, 1, 2), 4),
+    ('manual', 'llama', 2, (1, 2, 2, 1, 2), 4), ('auto', 'llama', 2, (1, 2, 2, 1, 2), 4),
+], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_matches_single_device(mode, model, layers, mesh, microbatches, references):
+  """Loss and gradient norm of every step, every first-step gradient, every parameter after
+  the steps."""
+  config = _one_f_one_b(mesh, model, layers, microbatches)
+  assert_same_run(engine_run(config, mode, STEPS), references[(model, layers)])
+
+
+def _gradients(config, mode, tokens, params=None, vocab=256, eos_id=None):
+  from engine.assemble import lay_out
+  devices = jax.devices()[:int(np.prod([config.mesh[a] for a in (
+      'data', 'fsdp', 'tensor', 'context', 'stage', 'expert')]))]
+  setup = lay_out(config, vocab, devices, eos_id=eos_id)
+  if params is None:
+    params = setup.init(0)[0]['params']
+  params = jax.device_put(jax.device_get(params), setup.state_shardings()['params'])
+  loss, grads = parallel.build_steps(mode, setup).gradients(params, tokens)
+  return params, float(loss), jax.device_get(grads)
+
+
+def _assert_same_gradients(got, want):
+  (_, got_loss, got_grads), (_, want_loss, want_grads) = got, want
+  np.testing.assert_allclose(got_loss, want_loss, atol=1e-5)
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, np.abs(w).max()))
+
+
+def _documents_config(mesh, schedule=''):
+  config = _config(mesh, 'llama', 2, microbatches=4 if mesh[4] > 1 else 1)
+  config.data.global_batch_size, config.data.document_masking = 8, True
+  config.train.pipeline_schedule = schedule
+  return config
+
+
+def _document_tokens():
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(1, VOCAB, (8, 17))
+  tokens[rng.random((8, 17)) < 1 / (2 + np.arange(8)[:, None])] = EOS
+  return tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode', ['manual', 'auto'])
+def test_packed_documents_match_one_device(mode):
+  tokens = _document_tokens()
+  reference = _gradients(_documents_config((1, 1, 1, 1, 1)), 'auto', tokens, vocab=VOCAB,
+                         eos_id=EOS)
+  got = _gradients(_documents_config((2, 1, 1, 1, 2), '1f1b'), mode, tokens, reference[0],
+                   VOCAB, EOS)
+  _assert_same_gradients(got, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode', ['manual', 'auto'])
+def test_a_mixture_of_experts_with_its_balance_loss_matches_gpipe(mode):
+  """The balance loss is per micro-batch in any pipeline (the single-device run has it over
+  the whole batch): the GPipe schedule of the same layout, itself checked against one device
+  in test_moe.py, is the reference; the auxiliary loss is on."""
+  config = moe_config((2, 1, 1, 1, 2), mode=mode)
+  config.model.num_layers = 2
+  config.train.microbatches = 4
+  tokens = np.random.default_rng(0).integers(0, 256, (config.data.global_batch_size,
+                                                      config.data.seq_len + 1))
+  gpipe = _gradients(config, mode, tokens)
+  config.train.pipeline_schedule = '1f1b'
+  _assert_same_gradients(_gradients(config, mode, tokens, gpipe[0]), gpipe)
+
+
+@pytest.mark.slow
+def test_a_stash_one_slot_short_fails_the_check(monkeypatch):
+  """The planted bug: a stage overwrites a micro-batch's input before its backward pass."""
+  tokens = np.random.default_rng(0).integers(0, 256, (16, 17))
+  config = _one_f_one_b((2, 1, 1, 1, 4), layers=4, microbatches=8)
+  config.data.global_batch_size = 16
+  reference = _gradients(_config(layers=4), 'auto', tokens)
+  _assert_same_gradients(_gradients(config, 'manual', tokens, reference[0]), reference)
+  monkeypatch.setattr(pipeline_1f1b, 'stash_slots', lambda stages, microbatches: 2 * stages - 2)
+  with pytest.raises(AssertionError):
+    _assert_same_gradients(_gradients(config, 'manual', tokens, reference[0]), reference)
+
+
+def _temporaries(schedule, microbatches):
+  config = _config((2, 1, 1, 1, 4), layers=4, microbatches=microbatches)
+  config.train.pipeline_schedule = schedule
+  config.model.embed_dim, config.data.seq_len, config.model.max_len = 64, 64, 64
+  config.data.global_batch_size = 4 * microbatches  # The micro-batch keeps its size.
+  setup, compiled = compiled_train_step(config, 'manual')
+  return setup, config, compiled
+
+
+@pytest.mark.slow
+def test_manual_collectives_match_the_theory_and_memory_stays_bounded():
+  """data 2 x stage 4: the permutes of GPipe, the gradients of the weights outside the stack
+  summed over the stages instead of its broadcasts; as the micro-batches grow from 4 to 16 (the
+  micro-batch keeping its size), 1F1B's temporaries grow by less than half of GPipe's growth."""
+  growth = {}
+  for schedule in ('gpipe', '1f1b'):
+    sizes = []
+    for microbatches in (4, 16):
+      setup, config, compiled = _temporaries(schedule, microbatches)
+      sizes.append(compiled.memory_analysis().temp_size_in_bytes)
+      if schedule == '1f1b' and microbatches == 4:
+        table = collective_table(setup, compiled)
+        theory = comm_theory.expected_bytes(setup, config.data.global_batch_size,
+                                            config.data.seq_len)
+        measured = {key: row['array_bytes'] for key, row in table.items() if row['array_bytes']}
+        assert measured.keys() == theory.keys()
+        for key, value in theory.items():
+          assert 0 <= measured[key] - value < 64, (key, measured[key], value)
+    growth[schedule] = sizes[1] - sizes[0]
+  assert 0 < growth['1f1b'] < growth['gpipe'] / 2, growth
+
+
+@pytest.mark.parametrize('schedule, mesh, repeats, message', [
+    ('zigzag', (4, 1, 1, 1, 2), 1, "train.pipeline_schedule='zigzag' is unknown"),
+    ('1f1b', (8, 1, 1, 1, 1), 1, "'1f1b' needs pipeline stages, but mesh.stage=1"),
+    ('circular', (4, 1, 1, 1, 2), 1, "'circular' needs train.pipeline_repeats > 1"),
+    ('1f1b', (4, 1, 1, 1, 2), 2, "'1f1b' runs one group of layers per stage, but "
+                                 'train.pipeline_repeats=2'),
+])
+def test_bad_schedules_are_refused(schedule, mesh, repeats, message):
+  config = _config(mesh, layers=4, microbatches=2, repeats=repeats)
+  config.train.pipeline_schedule = schedule
+  with pytest.raises(ConfigError, match=message):
+    validate(config, 8)
+
+
+def test_fewer_microbatches_than_stages_are_refused_for_1f1b():
+  config = _one_f_one_b((4, 1, 1, 1, 2), microbatches=1)
+  with pytest.raises(ConfigError, match='train.microbatches=1 is fewer than mesh.stage=2'):
+    validate(config, 8)
+
+
+def test_the_stash_holds_at_most_two_stages_minus_one_inputs():
+  assert [pipeline_1f1b.stash_slots(4, m) for m in (2, 4, 7, 8, 32)] == [2, 4, 7, 7, 7]
+  assert pipeline_1f1b.ticks(4, 8) == 8 + 2 * 4 - 2
