@@ -12,7 +12,10 @@ and modes interleaved on the same data (engine.analysis.benchmark); a least-squa
 the median step times gives the time per micro-batch (the slope), and the measured bubble at M
 is the share of the step not explained by it, 1 - slope x M / t(M): the schedule's idle
 iterations plus whatever else does not scale with the batch (the optimizer update, launch
-overheads). Printed beside the bubble the schedule implies, (S - 1) / (R M + S - 1).
+overheads). Printed beside the bubble the schedule implies, (S - 1) / (R M + S - 1) (1F1B's
+is GPipe's, R = 1), and the compiled step's temporaries per device, where the activations in
+flight live (train.pipeline_schedule=1f1b holds at most 2 S - 1 micro-batches' inputs per
+stage, GPipe every micro-batch's activations).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from engine import parallel
 from engine.analysis import benchmark
 from engine.assemble import assemble
 from engine.cli.command_line import run_command
-from engine.parallel.pipeline import bubble_fraction
+from engine.parallel.pipeline import bubble_fraction, schedule_of
 from engine.errors import ConfigError
+
+SCHEDULE_NAMES = {'gpipe': 'GPipe', 'circular': 'circular', '1f1b': '1F1B'}
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (a mesh with '
                                           'mesh.stage > 1).', lock_config=False)
@@ -77,10 +82,11 @@ def measure(config) -> None:
                                 batch_sizes=sizes)
   stages, repeats = run.config.mesh.stage, run.config.train.pipeline_repeats
   print(f'Pipeline bubble: {stages} stages, pipeline_repeats {repeats} '
-        f'({"GPipe" if repeats == 1 else "circular"}), micro-batches of {rows_per_micro} rows, '
-        f'mesh {runs[0].mesh}; median of {_STEPS.value} steps each.\n')
-  print('| mode | micro-batches | batch | step ms | implied bubble | measured bubble |')
-  print('|---|---:|---:|---:|---:|---:|')
+        f'({SCHEDULE_NAMES[schedule_of(run.config.train)]}), micro-batches of {rows_per_micro} '
+        f'rows, mesh {runs[0].mesh}; median of {_STEPS.value} steps each; temp MiB: the '
+        'compiled step\'s temporaries per device (activations in flight among them).\n')
+  print('| mode | micro-batches | batch | step ms | implied bubble | measured bubble | temp MiB |')
+  print('|---|---:|---:|---:|---:|---:|---:|')
   slopes = []
   for mode in _MODES.value:
     mode_runs = [run for run in runs if run.mode == mode]
@@ -88,7 +94,8 @@ def measure(config) -> None:
     slopes.append(f'{mode} {1e3 * slope:.2f} ms')
     for count, run, bubble in zip(counts, mode_runs, measured):
       print(f'| {mode} | {count} | {rows_per_micro * count} | {run.median_ms():.1f} | '
-            f'{bubble_fraction(stages, count, repeats):.3f} | {bubble:.3f} |')
+            f'{bubble_fraction(stages, count, repeats):.3f} | {bubble:.3f} | '
+            f'{run.memory.get("temp_size_in_bytes", 0) / 2**20:.1f} |')
   print(f'\nFitted time per micro-batch: {", ".join(slopes)}.')
 
 

@@ -239,7 +239,9 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
     stage_axes = _ordered(stage_axes, names)
     microbatches = setup.options.microbatches
     expected[('collective-permute', stage_axes)] += (items + stages - 2) * load_bytes
-    expected[('all-reduce', stage_axes)] += microbatches * load_bytes
+    # GPipe broadcasts each micro-batch's from the last stage; 1F1B sums their mean once.
+    once = setup.options.pipeline_schedule == '1f1b'
+    expected[('all-reduce', stage_axes)] += (1 if once else microbatches) * load_bytes
   if expert_axes:
     expected[('all-to-all', expert_axes)] += round(
         layers * ((2 * forward_passes + 2) * row_bytes + forward_passes * id_bytes))

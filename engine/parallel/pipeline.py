@@ -97,7 +97,7 @@ class _Schedule:
     return done + self.microbatches if 0 <= done < (self.repeats - 1) * self.microbatches else None
 
 
-def _whole_batch(x_MbLD: jax.Array) -> jax.Array:
+def whole_batch(x_MbLD: jax.Array) -> jax.Array:
   """The inverse of split_microbatches."""
   return x_MbLD.swapaxes(0, 1).reshape(-1, *x_MbLD.shape[2:])
 
@@ -116,8 +116,8 @@ def _outputs(items: list, dtype):
   averaged over the micro-batches (each counted once, the bubble's never)."""
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *items)
   if not isinstance(stacked, tuple):
-    return _whole_batch(stacked).astype(dtype)
-  return (_whole_batch(stacked[0]).astype(dtype),
+    return whole_batch(stacked).astype(dtype)
+  return (whole_batch(stacked[0]).astype(dtype),
           jax.tree.map(lambda a: a.mean(0), stacked[1]))
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.parallel.model_cut import ModelCut
-from engine.parallel.pipeline import microbatch_items
+from engine.parallel.pipeline import microbatch_items, whole_batch
 from engine.parallel.steps import split_microbatches
 
 
@@ -50,6 +50,7 @@ def stash_slots(stages: int, microbatches: int) -> int:
 
 
 def ticks(stages: int, microbatches: int) -> int:
+  """The schedule's length: the last micro-batch's backward pass ends on stage 0 then."""
   return microbatches + 2 * stages - 2
 
 
@@ -86,6 +87,11 @@ class Lanes:
     """Stage `stage`'s value (manual: this device's own, meaningful on that stage)."""
     del stage
     return tree
+
+  def only_on(self, stage: int, tree):
+    """A value computed from of_stage(..., stage), kept where it is meaningful: manual mode
+    zeros it on the other stages (they computed it on their own values)."""
+    return _masked(self.stage_index() == stage, tree)
 
   def zeros(self, tree, stash: bool = False):
     """Zeros for every stage, shaped like one stage's `tree`."""
@@ -131,6 +137,10 @@ class StackedLanes(Lanes):
   def of_stage(self, tree, stage):
     return jax.tree.map(lambda a: a[stage], tree)
 
+  def only_on(self, stage, tree):
+    del stage
+    return tree
+
   def zeros(self, tree, stash=False):
     return self.pin(jax.tree.map(lambda a: jnp.zeros((self.stages, *a.shape), a.dtype), tree),
                     stash)
@@ -169,7 +179,6 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
   Manual mode: every result is this device's, to be summed over the stages by the caller."""
   S, M = lanes.stages, microbatches
   K = stash_slots(S, M)
-  stacked = isinstance(lanes, StackedLanes)
   tokens_MbL1 = split_microbatches(tokens_BL1, M)
   rows_M = None if rows is None else jax.tree.map(lambda a: split_microbatches(a, M), rows)
   rows_of = lambda m: None if rows_M is None else jax.tree.map(
@@ -223,9 +232,7 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
       y, stash = lanes.pin(y), lanes.pin(stash, stash=True)
     if 0 <= t - (S - 1) < M:  # The last stage finished a micro-batch: its loss and cotangent.
       loss_m, stats_m, d_head, dy_last = head(t, lanes.of_stage(y, S - 1))
-      if not stacked:  # Every stage computed them; the last stage's count.
-        mine = lanes.stage_index() == S - 1
-        loss_m, stats_m, d_head = (_masked(mine, v) for v in (loss_m, stats_m, d_head))
+      loss_m, stats_m, d_head = lanes.only_on(S - 1, (loss_m, stats_m, d_head))
       loss = loss + loss_m
       stats = stats_m if stats is None else _tree_add(stats, stats_m)
       d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)
@@ -235,9 +242,7 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
       d_stage = _tree_add(d_stage, d_params)
       dx = lanes.pin(dx)
       if 0 <= t - (2 * S - 2) < M:  # Stage 0 finished a micro-batch's backward pass.
-        first_dx = lanes.of_stage(dx, 0)
-        d_first[t - (2 * S - 2)] = first_dx if stacked else _masked(
-            lanes.stage_index() == 0, first_dx)
+        d_first[t - (2 * S - 2)] = lanes.only_on(0, lanes.of_stage(dx, 0))
       dy = lanes.to_previous(dx)
     if t + 1 < M + S - 1:
       first = items[t + 1] if t + 1 < M else jax.tree.map(jnp.zeros_like, one)
@@ -245,16 +250,11 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
   # The embedding's gradient, from the cotangents of every micro-batch's stack input: x's
   # micro-batches whole again. The extras every micro-batch starts from are the model's
   # constants (zeros it adds its layers' terms to): nothing to differentiate.
-  d_x = _whole_batch(jnp.stack([d[0] for d in d_first]))
+  d_x = whole_batch(jnp.stack([d[0] for d in d_first]))
   d_extras = [jnp.zeros_like(a) for a in _floats(carry)[1:]]
   d_carry = _zero_integers(_with_floats(carry, [d_x] + d_extras))
   d_outer = _tree_add(d_outer, embed_vjp(d_carry)[0])
   return loss, stats, d_outer, d_stage
-
-
-def _whole_batch(x_MbLD):
-  """The inverse of split_microbatches."""
-  return x_MbLD.swapaxes(0, 1).reshape(-1, *x_MbLD.shape[2:])
 
 
 def _zero_integers(tree):

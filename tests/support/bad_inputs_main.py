@@ -309,6 +309,9 @@ BAD_INPUTS = [
      '2, or a larger batch.'),
     ([TINY, RUN, '--config.train.pipeline_repeats=2'], 2, 'train.pipeline_repeats=2: the circular '
      'pipeline schedule needs mesh.stage > 1; set it to 1, or split the mesh into stages.'),
+    ([TINY, RUN, '--config.train.pipeline_schedule=1f1b'], 2, "train.pipeline_schedule='1f1b' "
+     'needs pipeline stages, but mesh.stage=1; split the mesh into stages (mesh.stage > 1), or '
+     'leave train.pipeline_schedule empty.'),
     (['--config=experiments/tiny.py:mesh=4x2x1', RUN, '--config.parallelism.rules=data_parallel'],
      2, "parallelism.rules='data_parallel' does not use mesh axes ['fsdp'] of size > 1, so they "
      'would only duplicate work; set them to 1 or pick rules that use them.'),
