@@ -42,9 +42,10 @@ over its executions in one step. Keys are (kind, mesh axes).
   broadcast to every stage (one all-reduce), and the embedding's gradient gathered back from
   stage 0 (another). The 1F1B schedule (engine/parallel/pipeline_1f1b.py) moves the same
   activations and cotangents, and instead of those two sums the gradients of every weight
-  outside the stack over the stages (float32, FSDP splits gathered). Stacked layers' gradients are split over `stage`, so each stage reduces
-  only its own, once per step; under FSDP each weight is gathered once per step, as with
-  micro-batches.
+  outside the stack over the stages (float32, each device's shard); its backward ticks run each
+  layer's forward pass again, so a row-parallel layer's all-reduces are 3 per layer, not 2.
+  Stacked layers' gradients are split over `stage`, so each stage reduces only its own, once
+  per step; under FSDP each weight is gathered once per step, as with micro-batches.
 - Expert parallel (engine/parallel/expert_exchange.py): per layer, the experts' buffer goes to
   the devices holding the experts and back (one all-to-all each way) in every forward pass (two
   under remat) and once each way in the backward pass. The buffer is the capacity dispatch's
@@ -102,10 +103,12 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
   model = setup.model
   activation = local_batch * seq_len * model.embed_dim * activation_bytes
   layers = executed_layers(setup)
+  # A row-parallel layer's sum in each forward pass, its column-parallel input's in the backward.
+  passes = 3 if setup.options.pipeline_schedule == '1f1b' and rules.mesh_axes(LAYERS) else 2
   for contracted in model.row_parallel_per_layer:
     row_parallel = _ordered(rules.mesh_axes(contracted, activation=True), names)
     if row_parallel:
-      expected[('all-reduce', row_parallel)] += round(2 * layers * activation)
+      expected[('all-reduce', row_parallel)] += round(passes * layers * activation)
   if context > 1:
     keys_or_values = (local_batch * seq_len * math.prod(_ring_heads(setup))
                       * activation_bytes)
@@ -133,15 +136,10 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
 
 def _outer_gradient_bytes(setup: TrainSetup) -> int:
   """The 1F1B pipeline's sum over `stage` of the gradients of the weights outside the stack
-  (the embedding's from the first stage, the head's from the last): float32, FSDP splits
-  gathered (engine/parallel/pipeline_1f1b.py)."""
-  mesh_shape, rules = dict(setup.mesh.shape), setup.rules
-  total = 0
-  for p in setup.parameters():
-    if LAYERS not in p.logical_axes:
-      gathered = {a for name in p.logical_axes for a in rules.gather_axes(name)}
-      total += math.prod(p.shard_shape) * math.prod(mesh_shape[a] for a in gathered)
-  return total * FLOAT32_BYTES
+  (the embedding's from the first stage, the head's from the last): float32, each device's
+  shard (engine/parallel/pipeline_1f1b.py)."""
+  return FLOAT32_BYTES * sum(math.prod(p.shard_shape) for p in setup.parameters()
+                             if LAYERS not in p.logical_axes)
 
 
 def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,

@@ -121,16 +121,16 @@ class _Gradients:
 
   def scheduled_gradients(self, params, tokens_BL1):
     """The 1F1B pipeline (engine/parallel/pipeline_1f1b.py): gradients w.r.t. local copies of
-    the parameters, as accumulated_gradients takes them; the weights outside the stack (the
-    embedding, the head) gathered once for the step and cast to varying over `stage` too, each
-    stage's gradient of them (the embedding's on the first stage, the head's on the last)
-    summed over the stages; then one pmean over the batch axes."""
+    the parameters, as accumulated_gradients takes them, every FSDP-split weight gathered once
+    for the step (a stage's own layers too: the ticks run each of them several times) and
+    reduce-scattered once after it. The weights outside the stack (the embedding, the head)
+    are cast to varying over `stage` as well; each stage's gradient of them (the embedding's on
+    the first stage, the head's on the last) is summed over the stages. Then one pmean over
+    the batch axes."""
     ops, setup = self.ops, self.setup
     stage_axis, microbatches = ops.stage_axis, setup.options.microbatches
-    local = self.map_param_values(params, lambda p, axes: manual_ops.cast_to_varying(
-        p, ops.batch_reduction(axes)[0]))
 
-    def outer_copies(values, logical_axes):
+    def step_copies(values, logical_axes):
       if self.gathers:
         values = ops.gathered(values, logical_axes)
       return [manual_ops.cast_to_varying(v, tuple(
@@ -138,23 +138,24 @@ class _Gradients:
           if a not in jax.typeof(v).manual_axis_type.varying))
               for v, axes in zip(values, logical_axes)]
 
-    outer = nnx.to_pure_dict(nnx.state(map_params_together(
-        nnx.merge(setup.graphdef, local), outer_copies, skip_stacked=True), nnx.Param))
-    outer_ops = manual_ops.ManualOps(setup, gather=False) if self.gathers else ops
+    copies = self.map_param_values(params, step_copies, together=True)
+    step_ops = manual_ops.ManualOps(setup, gather=False) if self.gathers else ops
     eos_id = setup.options.eos_id
     count = kept_count(ops, tokens_BL1, eos_id, microbatches)
     loss_fn = lambda p, tokens, loss_ops: next_token_loss(
         p, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id, count=count)
-    cut = ModelCut(loss_fn, local, tokens_BL1, ops)
+    cut = ModelCut(loss_fn, copies, tokens_BL1, step_ops)
     rows = None if eos_id is None else packed_documents(ops, tokens_BL1, eos_id)[0].documents
     loss, stats, d_outer, d_stage = pipeline_1f1b.one_f_one_b(
-        cut, pipeline_1f1b.Lanes(stage_axis, ops.stages), outer, cut.layers_params(local),
-        tokens_BL1, microbatches, count, outer_ops, rows)
-    over_stages = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, stage_axis), tree)
-    d_outer = nnx.merge(setup.graphdef, over_stages(d_outer))
+        cut, pipeline_1f1b.Lanes(stage_axis, ops.stages), copies, cut.layers_params(copies),
+        tokens_BL1, microbatches, count, step_ops, rows)
+    grads = cut.with_layers_params(d_outer, d_stage)
     if self.gathers:
-      d_outer = map_params_together(d_outer, ops.scattered, skip_stacked=True)
-    grads = cut.with_layers_params(nnx.to_pure_dict(nnx.state(d_outer, nnx.Param)), d_stage)
+      grads = self.map_param_values(grads, ops.scattered, together=True)
+    # Scattered first: the sum over the stages then moves a shard of each gradient.
+    over_stages = lambda tree, *_: jax.tree.map(lambda a: jax.lax.psum(a, stage_axis), tree)
+    grads = nnx.to_pure_dict(nnx.state(map_params_together(
+        nnx.merge(setup.graphdef, grads), over_stages, skip_stacked=True), nnx.Param))
     return (over_stages(loss), over_stages(stats)), self.average(grads)
 
   def __call__(self, params, tokens_BL1):
