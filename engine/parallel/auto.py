@@ -15,9 +15,7 @@ from engine.models.ops import LocalOps
 from engine.parallel import pipeline, pipeline_1f1b
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
-                                   kept_count, map_params, next_token_loss, packed_documents,
-                                   window_losses)
-from engine.sharding import logical_axes_of
+                                   kept_count, map_params, next_token_loss, window_losses)
 from engine.state import TrainSetup
 
 
@@ -127,29 +125,17 @@ def one_f_one_b_gradients(setup: TrainSetup, ops: AutoOps, params, tokens_BL1):
   """(mean loss, gradients, the model's statistics) from the 1F1B pipeline
   (engine/parallel/pipeline_1f1b.py): each stage's layers as one slice of [S, L / S, ...]
   arrays laid out over `stage`, the activations that move between stages as [S, ...] arrays."""
-  stages, microbatches, eos_id = setup.mesh.shape['stage'], setup.options.microbatches, (
-      setup.options.eos_id)
-  count = kept_count(ops, tokens_BL1, eos_id, microbatches)
-  loss_fn = lambda p, tokens, loss_ops: next_token_loss(
-      p, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id, count=count)
+  stages = setup.mesh.shape['stage']
+  loss_fn, rows = pipeline_1f1b.step_loss(setup, ops, tokens_BL1)
   cut = ModelCut(loss_fn, params, tokens_BL1, ops)
-  rows = None if eos_id is None else packed_documents(ops, tokens_BL1, eos_id)[0].documents
   layers = nnx.merge(cut.layers_graphdef, cut.layers_params(params))
-
-  def by_stage(variable):  # [L, ...] -> [S, L / S, ...], stage s holding layers s L / S ...
-    value = variable.get_value()
-    value = value.reshape(stages, value.shape[0] // stages, *value.shape[1:])
-    return variable.replace(ops._by_stage(value, (None, *logical_axes_of(variable)[1:]),
-                                          activation=False))
-
-  staged = nnx.to_pure_dict(jax.tree.map(by_stage, nnx.state(layers),
-                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  staged = nnx.to_pure_dict(pipeline.split_by_stage(nnx.state(layers), stages, ops._by_stage))
   x_axes = ('batch', 'length', 'embed')
   lanes = pipeline_1f1b.StackedLanes(
       stages, lambda x, stash: ops._by_stage(x, ((None,) if stash else ()) + x_axes),
       lambda a: ops._by_stage(a, (None,) * (a.ndim - 1)))
   loss, stats, d_outer, d_staged = pipeline_1f1b.one_f_one_b(
-      cut, lanes, params, staged, tokens_BL1, microbatches, count, ops, rows)
+      cut, lanes, params, staged, tokens_BL1, setup.options.microbatches, ops, rows)
   d_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), d_staged)
   return loss, cut.with_layers_params(d_outer, d_layers), stats
 

@@ -44,7 +44,7 @@ from engine.parallel import manual_ops, pipeline_1f1b
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
-                                   packed_documents, window_losses)
+                                   window_losses)
 from engine.sharding import named, spec_axes
 from engine.state import TrainSetup
 
@@ -142,15 +142,11 @@ class _Gradients:
 
     outer = self._map_outer(local, outer_copies)
     outer_ops = manual_ops.ManualOps(setup, gather=False) if self.gathers else ops
-    eos_id = setup.options.eos_id
-    count = kept_count(ops, tokens_BL1, eos_id, microbatches)
-    loss_fn = lambda p, tokens, loss_ops: next_token_loss(
-        p, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id, count=count)
+    loss_fn, rows = pipeline_1f1b.step_loss(setup, ops, tokens_BL1)
     cut = ModelCut(loss_fn, local, tokens_BL1, ops)
-    rows = None if eos_id is None else packed_documents(ops, tokens_BL1, eos_id)[0].documents
     loss, stats, d_outer, d_stage = pipeline_1f1b.one_f_one_b(
         cut, pipeline_1f1b.Lanes(stage_axis, ops.stages), outer, cut.layers_params(local),
-        tokens_BL1, microbatches, count, outer_ops, rows)
+        tokens_BL1, microbatches, outer_ops, rows)
     if self.gathers:
       d_outer = self._map_outer(d_outer, ops.scattered)
     # Scattered first: the sum over the stages then moves a shard of each gradient.

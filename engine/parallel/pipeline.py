@@ -176,16 +176,7 @@ def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microba
   groups = [layer_group(layers, r) for r in range(schedule.repeats)]
   graphdef, _ = nnx.split(groups[0])
 
-  # [layers, ...] -> [stages, layers per stage, ...]: stage s holds layers s*n .. s*n + n - 1
-  # (of each group), each laid out as stored (FSDP splits stay split until a layer gathers them).
-  def by_stage(variable):
-    value = variable.get_value()
-    value = value.reshape(stages, value.shape[0] // stages, *value.shape[1:])
-    axes = (None, *logical_axes_of(variable)[1:])
-    return variable.replace(constrain_stages(value, axes, activation=False))
-
-  staged = [jax.tree.map(by_stage, nnx.split(group)[1], is_leaf=_is_variable)
-            for group in groups]
+  staged = [split_by_stage(nnx.split(group)[1], stages, constrain_stages) for group in groups]
 
   def one_stage(stage_params, state, stage_rows):
     return run(nnx.merge(graphdef, stage_params), state, stage_rows)
@@ -218,6 +209,19 @@ def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microba
     if (back := schedule.returns_at(t)) is not None:
       returning[back] = last
   return _map_x(_outputs(outputs, dtype), lambda x: constrain(x, _X_AXES))
+
+
+def split_by_stage(layers_state, stages: int, constrain_stages: Callable):
+  """A stack's parameters (an nnx state) [layers, ...] -> [stages, layers per stage, ...]:
+  stage s holds layers s*n .. s*n + n - 1, each laid out as stored (FSDP splits stay split until
+  a layer gathers them); `constrain_stages` as auto_pipeline's."""
+  def by_stage(variable):
+    value = variable.get_value()
+    value = value.reshape(stages, value.shape[0] // stages, *value.shape[1:])
+    axes = (None, *logical_axes_of(variable)[1:])
+    return variable.replace(constrain_stages(value, axes, activation=False))
+
+  return jax.tree.map(by_stage, layers_state, is_leaf=_is_variable)
 
 
 # The logical axes of the activations that flow through the stack.

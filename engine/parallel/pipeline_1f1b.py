@@ -41,7 +41,8 @@ import numpy as np
 
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.pipeline import microbatch_items, whole_batch
-from engine.parallel.steps import split_microbatches
+from engine.parallel.steps import (kept_count, next_token_loss, packed_documents,
+                                   split_microbatches)
 
 
 def stash_slots(stages: int, microbatches: int) -> int:
@@ -167,33 +168,44 @@ def _masked(valid, tree):
   return jax.tree.map(lambda g: jnp.where(valid, g, jnp.zeros_like(g)), tree)
 
 
-def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_BL1,
-                microbatches: int, count, outer_ops, rows=None):
-  """(the mean loss over the micro-batches, their mean statistics, the gradients of the mean
-  loss w.r.t. `outer_params` (everything but the stacked layers; the stacked subtree zeros),
-  those w.r.t. `stage_params` (each stage's layers, as `lanes` holds them)).
+def step_loss(setup, ops, tokens_BL1):
+  """(the train step's loss function (params, tokens, ops) -> (loss, statistics), which divides
+  by each micro-batch's share of the packed documents' kept count, and the documents' per-row
+  inputs of the layers or None): what both modes cut the model with."""
+  eos_id, microbatches = setup.options.eos_id, setup.options.microbatches
+  count = kept_count(ops, tokens_BL1, eos_id, microbatches)
+  loss = lambda params, tokens, loss_ops: next_token_loss(
+      params, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id, count=count)
+  rows = None if eos_id is None else packed_documents(ops, tokens_BL1, eos_id)[0].documents
+  return loss, rows
 
-  `outer_params` feed the embedding and the head (with `outer_ops`); `count`: the packed
-  documents' kept predictions per micro-batch (steps.kept_count), or None; `rows`: per-row
-  inputs of the layers (packed documents' segments and positions, [B, L] each), or None.
-  Manual mode: every result is this device's, to be summed over the stages by the caller."""
-  S, M = lanes.stages, microbatches
-  K = stash_slots(S, M)
-  tokens_MbL1 = split_microbatches(tokens_BL1, M)
-  rows_M = None if rows is None else jax.tree.map(lambda a: split_microbatches(a, M), rows)
-  rows_of = lambda m: None if rows_M is None else jax.tree.map(
-      lambda a: jax.lax.dynamic_index_in_dim(a, m % M, 0, keepdims=False), rows_M)
 
-  carry, embed_vjp = jax.vjp(lambda p: cut.embed(p, tokens_BL1, outer_ops), outer_params)
-  items = microbatch_items(carry, M)
-  one = items[0]  # One micro-batch's carry: the shapes every tick moves.
+class _Ticks:
+  """What a stage does in tick t: its forward pass, its backward pass, and on the last stage
+  the head and the loss (the module docstring)."""
 
-  def forward(t):
+  def __init__(self, cut: ModelCut, stages: int, microbatches: int, outer_params, outer_ops,
+               tokens_BL1, rows):
+    self.cut, self.S, self.M = cut, stages, microbatches
+    self.K = stash_slots(stages, microbatches)
+    self.outer_params, self.outer_ops = outer_params, outer_ops
+    self.tokens_MbL1 = split_microbatches(tokens_BL1, microbatches)
+    self.rows_M = None if rows is None else jax.tree.map(
+        lambda a: split_microbatches(a, microbatches), rows)
+
+  def rows_of(self, m):
+    """Micro-batch m's per-row inputs (m may be traced and outside [0, M): the bubble's)."""
+    return None if self.rows_M is None else jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, m % self.M, 0, keepdims=False), self.rows_M)
+
+  def forward(self, t):
+    """(stage s, its layers, its input, its stash) -> (its output, the stash with the input
+    kept in micro-batch t - s's slot)."""
     def run(s, params, x, stash):
       m = t - s
-      valid = (m >= 0) & (m < M)
-      y = cut.stage(params, x, rows_of(m))
-      slot = m % K
+      valid = (m >= 0) & (m < self.M)
+      y = self.cut.stage(params, x, self.rows_of(m))
+      slot = m % self.K
       kept = jax.tree.map(lambda new, old: jnp.where(
           valid, new, jax.lax.dynamic_index_in_dim(old, slot, 0, keepdims=False)), x, stash)
       stash = jax.tree.map(lambda s_, k: jax.lax.dynamic_update_index_in_dim(s_, k, slot, 0),
@@ -201,44 +213,66 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
       return y, stash
     return run
 
-  def backward(t):
+  def backward(self, t):
+    """(stage s, its layers, its output's cotangent, its stash) -> (the gradient of its layers,
+    its input's cotangent), for micro-batch t - (2S - 2 - s); the forward pass recomputed."""
     def run(s, params, dy, stash):
-      m = t - (2 * S - 2 - s)
-      valid = (m >= 0) & (m < M)
-      x = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m % K, 0, keepdims=False),
-                       stash)
-      floats = lambda p, xf: _floats(cut.stage(p, _with_floats(x, xf), rows_of(m)))
+      m = t - (2 * self.S - 2 - s)
+      valid = (m >= 0) & (m < self.M)
+      x = jax.tree.map(
+          lambda a: jax.lax.dynamic_index_in_dim(a, m % self.K, 0, keepdims=False), stash)
+      floats = lambda p, xf: _floats(self.cut.stage(p, _with_floats(x, xf), self.rows_of(m)))
       _, stage_vjp = jax.vjp(floats, params, _floats(x))
       d_params, dx = stage_vjp(dy)
       return _masked(valid, d_params), dx
     return run
 
-  def head(t, y):
-    m = t - (S - 1)  # The micro-batch the last stage finished.
+  def head(self, t, y):
+    """The loss / M of the micro-batch the last stage finished at tick t, its statistics / M,
+    the gradient of the outer parameters and the cotangent of y."""
+    m = t - (self.S - 1)
     (loss, stats), head_vjp = jax.vjp(
-        lambda p, yf: cut.head(p, _with_floats(y, yf), tokens_MbL1[m], outer_ops),
-        outer_params, _floats(y))
-    d_params, dy = head_vjp((jnp.ones_like(loss) / M, jax.tree.map(jnp.zeros_like, stats)))
-    return loss / M, jax.tree.map(lambda a: a / M, stats), d_params, dy
+        lambda p, yf: self.cut.head(p, _with_floats(y, yf), self.tokens_MbL1[m],
+                                    self.outer_ops),
+        self.outer_params, _floats(y))
+    d_params, dy = head_vjp((jnp.ones_like(loss) / self.M,
+                             jax.tree.map(jnp.zeros_like, stats)))
+    return loss / self.M, jax.tree.map(lambda a: a / self.M, stats), d_params, dy
 
+
+def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_BL1,
+                microbatches: int, outer_ops, rows=None):
+  """(the mean loss over the micro-batches, their mean statistics, the gradients of the mean
+  loss w.r.t. `outer_params` (everything but the stacked layers; the stacked subtree zeros),
+  those w.r.t. `stage_params` (each stage's layers, as `lanes` holds them)).
+
+  `outer_params` feed the embedding and the head (with `outer_ops`); `rows`: per-row inputs of
+  the layers (packed documents' segments and positions, [B, L] each), or None. Manual mode:
+  every result is this device's, to be summed over the stages by the caller."""
+  S, M = lanes.stages, microbatches
+  ticks_of = _Ticks(cut, S, M, outer_params, outer_ops, tokens_BL1, rows)
+  carry, embed_vjp = jax.vjp(lambda p: cut.embed(p, tokens_BL1, outer_ops), outer_params)
+  items = microbatch_items(carry, M)
+  one = items[0]  # One micro-batch's carry: the shapes every tick moves.
   x = lanes.where_stage(0, one, lanes.zeros(one))
-  stash = lanes.zeros(jax.tree.map(lambda a: jnp.zeros((K, *a.shape), a.dtype), one), True)
+  stash = lanes.zeros(jax.tree.map(lambda a: jnp.zeros((ticks_of.K, *a.shape), a.dtype), one),
+                      True)
   dy = lanes.zeros(_floats(one))
   d_stage = jax.tree.map(jnp.zeros_like, stage_params)
   d_outer, loss, stats, d_first = None, 0.0, None, [None] * M
   for t in range(ticks(S, M)):
     if t < M + S - 1:  # Some stage has a forward pass to run.
-      y, stash = lanes.map(forward(t), stage_params, x, stash)
+      y, stash = lanes.map(ticks_of.forward(t), stage_params, x, stash)
       y, stash = lanes.pin(y), lanes.pin(stash, stash=True)
     if 0 <= t - (S - 1) < M:  # The last stage finished a micro-batch: its loss and cotangent.
-      loss_m, stats_m, d_head, dy_last = head(t, lanes.of_stage(y, S - 1))
+      loss_m, stats_m, d_head, dy_last = ticks_of.head(t, lanes.of_stage(y, S - 1))
       loss_m, stats_m, d_head = lanes.only_on(S - 1, (loss_m, stats_m, d_head))
       loss = loss + loss_m
       stats = stats_m if stats is None else _tree_add(stats, stats_m)
       d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)
       dy = lanes.where_stage(S - 1, dy_last, dy)
     if t >= S - 1:  # Some stage has a backward pass to run.
-      d_params, dx = lanes.map(backward(t), stage_params, dy, stash)
+      d_params, dx = lanes.map(ticks_of.backward(t), stage_params, dy, stash)
       d_stage = _tree_add(d_stage, d_params)
       dx = lanes.pin(dx)
       if 0 <= t - (2 * S - 2) < M:  # Stage 0 finished a micro-batch's backward pass.
@@ -247,14 +281,18 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
     if t + 1 < M + S - 1:
       first = items[t + 1] if t + 1 < M else jax.tree.map(jnp.zeros_like, one)
       x = lanes.to_next(y, first)
-  # The embedding's gradient, from the cotangents of every micro-batch's stack input: x's
-  # micro-batches whole again. The extras every micro-batch starts from are the model's
-  # constants (zeros it adds its layers' terms to): nothing to differentiate.
+  d_outer = _tree_add(d_outer, _embedding_gradient(embed_vjp, carry, d_first))
+  return loss, stats, d_outer, d_stage
+
+
+def _embedding_gradient(embed_vjp, carry, d_first: list):
+  """The embedding's gradient, from the cotangents of every micro-batch's stack input (the
+  float leaves of each, stage 0's): x's micro-batches whole again. The extras every micro-batch
+  starts from are the model's constants (zeros it adds its layers' terms to): nothing to
+  differentiate."""
   d_x = whole_batch(jnp.stack([d[0] for d in d_first]))
   d_extras = [jnp.zeros_like(a) for a in _floats(carry)[1:]]
-  d_carry = _zero_integers(_with_floats(carry, [d_x] + d_extras))
-  d_outer = _tree_add(d_outer, embed_vjp(d_carry)[0])
-  return loss, stats, d_outer, d_stage
+  return embed_vjp(_zero_integers(_with_floats(carry, [d_x] + d_extras)))[0]
 
 
 def _zero_integers(tree):
