@@ -154,10 +154,12 @@ def default_config() -> ml_collections.ConfigDict:
   # (stage - 1) / (R * microbatches + stage - 1) for R times the activation transfers. The
   # stacked parameters are stored as [R, layers / R, ...]: a checkpoint resumes with the same R.
   c.train.pipeline_repeats = 1
-  # 'gpipe' | 'circular' | '1f1b' ('': GPipe, or circular when pipeline_repeats > 1). 1F1B runs
-  # each micro-batch's backward pass as soon as its forward pass has been through every stage,
-  # so a stage holds at most 2 * stage - 1 micro-batches' inputs instead of every micro-batch's
-  # activations, for one more forward pass of each stage (engine/parallel/pipeline_1f1b.py).
+  # 'gpipe' | 'circular' | '1f1b' | 'interleaved_1f1b' ('': GPipe, or circular when
+  # pipeline_repeats > 1). 1F1B runs each micro-batch's backward pass as soon as its forward
+  # pass has been through every stage, so a stage holds at most 2 * stage - 1 micro-batches'
+  # inputs instead of every micro-batch's activations, for one more forward pass of each stage;
+  # interleaved 1F1B does so on pipeline_repeats groups per stage, as circular lays them out
+  # (microbatches a multiple of stage) (engine/parallel/pipeline_1f1b.py).
   c.train.pipeline_schedule = ''
   # A:B: a jax.profiler trace of steps A to B (both included) into WORKDIR/profile, for
   # TensorBoard's profile plugin (docs/training.md, "Profiling"). '': no trace.

@@ -47,8 +47,9 @@ class StepOptions:
   # Gradients are accumulated over this many slices of the batch, then synchronised and
   # applied once [train.microbatches].
   microbatches: int = 1
-  # With pipeline stages: 'gpipe', 'circular' (engine/parallel/pipeline.py) or '1f1b'
-  # (engine/parallel/pipeline_1f1b.py) [train.pipeline_schedule, train.pipeline_repeats].
+  # With pipeline stages: 'gpipe', 'circular' (engine/parallel/pipeline.py), '1f1b' or
+  # 'interleaved_1f1b' (engine/parallel/pipeline_1f1b.py) [train.pipeline_schedule,
+  # train.pipeline_repeats].
   pipeline_schedule: str = 'gpipe'
   # Manual mode: the dtype of gradient reductions (and of the FSDP gathers whose transposes
   # they are) [parallelism.grad_reduce_dtype].

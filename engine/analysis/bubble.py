@@ -13,9 +13,10 @@ the median step times gives the time per micro-batch (the slope), and the measur
 is the share of the step not explained by it, 1 - slope x M / t(M): the schedule's idle
 iterations plus whatever else does not scale with the batch (the optimizer update, launch
 overheads). Printed beside the bubble the schedule implies, (S - 1) / (R M + S - 1) (1F1B's
-is GPipe's, R = 1), and the compiled step's temporaries per device, where the activations in
-flight live (train.pipeline_schedule=1f1b holds at most 2 S - 1 micro-batches' inputs per
-stage, GPipe every micro-batch's activations).
+is GPipe's, R = 1; interleaved 1F1B's is circular's), and the compiled step's temporaries per
+device, where the activations in flight live (train.pipeline_schedule=1f1b holds at most
+2 S - 1 micro-batches' inputs per stage, interleaved_1f1b 2 R S - 1 of its chunks', GPipe and
+circular every micro-batch's activations).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from engine.cli.command_line import run_command
 from engine.parallel.pipeline import bubble_fraction, schedule_of
 from engine.errors import ConfigError
 
-SCHEDULE_NAMES = {'gpipe': 'GPipe', 'circular': 'circular', '1f1b': '1F1B'}
+SCHEDULE_NAMES = {'gpipe': 'GPipe', 'circular': 'circular', '1f1b': '1F1B',
+                  'interleaved_1f1b': 'interleaved 1F1B'}
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (a mesh with '
                                           'mesh.stage > 1).', lock_config=False)

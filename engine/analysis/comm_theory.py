@@ -40,7 +40,8 @@ over its executions in one step. Keys are (kind, mesh axes).
   stages - 2 times in the forward pass and as often back (repeats = 1: GPipe; > 1: the circular
   schedule); the last stage's output [batch, length, embed] is
   broadcast to every stage (one all-reduce), and the embedding's gradient gathered back from
-  stage 0 (another). The 1F1B schedule (engine/parallel/pipeline_1f1b.py) moves the same
+  stage 0 (another). The 1F1B schedule, plain or interleaved (engine/parallel/pipeline_1f1b.py:
+  pipeline_repeats plays repeats' part), moves the same
   activations and cotangents, and instead of those two sums the gradients of every weight
   outside the stack over the stages (float32, each device's shard); its backward ticks run each
   layer's forward pass again, so a row-parallel layer's all-reduces are 3 per layer, not 2.
@@ -73,6 +74,7 @@ import numpy as np
 
 from engine.models.moe_dispatch import capacity
 from engine.models.ops import LAYERS
+from engine.parallel.pipeline import SELF_DIFFERENTIATING
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
 
@@ -105,7 +107,7 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
   activation = local_batch * seq_len * model.embed_dim * activation_bytes
   layers = executed_layers(setup)
   # A row-parallel layer's sum in each forward pass, its column-parallel input's in the backward.
-  passes = 3 if setup.options.pipeline_schedule == '1f1b' and rules.mesh_axes(LAYERS) else 2
+  passes = 3 if _self_differentiating(setup) and rules.mesh_axes(LAYERS) else 2
   for contracted in model.row_parallel_per_layer:
     row_parallel = _ordered(rules.mesh_axes(contracted, activation=True), names)
     if row_parallel:
@@ -122,7 +124,7 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     microbatches, repeats = setup.options.microbatches, model.layer_groups
     expected[('collective-permute', stage_axes)] += (
         2 * (repeats * microbatches + stages - 2) * activation // microbatches)
-    if setup.options.pipeline_schedule == '1f1b':
+    if _self_differentiating(setup):
       expected[('all-reduce', stage_axes)] += _outer_gradient_bytes(setup)
     else:
       expected[('all-reduce', stage_axes)] += 2 * activation
@@ -133,6 +135,11 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     expected[('all-reduce', vocab_parallel)] += (
         2 * activation + 3 * local_batch * seq_len * FLOAT32_BYTES)
   return dict(expected)
+
+
+def _self_differentiating(setup: TrainSetup) -> bool:
+  """Whether the pipeline schedule takes its gradients itself (1F1B, plain or interleaved)."""
+  return setup.options.pipeline_schedule in SELF_DIFFERENTIATING
 
 
 def _outer_gradient_bytes(setup: TrainSetup) -> int:
@@ -239,7 +246,7 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
     microbatches = setup.options.microbatches
     expected[('collective-permute', stage_axes)] += (items + stages - 2) * load_bytes
     # GPipe broadcasts each micro-batch's from the last stage; 1F1B sums their mean once.
-    once = setup.options.pipeline_schedule == '1f1b'
+    once = _self_differentiating(setup)
     expected[('all-reduce', stage_axes)] += (1 if once else microbatches) * load_bytes
   if expert_axes:
     expected[('all-to-all', expert_axes)] += round(

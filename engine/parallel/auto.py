@@ -122,21 +122,23 @@ class AutoOps(LocalOps):
 
 
 def one_f_one_b_gradients(setup: TrainSetup, ops: AutoOps, params, tokens_BL1):
-  """(mean loss, gradients, the model's statistics) from the 1F1B pipeline
+  """(mean loss, gradients, the model's statistics) from the 1F1B pipeline, plain or interleaved
   (engine/parallel/pipeline_1f1b.py): each stage's layers as one slice of [S, L / S, ...]
-  arrays laid out over `stage`, the activations that move between stages as [S, ...] arrays."""
+  arrays (interleaved: [S, V, L / (S V), ...]) laid out over `stage`, the activations that move
+  between stages as [S, ...] arrays."""
   stages = setup.mesh.shape['stage']
   loss_fn, rows = pipeline_1f1b.step_loss(setup, ops, tokens_BL1)
   cut = ModelCut(loss_fn, params, tokens_BL1, ops)
-  layers = nnx.merge(cut.layers_graphdef, cut.layers_params(params))
-  staged = nnx.to_pure_dict(pipeline.split_by_stage(nnx.state(layers), stages, ops._by_stage))
+  layers = nnx.merge(cut.stack_graphdef, cut.layers_params(params))
+  staged = nnx.to_pure_dict(pipeline.split_by_stage(nnx.state(layers), stages, ops._by_stage,
+                                                    grouped=cut.chunks > 1))
   x_axes = ('batch', 'length', 'embed')
   lanes = pipeline_1f1b.StackedLanes(
       stages, lambda x, stash: ops._by_stage(x, ((None,) if stash else ()) + x_axes),
       lambda a: ops._by_stage(a, (None,) * (a.ndim - 1)))
   loss, stats, d_outer, d_staged = pipeline_1f1b.one_f_one_b(
-      cut, lanes, params, staged, tokens_BL1, setup.options.microbatches, ops, rows)
-  d_layers = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), d_staged)
+      cut, lanes, params, staged, tokens_BL1, setup.options.microbatches, ops, rows, cut.chunks)
+  d_layers = jax.tree.map(lambda g: pipeline.stack_by_depth(g, cut.chunks > 1), d_staged)
   return loss, cut.with_layers_params(d_outer, d_layers), stats
 
 
@@ -158,7 +160,8 @@ def build_steps(setup: TrainSetup) -> Steps:
   accumulated = 1 if setup.rules.mesh_axes('layers') else setup.options.microbatches
 
   def gradients_and_stats(params, tokens_BL1):
-    if setup.rules.mesh_axes('layers') and setup.options.pipeline_schedule == '1f1b':
+    if (setup.rules.mesh_axes('layers') and
+        setup.options.pipeline_schedule in pipeline.SELF_DIFFERENTIATING):
       return one_f_one_b_gradients(setup, ops, params, tokens_BL1)
     # Packed documents: every micro-batch's loss divides by the whole batch's kept count.
     count = kept_count(ops, tokens_BL1, eos_id, accumulated)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine.parallel import manual_ops, pipeline_1f1b
+from engine.parallel import manual_ops, pipeline, pipeline_1f1b
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
@@ -68,7 +68,8 @@ class _Gradients:
     self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
     self.gathers = any(setup.rules.gather_axes(name) for p in setup.parameters()
                        for name in p.logical_axes)
-    self.one_f_one_b = pipelined and setup.options.pipeline_schedule == '1f1b'
+    self.one_f_one_b = (pipelined and
+                        setup.options.pipeline_schedule in pipeline.SELF_DIFFERENTIATING)
 
   def map_param_values(self, tree, fn, together: bool = False):
     """fn(value, logical axes) on a tree laid out like the parameters; `together`:
@@ -120,7 +121,8 @@ class _Gradients:
     return value, self.average(scattered)
 
   def scheduled_gradients(self, params, tokens_BL1):
-    """The 1F1B pipeline (engine/parallel/pipeline_1f1b.py): gradients w.r.t. local copies of
+    """The 1F1B pipeline, plain or interleaved (engine/parallel/pipeline_1f1b.py): gradients
+    w.r.t. local copies of
     the parameters, as accumulated_gradients takes them. A stage's own layers gather their
     FSDP-split weights where each tick runs them (one layer's alive at a time, as in GPipe);
     the weights outside the stack (the embedding, the head: every tick's head reads them) are
@@ -146,7 +148,7 @@ class _Gradients:
     cut = ModelCut(loss_fn, local, tokens_BL1, ops)
     loss, stats, d_outer, d_stage = pipeline_1f1b.one_f_one_b(
         cut, pipeline_1f1b.Lanes(stage_axis, ops.stages), outer, cut.layers_params(local),
-        tokens_BL1, microbatches, outer_ops, rows)
+        tokens_BL1, microbatches, outer_ops, rows, cut.chunks)
     if self.gathers:
       d_outer = self._map_outer(d_outer, ops.scattered)
     # Scattered first: the sum over the stages then moves a shard of each gradient.

@@ -6,7 +6,8 @@ loss). A schedule that interleaves micro-batches' forward and backward passes (1
 three parts as functions of their own, to differentiate each with `jax.vjp`:
 
   embed(params, tokens)             -> the stack's input carry for the whole batch
-  stage(layers_params, carry, rows) -> the carry through the layers given (one stage's share)
+  stage(layers_params, carry, rows) -> the carry through the layers given (one stage's share;
+                                       of a grouped stack, of one group)
   head(params, carry, tokens)       -> (the loss of those tokens, the model's statistics)
 
 Each is the train step's own loss function (engine.parallel.steps.next_token_loss) run with ops
@@ -21,6 +22,8 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
+
+from engine.models.layers import layer_group, num_groups
 
 
 class _StackReached(Exception):
@@ -72,8 +75,12 @@ class ModelCut:
     self.loss = loss
     reached = _reach_stack(loss, params, tokens, ops)
     self.run = reached.run
-    self.layers_graphdef, layers_state = nnx.split(reached.layers)
+    self.stack_graphdef, layers_state = nnx.split(reached.layers)
     self.layers_path = _path_to(params, jax.tree.leaves(layers_state))
+    # A grouped stack (train.pipeline_repeats > 1) runs one group at a time: `stage` takes the
+    # parameters of one.
+    self.chunks = num_groups(reached.layers)
+    self.layers_graphdef = nnx.split(layer_group(reached.layers, 0))[0]
 
   def layers_params(self, params):
     """The stacked layers' subtree of `params`."""

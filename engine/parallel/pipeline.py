@@ -6,14 +6,14 @@ micro-batch t, every other stage what its predecessor produced at t - 1; each st
 own L / stages layers; the last stage's output is micro-batch t - (stages - 1)'s. A stage idles
 for stages - 1 of the iterations: the bubble.
 
-Circular (pipeline_repeats = R > 1; Megatron's interleaved schedule, MaxText's circular one):
-the stack is R groups of consecutive layers (engine.models.layers.group_layers), every group
-split over the stages, so stage s holds slices s, s + S, s + 2S, ... of the depth, L / (S R)
-layers each. A micro-batch circles the stages R times: the last stage's output returns to stage
-0 (kept there until its turn, microbatches - stages iterations later) for the next group. Stage
-s works on item k = t - s, micro-batch k mod M of group k // M; R M + S - 1 iterations of
-L / (S R) layers each: the bubble, (S - 1) / (R M + S - 1) of the step, shrinks R-fold in
-time, for R times the permutes.
+Circular (pipeline_repeats = R > 1; MaxText's circular schedule: Megatron's interleaved one in
+GPipe's order): the stack is R groups of consecutive layers (engine.models.layers.group_layers),
+every group split over the stages, so stage s holds slices s, s + S, s + 2S, ... of the depth, L /
+(S R) layers each. A micro-batch circles the stages R times: the last stage's output returns to
+stage 0 (kept there until its turn, microbatches - stages iterations later) for the next group.
+Stage s works on item k = t - s, micro-batch k mod M of group k // M; R M + S - 1 iterations of L /
+(S R) layers each: the bubble, (S - 1) / (R M + S - 1) of the step, shrinks R-fold in time, for R
+times the permutes.
 
 A carry (x, extras) (the training loss's auxiliary terms and router statistics, which every
 layer adds to) flows with its micro-batch: each micro-batch starts from `extras`, the bubble's
@@ -52,7 +52,10 @@ from engine.sharding import logical_axes_of
 
 # train.pipeline_schedule: '' picks GPipe, or the circular schedule when train.pipeline_repeats
 # > 1; each named one says which it is.
-SCHEDULES = ('gpipe', 'circular', '1f1b')
+SCHEDULES = ('gpipe', 'circular', '1f1b', 'interleaved_1f1b')
+# The schedules that take each stage's gradients themselves (engine/parallel/pipeline_1f1b.py)
+# rather than leaving the backward pass to JAX's transpose of the forward loop.
+SELF_DIFFERENTIATING = ('1f1b', 'interleaved_1f1b')
 
 
 def schedule_of(train_config) -> str:
@@ -211,17 +214,32 @@ def auto_pipeline(run: Callable, layers: nnx.Module, carry, stages: int, microba
   return _map_x(_outputs(outputs, dtype), lambda x: constrain(x, _X_AXES))
 
 
-def split_by_stage(layers_state, stages: int, constrain_stages: Callable):
+def split_by_stage(layers_state, stages: int, constrain_stages: Callable,
+                   grouped: bool = False):
   """A stack's parameters (an nnx state) [layers, ...] -> [stages, layers per stage, ...]:
   stage s holds layers s*n .. s*n + n - 1, each laid out as stored (FSDP splits stay split until
-  a layer gathers them); `constrain_stages` as auto_pipeline's."""
+  a layer gathers them); `constrain_stages` as auto_pipeline's. `grouped`: a grouped stack's
+  [groups, layers per group, ...] -> [stages, groups, layers per stage and group, ...]."""
   def by_stage(variable):
     value = variable.get_value()
-    value = value.reshape(stages, value.shape[0] // stages, *value.shape[1:])
-    axes = (None, *logical_axes_of(variable)[1:])
+    axes = logical_axes_of(variable)
+    if grouped:
+      value = value.reshape(value.shape[0], stages, value.shape[1] // stages, *value.shape[2:])
+      value, axes = value.swapaxes(0, 1), (None, None, *axes[2:])
+    else:
+      value = value.reshape(stages, value.shape[0] // stages, *value.shape[1:])
+      axes = (None, *axes[1:])
     return variable.replace(constrain_stages(value, axes, activation=False))
 
   return jax.tree.map(by_stage, layers_state, is_leaf=_is_variable)
+
+
+def stack_by_depth(staged: jax.Array, grouped: bool = False) -> jax.Array:
+  """The inverse of split_by_stage on one array: [stages, layers per stage, ...] -> [layers,
+  ...]; `grouped`: [stages, groups, n, ...] -> [groups, stages n, ...]."""
+  if grouped:
+    return staged.swapaxes(0, 1).reshape(staged.shape[1], -1, *staged.shape[3:])
+  return staged.reshape(-1, *staged.shape[2:])
 
 
 # The logical axes of the activations that flow through the stack.

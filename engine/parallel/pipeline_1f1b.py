@@ -1,9 +1,10 @@
-"""The 1F1B pipeline schedule (one forward, one backward), in either mode: the schedule takes the
-gradients itself, one stage and one micro-batch at a time, with `jax.vjp`.
+"""The 1F1B pipeline schedule (one forward, one backward) and its interleaved form, in either
+mode: the schedule takes the gradients itself, one stage and one micro-batch at a time, with
+`jax.vjp`.
 
 GPipe (engine/parallel/pipeline.py) runs every micro-batch's forward pass before any backward
 pass begins, and JAX's transpose of that loop keeps every micro-batch's activations alive until
-then. Here, tick t (of M + 2S - 2; S stages, M micro-batches) has stage s run
+then. Here, with S stages and M micro-batches, tick t (of M + 2S - 2) has stage s run
 
   the forward pass of micro-batch t - s, on what stage s - 1 sent at tick t - 1 (stage 0: the
     embedding of the micro-batch), and
@@ -14,21 +15,32 @@ each where that micro-batch exists: the first S - 1 ticks run forward passes onl
 S - 1 backward passes only; those are the bubble, (S - 1) / (M + S - 1) of a step, as GPipe's.
 In between, every stage runs one forward and one backward pass per tick: uniform SPMD work.
 
-A stage keeps each micro-batch's input from its forward pass to its backward pass, which
-recomputes the forward pass under `jax.vjp` (the stage's remat policy applies there): at most
-min(M, 2 (S - s) - 1) inputs of [b, L, D] on stage s, not every micro-batch's activations. The
-price is one more forward pass of the stage per micro-batch.
+Interleaved (train.pipeline_repeats = V > 1; Megatron's interleaved 1F1B): the stack is cut
+into S V chunks and stage s holds chunks s, s + S, ..., as the circular schedule lays them out,
+so a micro-batch circles the stages V times. A stage's work items are (micro-batch, chunk)
+pairs, in groups of S micro-batches: its forward item k is micro-batch (k // SV) S + k mod S at
+chunk (k mod SV) // S, its backward item k the same micro-batch at the mirrored chunk, V - 1
+minus that. Tick t (of M V + V S + S - 2) has stage s run forward item t - s and backward item
+t - (V S + S - 2 - s); the last stage's output goes round to stage 0 for the next chunk (and
+stage 0's input cotangent back round to the last stage), arriving in the next tick as item
+order needs it. A tick costs 1 / V of a 1F1B tick: the bubble, (S - 1) / (V M + S - 1) of a
+step, shrinks V-fold (M must be a multiple of S: whole groups).
+
+A stage keeps each item's input from its forward pass to its backward pass, which recomputes the
+forward pass under `jax.vjp` (the stage's remat policy applies there): at most min(M V,
+2 V S - 1) inputs of [b, L, D] on a stage, not every micro-batch's activations. The price is one
+more forward pass of the stage per micro-batch.
 
 The model is cut at its layer stack (engine/parallel/model_cut.py): the embedding runs on the
 whole batch before the ticks, its gradient after them from the cotangents stage 0 sends back; the
-head and the loss run on the last stage's output in every tick (every stage computes them on its
-own output, the last stage's counts: uniform work).
+head and the loss run on the last stage's output in every tick that finishes a micro-batch (every
+stage computes them on its own output, the last stage's counts: uniform work).
 
 Manual mode holds one stage per device along the `stage` axis and shifts activations and
 cotangents with `ppermute`; auto mode holds [S, ...] arrays sharded over `stage`, runs each stage
 under `vmap`, and shifts by one along that dimension (a collective-permute after compilation).
 
-Shape suffixes: S stages, M micro-batches, K stash slots, b micro-batch rows.
+Shape suffixes: S stages, V chunks per stage, M micro-batches, K stash slots, b micro-batch rows.
 """
 
 from __future__ import annotations
@@ -45,14 +57,44 @@ from engine.parallel.steps import (kept_count, next_token_loss, packed_documents
                                    split_microbatches)
 
 
-def stash_slots(stages: int, microbatches: int) -> int:
-  """How many micro-batch inputs the first stage holds at most (the others fewer)."""
-  return min(microbatches, 2 * stages - 1)
+def stash_slots(stages: int, microbatches: int, chunks: int = 1) -> int:
+  """How many items' inputs the first stage holds at most (the others fewer)."""
+  return min(microbatches * chunks, 2 * chunks * stages - 1)
 
 
-def ticks(stages: int, microbatches: int) -> int:
+def ticks(stages: int, microbatches: int, chunks: int = 1) -> int:
   """The schedule's length: the last micro-batch's backward pass ends on stage 0 then."""
-  return microbatches + 2 * stages - 2
+  return microbatches * chunks + chunks * stages + stages - 2
+
+
+class ItemOrder:
+  """Which (micro-batch, chunk) each stage works on when (the module docstring); plain integer
+  arithmetic, so that indices may be Python ints (static: the tick's own phases) or traced (a
+  stage's own, under shard_map or vmap)."""
+
+  def __init__(self, stages: int, microbatches: int, chunks: int = 1):
+    self.S, self.M, self.V = stages, microbatches, chunks
+    self.items = microbatches * chunks
+    self.ticks = ticks(stages, microbatches, chunks)
+
+  def forward_item(self, t, stage):
+    """Stage `stage`'s forward item at tick t: (micro-batch, chunk, whether it exists)."""
+    return self._item(t - stage, mirrored=False)
+
+  def backward_item(self, t, stage):
+    """Stage `stage`'s backward item at tick t: (micro-batch, chunk, whether it exists)."""
+    return self._item(t - (self.V * self.S + self.S - 2 - stage), mirrored=True)
+
+  def forward_index(self, microbatch, chunk):
+    """The forward item a stage runs micro-batch `microbatch` at chunk `chunk` as."""
+    group = self.S * self.V
+    return microbatch // self.S * group + chunk * self.S + microbatch % self.S
+
+  def _item(self, k, mirrored: bool):
+    group = self.S * self.V
+    microbatch = k // group * self.S + k % self.S
+    chunk = k % group // self.S
+    return microbatch, (self.V - 1 - chunk) if mirrored else chunk, (k >= 0) & (k < self.items)
 
 
 class Lanes:
@@ -68,16 +110,17 @@ class Lanes:
     """fn(stage index, *the stage's args), for every stage."""
     return fn(self.stage_index(), *args)
 
-  def to_next(self, tree, first):
-    """Stage s + 1 gets stage s's value; stage 0 gets `first`."""
-    shifted = jax.tree.map(lambda a: jax.lax.ppermute(
-        a, self.axis, [(i, i + 1) for i in range(self.stages - 1)]), tree)
-    return self.where_stage(0, first, shifted)
+  def to_next(self, tree, first, ring: bool = False):
+    """Stage s + 1 gets stage s's value; stage 0 gets `first`, or with `first` None and `ring`
+    the last stage's value."""
+    pairs = [(i, (i + 1) % self.stages) for i in range(self.stages if ring else self.stages - 1)]
+    shifted = jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis, pairs), tree)
+    return shifted if first is None else self.where_stage(0, first, shifted)
 
-  def to_previous(self, tree):
-    """Stage s - 1 gets stage s's value; the last stage zeros."""
-    return jax.tree.map(lambda a: jax.lax.ppermute(
-        a, self.axis, [(i + 1, i) for i in range(self.stages - 1)]), tree)
+  def to_previous(self, tree, ring: bool = False):
+    """Stage s - 1 gets stage s's value; the last stage zeros, or with `ring` stage 0's."""
+    pairs = [((i + 1) % self.stages, i) for i in range(self.stages if ring else self.stages - 1)]
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis, pairs), tree)
 
   def where_stage(self, stage: int, value, others):
     """`value` on stage `stage` (a value of one stage), `others` elsewhere."""
@@ -125,12 +168,14 @@ class StackedLanes(Lanes):
   def map(self, fn, *args):
     return jax.vmap(fn, spmd_axis_name='stage')(self.stage_index(), *args)
 
-  def to_next(self, tree, first):
-    return self.pin(jax.tree.map(lambda a, f: jnp.concatenate([f[None], a[:-1]]), tree, first))
+  def to_next(self, tree, first, ring=False):
+    last = lambda a: a[-1:] if ring else jnp.zeros_like(a[:1])
+    shifted = self.pin(jax.tree.map(lambda a: jnp.concatenate([last(a), a[:-1]]), tree))
+    return shifted if first is None else self.where_stage(0, first, shifted)
 
-  def to_previous(self, tree):
-    return self.pin(jax.tree.map(
-        lambda a: jnp.concatenate([a[1:], jnp.zeros_like(a[:1])]), tree))
+  def to_previous(self, tree, ring=False):
+    first = lambda a: a[:1] if ring else jnp.zeros_like(a[:1])
+    return self.pin(jax.tree.map(lambda a: jnp.concatenate([a[1:], first(a)]), tree))
 
   def where_stage(self, stage, value, others):
     return self.pin(jax.tree.map(lambda v, o: o.at[stage].set(v), value, others))
@@ -184,28 +229,40 @@ class _Ticks:
   """What a stage does in tick t: its forward pass, its backward pass, and on the last stage
   the head and the loss (the module docstring)."""
 
-  def __init__(self, cut: ModelCut, stages: int, microbatches: int, outer_params, outer_ops,
-               tokens_BL1, rows):
-    self.cut, self.S, self.M = cut, stages, microbatches
-    self.K = stash_slots(stages, microbatches)
+  def __init__(self, cut: ModelCut, order: ItemOrder, outer_params, outer_ops, tokens_BL1, rows):
+    self.cut, self.order = cut, order
+    self.K = stash_slots(order.S, order.M, order.V)
     self.outer_params, self.outer_ops = outer_params, outer_ops
-    self.tokens_MbL1 = split_microbatches(tokens_BL1, microbatches)
+    self.tokens_MbL1 = split_microbatches(tokens_BL1, order.M)
     self.rows_M = None if rows is None else jax.tree.map(
-        lambda a: split_microbatches(a, microbatches), rows)
+        lambda a: split_microbatches(a, order.M), rows)
 
   def rows_of(self, m):
     """Micro-batch m's per-row inputs (m may be traced and outside [0, M): the bubble's)."""
     return None if self.rows_M is None else jax.tree.map(
-        lambda a: jax.lax.dynamic_index_in_dim(a, m % self.M, 0, keepdims=False), self.rows_M)
+        lambda a: jax.lax.dynamic_index_in_dim(a, m % self.order.M, 0, keepdims=False),
+        self.rows_M)
+
+  def chunk(self, params, v):
+    """A stage's layers of chunk v ([V, ...] leaves; with one chunk, all of them)."""
+    if self.order.V == 1:
+      return params
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False), params)
+
+  def add_to_chunk(self, d_stage, v, d_chunk):
+    """d_stage with d_chunk added to chunk v's gradient."""
+    if self.order.V == 1:
+      return _tree_add(d_stage, d_chunk)
+    return jax.tree.map(lambda acc, d: jax.lax.dynamic_update_index_in_dim(
+        acc, jax.lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + d, v, 0), d_stage, d_chunk)
 
   def forward(self, t):
     """(stage s, its layers, its input, its stash) -> (its output, the stash with the input
-    kept in micro-batch t - s's slot)."""
+    kept in its forward item's slot)."""
     def run(s, params, x, stash):
-      m = t - s
-      valid = (m >= 0) & (m < self.M)
-      y = self.cut.stage(params, x, self.rows_of(m))
-      slot = m % self.K
+      m, v, valid = self.order.forward_item(t, s)
+      y = self.cut.stage(self.chunk(params, v), x, self.rows_of(m))
+      slot = self.order.forward_index(m, v) % self.K
       kept = jax.tree.map(lambda new, old: jnp.where(
           valid, new, jax.lax.dynamic_index_in_dim(old, slot, 0, keepdims=False)), x, stash)
       stash = jax.tree.map(lambda s_, k: jax.lax.dynamic_update_index_in_dim(s_, k, slot, 0),
@@ -214,43 +271,45 @@ class _Ticks:
     return run
 
   def backward(self, t):
-    """(stage s, its layers, its output's cotangent, its stash) -> (the gradient of its layers,
-    its input's cotangent), for micro-batch t - (2S - 2 - s); the forward pass recomputed."""
-    def run(s, params, dy, stash):
-      m = t - (2 * self.S - 2 - s)
-      valid = (m >= 0) & (m < self.M)
+    """(stage s, its layers, its output's cotangent, its stash, its layers' gradient so far) ->
+    (that gradient with its backward item's added, its input's cotangent); the forward pass
+    recomputed."""
+    def run(s, params, dy, stash, d_stage):
+      m, v, valid = self.order.backward_item(t, s)
+      slot = self.order.forward_index(m, v) % self.K
       x = jax.tree.map(
-          lambda a: jax.lax.dynamic_index_in_dim(a, m % self.K, 0, keepdims=False), stash)
+          lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=False), stash)
       floats = lambda p, xf: _floats(self.cut.stage(p, _with_floats(x, xf), self.rows_of(m)))
-      _, stage_vjp = jax.vjp(floats, params, _floats(x))
+      _, stage_vjp = jax.vjp(floats, self.chunk(params, v), _floats(x))
       d_params, dx = stage_vjp(dy)
-      return _masked(valid, d_params), dx
+      return self.add_to_chunk(d_stage, v, _masked(valid, d_params)), dx
     return run
 
-  def head(self, t, y):
-    """The loss / M of the micro-batch the last stage finished at tick t, its statistics / M,
-    the gradient of the outer parameters and the cotangent of y."""
-    m = t - (self.S - 1)
+  def head(self, m: int, y):
+    """The loss / M of micro-batch m, which the last stage finished in this tick, its
+    statistics / M, the gradient of the outer parameters and the cotangent of y."""
+    M = self.order.M
     (loss, stats), head_vjp = jax.vjp(
         lambda p, yf: self.cut.head(p, _with_floats(y, yf), self.tokens_MbL1[m],
                                     self.outer_ops),
         self.outer_params, _floats(y))
-    d_params, dy = head_vjp((jnp.ones_like(loss) / self.M,
-                             jax.tree.map(jnp.zeros_like, stats)))
-    return loss / self.M, jax.tree.map(lambda a: a / self.M, stats), d_params, dy
+    d_params, dy = head_vjp((jnp.ones_like(loss) / M, jax.tree.map(jnp.zeros_like, stats)))
+    return loss / M, jax.tree.map(lambda a: a / M, stats), d_params, dy
 
 
 def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_BL1,
-                microbatches: int, outer_ops, rows=None):
+                microbatches: int, outer_ops, rows=None, chunks: int = 1):
   """(the mean loss over the micro-batches, their mean statistics, the gradients of the mean
   loss w.r.t. `outer_params` (everything but the stacked layers; the stacked subtree zeros),
-  those w.r.t. `stage_params` (each stage's layers, as `lanes` holds them)).
+  those w.r.t. `stage_params` (each stage's layers, as `lanes` holds them; with `chunks` > 1,
+  interleaved, [chunks, ...] per stage)).
 
   `outer_params` feed the embedding and the head (with `outer_ops`); `rows`: per-row inputs of
   the layers (packed documents' segments and positions, [B, L] each), or None. Manual mode:
   every result is this device's, to be summed over the stages by the caller."""
-  S, M = lanes.stages, microbatches
-  ticks_of = _Ticks(cut, S, M, outer_params, outer_ops, tokens_BL1, rows)
+  S, M, ring = lanes.stages, microbatches, chunks > 1
+  order = ItemOrder(S, M, chunks)
+  ticks_of = _Ticks(cut, order, outer_params, outer_ops, tokens_BL1, rows)
   carry, embed_vjp = jax.vjp(lambda p: cut.embed(p, tokens_BL1, outer_ops), outer_params)
   items = microbatch_items(carry, M)
   one = items[0]  # One micro-batch's carry: the shapes every tick moves.
@@ -260,27 +319,33 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
   dy = lanes.zeros(_floats(one))
   d_stage = jax.tree.map(jnp.zeros_like, stage_params)
   d_outer, loss, stats, d_first = None, 0.0, None, [None] * M
-  for t in range(ticks(S, M)):
-    if t < M + S - 1:  # Some stage has a forward pass to run.
+  # The ticks in which some stage has a forward (backward) pass to run.
+  forward_ticks = range(order.items + S - 1)
+  backward_ticks = range(order.ticks - (order.items + S - 1), order.ticks)
+  for t in range(order.ticks):
+    if t in forward_ticks:
       y, stash = lanes.map(ticks_of.forward(t), stage_params, x, stash)
       y, stash = lanes.pin(y), lanes.pin(stash, stash=True)
-    if 0 <= t - (S - 1) < M:  # The last stage finished a micro-batch: its loss and cotangent.
-      loss_m, stats_m, d_head, dy_last = ticks_of.head(t, lanes.of_stage(y, S - 1))
-      loss_m, stats_m, d_head = lanes.only_on(S - 1, (loss_m, stats_m, d_head))
-      loss = loss + loss_m
-      stats = stats_m if stats is None else _tree_add(stats, stats_m)
-      d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)
-      dy = lanes.where_stage(S - 1, dy_last, dy)
-    if t >= S - 1:  # Some stage has a backward pass to run.
-      d_params, dx = lanes.map(ticks_of.backward(t), stage_params, dy, stash)
-      d_stage = _tree_add(d_stage, d_params)
+      m, v, valid = order.forward_item(t, S - 1)
+      if valid and v == chunks - 1:  # The last stage finished a micro-batch: loss, cotangent.
+        loss_m, stats_m, d_head, dy_last = ticks_of.head(m, lanes.of_stage(y, S - 1))
+        loss_m, stats_m, d_head = lanes.only_on(S - 1, (loss_m, stats_m, d_head))
+        loss = loss + loss_m
+        stats = stats_m if stats is None else _tree_add(stats, stats_m)
+        d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)
+        dy = lanes.where_stage(S - 1, dy_last, dy)
+    if t in backward_ticks:
+      d_stage, dx = lanes.map(ticks_of.backward(t), stage_params, dy, stash, d_stage)
       dx = lanes.pin(dx)
-      if 0 <= t - (2 * S - 2) < M:  # Stage 0 finished a micro-batch's backward pass.
-        d_first[t - (2 * S - 2)] = lanes.only_on(0, lanes.of_stage(dx, 0))
-      dy = lanes.to_previous(dx)
-    if t + 1 < M + S - 1:
-      first = items[t + 1] if t + 1 < M else jax.tree.map(jnp.zeros_like, one)
-      x = lanes.to_next(y, first)
+      m, v, valid = order.backward_item(t, 0)
+      if valid and v == 0:  # Stage 0 finished a micro-batch's backward pass.
+        d_first[m] = lanes.only_on(0, lanes.of_stage(dx, 0))
+      dy = lanes.to_previous(dx, ring)
+    if t + 1 in forward_ticks:
+      m, v, valid = order.forward_item(t + 1, 0)
+      first = (items[m] if valid and v == 0 else
+               None if ring else jax.tree.map(jnp.zeros_like, one))
+      x = lanes.to_next(y, first, ring)
   d_outer = _tree_add(d_outer, _embedding_gradient(embed_vjp, carry, d_first))
   return loss, stats, d_outer, d_stage
 

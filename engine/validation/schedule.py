@@ -19,7 +19,8 @@ def check_schedule(config: ConfigDict, mesh: dict[str, int], rules: sharding.Rul
   """What a train step needs: the pipeline schedule, and the batch split over the batch axes,
   the processes and the micro-batches."""
   stages, repeats = mesh['stage'], config.train.pipeline_repeats
-  _check_named_schedule(config.train.get('pipeline_schedule', ''), stages, repeats)
+  _check_named_schedule(config.train.get('pipeline_schedule', ''), stages, repeats,
+                        config.train.microbatches)
   if repeats > 1 and stages == 1:
     raise ConfigError(
         f'train.pipeline_repeats={repeats}: the circular pipeline schedule needs mesh.stage > 1; '
@@ -52,8 +53,9 @@ def check_schedule(config: ConfigDict, mesh: dict[str, int], rules: sharding.Rul
         f'{batch_ways} batch shards); choose a divisor of {local_batch}, or a larger batch.')
 
 
-def _check_named_schedule(schedule: str, stages: int, repeats: int) -> None:
-  """train.pipeline_schedule against the mesh and train.pipeline_repeats ('' is always fine)."""
+def _check_named_schedule(schedule: str, stages: int, repeats: int, microbatches: int) -> None:
+  """train.pipeline_schedule against the mesh, train.pipeline_repeats and train.microbatches
+  ('' is always fine)."""
   if not schedule:
     return
   if schedule not in SCHEDULES:
@@ -64,10 +66,16 @@ def _check_named_schedule(schedule: str, stages: int, repeats: int) -> None:
     raise ConfigError(f'train.pipeline_schedule={schedule!r} needs pipeline stages, but '
                       'mesh.stage=1; split the mesh into stages (mesh.stage > 1), or leave '
                       'train.pipeline_schedule empty.')
-  if schedule == 'circular' and repeats == 1:
-    raise ConfigError("train.pipeline_schedule='circular' needs train.pipeline_repeats > 1 "
-                      '(the groups each stage holds); set it, or choose gpipe.')
-  if schedule != 'circular' and repeats > 1:
+  grouped = {'circular': 'gpipe', 'interleaved_1f1b': '1f1b'}  # Each with its one-group form.
+  if schedule in grouped and repeats == 1:
+    raise ConfigError(f'train.pipeline_schedule={schedule!r} needs train.pipeline_repeats > 1 '
+                      f'(the groups of layers each stage holds); set it, or choose '
+                      f'{grouped[schedule]}.')
+  if schedule not in grouped and repeats > 1:
     raise ConfigError(f'train.pipeline_schedule={schedule!r} runs one group of layers per '
                       f'stage, but train.pipeline_repeats={repeats}; set it to 1, or choose '
-                      'circular.')
+                      f'{"interleaved_1f1b" if schedule == "1f1b" else "circular"}.')
+  if schedule == 'interleaved_1f1b' and microbatches % stages:
+    raise ConfigError(f"train.pipeline_schedule='interleaved_1f1b' runs the micro-batches in "
+                      f'groups of mesh.stage={stages}, but train.microbatches={microbatches}; '
+                      f'make it a multiple of {stages}.')

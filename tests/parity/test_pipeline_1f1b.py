@@ -1,7 +1,8 @@
-"""The 1F1B pipeline schedule (train.pipeline_schedule='1f1b'): both modes against the
-single-device run on stage 2 and stage 4 meshes with data, fsdp and tensor; packed documents and
-a mixture of experts; a stash one slot short fails the check; the manual step's collectives as
-the theory says; its memory bounded as the micro-batches grow; bad schedules refused."""
+"""The 1F1B pipeline schedules (train.pipeline_schedule='1f1b' and 'interleaved_1f1b'): both
+modes against the single-device run on stage 2 and stage 4 meshes with data, fsdp and tensor;
+packed documents and a mixture of experts; a stash one slot short fails the check; the manual
+step's collectives as the theory says; its memory bounded as the micro-batches grow; bad
+schedules refused."""
 
 import jax
 import numpy as np
@@ -27,6 +28,12 @@ def _one_f_one_b(mesh, model='gpt', layers=2, microbatches=2):
   return config
 
 
+def _interleaved(mesh, model='gpt', layers=4, microbatches=4, repeats=2):
+  config = _config(mesh, model, layers, microbatches, repeats)
+  config.train.pipeline_schedule = 'interleaved_1f1b'
+  return config
+
+
 @pytest.fixture(scope='module')
 def references():
   return {(model, layers): single_device_run(_config(model=model, layers=layers), STEPS)
@@ -46,6 +53,17 @@ def test_matches_single_device(mode, model, layers, mesh, microbatches, referenc
   assert_same_run(engine_run(config, mode, STEPS), references[(model, layers)])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('mode, mesh, microbatches', [
+    ('manual', (4, 1, 1, 1, 2), 4), ('auto', (2, 2, 1, 1, 2), 2)],
+    ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_interleaved_matches_single_device(mode, mesh, microbatches, references):
+  """Two chunks of one layer per stage; with 4 micro-batches on 2 stages, two groups of them;
+  auto mode with FSDP."""
+  config = _interleaved(mesh, microbatches=microbatches)
+  assert_same_run(engine_run(config, mode, STEPS), references[('gpt', 4)])
+
+
 def _gradients(config, mode, tokens, params=None, vocab=256, eos_id=None):
   from engine.assemble import lay_out
   devices = jax.devices()[:int(np.prod([config.mesh[a] for a in (
@@ -53,7 +71,11 @@ def _gradients(config, mode, tokens, params=None, vocab=256, eos_id=None):
   setup = lay_out(config, vocab, devices, eos_id=eos_id)
   if params is None:
     params = setup.init(0)[0]['params']
-  params = jax.device_put(jax.device_get(params), setup.state_shardings()['params'])
+  # One stack's [L, ...] as a grouped one's [R, L / R, ...] (pipeline_repeats R), or as it is.
+  shapes = jax.eval_shape(lambda: setup.init(0)[0]['params'])
+  params = jax.tree.map(lambda a, shape: np.reshape(a, shape.shape), jax.device_get(params),
+                        shapes)
+  params = jax.device_put(params, setup.state_shardings()['params'])
   loss, grads = parallel.build_steps(mode, setup).gradients(params, tokens)
   return params, float(loss), jax.device_get(grads)
 
@@ -62,7 +84,8 @@ def _assert_same_gradients(got, want):
   (_, got_loss, got_grads), (_, want_loss, want_grads) = got, want
   np.testing.assert_allclose(got_loss, want_loss, atol=1e-5)
   for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, np.abs(w).max()))
+    # A grouped stack's [R, L / R, ...] against one stack's [L, ...]: the same layers in order.
+    np.testing.assert_allclose(np.reshape(g, w.shape), w, atol=1e-5 * max(1.0, np.abs(w).max()))
 
 
 def _documents_config(mesh, schedule=''):
@@ -107,14 +130,33 @@ def test_a_mixture_of_experts_with_its_balance_loss_matches_gpipe(mode):
 
 
 @pytest.mark.slow
-def test_a_stash_one_slot_short_fails_the_check(monkeypatch):
-  """The planted bug: a stage overwrites a micro-batch's input before its backward pass."""
+@pytest.mark.parametrize('mode, model, layers, mesh, microbatches', [
+    ('manual', 'gpt', 8, (2, 1, 1, 1, 4), 8), ('auto', 'gpt', 8, (2, 1, 1, 1, 4), 4),
+    ('manual', 'llama', 4, (1, 2, 2, 1, 2), 4), ('auto', 'llama', 4, (1, 2, 2, 1, 2), 2),
+], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_interleaved_gradients_match_one_device_with_fsdp_and_tensor(mode, model, layers, mesh,
+                                                                      microbatches):
+  """Loss and every gradient: stage 4 with data (two chunks of one layer each), and fsdp 2 x
+  tensor 2 x stage 2 (Llama)."""
+  config = _interleaved(mesh, model, layers, microbatches)
+  config.data.global_batch_size = 16
   tokens = np.random.default_rng(0).integers(0, 256, (16, 17))
-  config = _one_f_one_b((2, 1, 1, 1, 4), layers=4, microbatches=8)
+  reference = _gradients(_config(model=model, layers=layers), 'auto', tokens)
+  _assert_same_gradients(_gradients(config, mode, tokens, reference[0]), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('schedule', ['1f1b', 'interleaved_1f1b'])
+def test_a_stash_one_slot_short_fails_the_check(schedule, monkeypatch):
+  """The planted bug: a stage overwrites an item's input before its backward pass."""
+  tokens = np.random.default_rng(0).integers(0, 256, (16, 17))
+  config = (_one_f_one_b((2, 1, 1, 1, 4), layers=4, microbatches=8) if schedule == '1f1b' else
+            _interleaved((4, 1, 1, 1, 2), microbatches=4))
   config.data.global_batch_size = 16
   reference = _gradients(_config(layers=4), 'auto', tokens)
   _assert_same_gradients(_gradients(config, 'manual', tokens, reference[0]), reference)
-  monkeypatch.setattr(pipeline_1f1b, 'stash_slots', lambda stages, microbatches: 2 * stages - 2)
+  monkeypatch.setattr(pipeline_1f1b, 'stash_slots',
+                      lambda stages, microbatches, chunks: 2 * chunks * stages - 2)
   with pytest.raises(AssertionError):
     _assert_same_gradients(_gradients(config, 'manual', tokens, reference[0]), reference)
 
@@ -137,14 +179,17 @@ def test_manual_memory_stays_bounded_as_the_microbatches_grow():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('mesh, model', [((2, 1, 1, 1, 4), 'gpt'), ((2, 1, 2, 1, 2), 'llama')],
-                         ids=['data2_stage4', 'data2_tensor2_stage2'])
-def test_manual_collectives_match_the_theory(mesh, model):
+@pytest.mark.parametrize('mesh, model, schedule', [
+    ((2, 1, 1, 1, 4), 'gpt', '1f1b'), ((2, 1, 2, 1, 2), 'llama', '1f1b'),
+    ((4, 1, 1, 1, 2), 'gpt', 'interleaved_1f1b')],
+    ids=['data2_stage4', 'data2_tensor2_stage2', 'data4_stage2_interleaved2'])
+def test_manual_collectives_match_the_theory(mesh, model, schedule):
   """GPipe's permutes; the gradients of the weights outside the stack summed over the stages
   instead of GPipe's broadcasts; three tensor all-reduces per layer and tick (the backward tick
   runs the forward pass again). (Under FSDP a stage gathers its layers' weights in every tick
   that runs them, which XLA:CPU partly merges: not compared.)"""
-  config = _one_f_one_b(mesh, model, layers=4, microbatches=4)
+  config = (_one_f_one_b(mesh, model, layers=4, microbatches=4) if schedule == '1f1b' else
+            _interleaved(mesh))
   setup, compiled = compiled_train_step(config, 'manual')
   table = collective_table(setup, compiled)
   theory = comm_theory.expected_bytes(setup, config.data.global_batch_size, config.data.seq_len)
@@ -159,10 +204,15 @@ def test_manual_collectives_match_the_theory(mesh, model):
     ('1f1b', (8, 1, 1, 1, 1), 1, "'1f1b' needs pipeline stages, but mesh.stage=1"),
     ('circular', (4, 1, 1, 1, 2), 1, "'circular' needs train.pipeline_repeats > 1"),
     ('1f1b', (4, 1, 1, 1, 2), 2, "'1f1b' runs one group of layers per stage, but "
-                                 'train.pipeline_repeats=2'),
+                                 'train.pipeline_repeats=2; set it to 1, or choose '
+                                 'interleaved_1f1b'),
+    ('interleaved_1f1b', (4, 1, 1, 1, 2), 1, "'interleaved_1f1b' needs train.pipeline_repeats "
+                                             '> 1 .* or choose 1f1b'),
+    ('interleaved_1f1b', (2, 1, 1, 1, 4), 2, 'groups of mesh.stage=4, but train.microbatches=6; '
+                                             'make it a multiple of 4'),
 ])
 def test_bad_schedules_are_refused(schedule, mesh, repeats, message):
-  config = _config(mesh, layers=4, microbatches=2, repeats=repeats)
+  config = _config(mesh, layers=8, microbatches=6 if mesh[4] == 4 else 2, repeats=repeats)
   config.train.pipeline_schedule = schedule
   with pytest.raises(ConfigError, match=message):
     validate(config, 8)

@@ -312,6 +312,11 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.train.pipeline_schedule=1f1b'], 2, "train.pipeline_schedule='1f1b' "
      'needs pipeline stages, but mesh.stage=1; split the mesh into stages (mesh.stage > 1), or '
      'leave train.pipeline_schedule empty.'),
+    (['--config=experiments/tiny.py:mesh=2x1x1x1x4', RUN, '--config.model.num_layers=8',
+      '--config.train.pipeline_repeats=2', '--config.train.microbatches=6',
+      '--config.data.global_batch_size=24', '--config.train.pipeline_schedule=interleaved_1f1b'],
+     2, "train.pipeline_schedule='interleaved_1f1b' runs the micro-batches in groups of "
+     'mesh.stage=4, but train.microbatches=6; make it a multiple of 4.'),
     (['--config=experiments/tiny.py:mesh=4x2x1', RUN, '--config.parallelism.rules=data_parallel'],
      2, "parallelism.rules='data_parallel' does not use mesh axes ['fsdp'] of size > 1, so they "
      'would only duplicate work; set them to 1 or pick rules that use them.'),
