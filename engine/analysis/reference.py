@@ -47,11 +47,12 @@ class ReferenceRun:
     loss, grads = jax.value_and_grad(self._loss)(params, tokens_BL1)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
-    return optax.apply_updates(params, updates), opt_state, metrics
+    return optax.apply_updates(params, updates), opt_state, metrics, grads
 
   def step(self, tokens_BL1) -> dict[str, float]:
     """One optimizer step on a host batch; returns the loss (before the update) and the
-    gradient's global norm (before clipping)."""
-    self.params, self.opt_state, metrics = self._step(
+    gradient's global norm (before clipping), and keeps the step's gradients in
+    `last_gradients`."""
+    self.params, self.opt_state, metrics, self.last_gradients = self._step(
         self.params, self.opt_state, jax.device_put(tokens_BL1, self.device))
     return {k: float(v) for k, v in metrics.items()}

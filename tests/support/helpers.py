@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import optax
 
 from engine import data, models, parallel
 from engine.analysis import collectives
@@ -89,8 +90,11 @@ def _single_device_run(config, num_steps) -> Run:
   vocab = resolve_vocab_size(config.model, corpus.tokenizer.vocab_size)
   run = ReferenceRun(models.build(config.model, vocab), config.optim, config.train.num_steps,
                      config.seed)
-  _, first_gradients = run.gradients(batches[0])
-  metrics = [run.step(batches[i]) for i in range(num_steps)]
+  metrics, first_gradients = [], None
+  for i in range(num_steps):
+    metrics.append(run.step(batches[i]))
+    if i == 0:
+      first_gradients = run.last_gradients
   return Run(np.array([m['loss'] for m in metrics]), np.array([m['grad_norm'] for m in metrics]),
              _flat(first_gradients), _flat(run.params))
 
@@ -115,29 +119,49 @@ def compiled_run(config, mode, num_steps):
   """`num_steps` train steps of the engine's `mode` on the mesh of `config`: (Run, the layout,
   the compiled train step, whose HLO tests may also read instead of compiling it again).
 
-  The gradient and train steps are compiled ahead of time for the abstract state and batch (as
-  engine.train does), in threads alongside the state's initialisation: XLA compiles without the
-  GIL, so a second core shortens each run by about half its compile time."""
+  The train step is compiled ahead of time for the abstract state and batch (as engine.train
+  does), in a thread alongside the state's initialisation: XLA compiles without the GIL. The
+  first step's gradients are read back from the optimizer state (first_adam_gradients): a
+  gradient program of their own took a third of each run's time."""
   corpus, batches = train_batches(config)
   train_setup = lay_out(config, corpus.tokenizer.vocab_size)
   steps = parallel.build_steps(mode, train_setup)
   abstract = train_setup.abstract_state()
   batch = train_setup.abstract_batch(config.data.global_batch_size, config.data.seq_len)
-  lowered = [steps.gradients.lower(abstract['params'], batch), steps.train.lower(abstract, batch)]
-  with futures.ThreadPoolExecutor(3) as pool:
-    compiling = [pool.submit(l.compile) for l in lowered]
+  lowered = steps.train.lower(abstract, batch)
+  with futures.ThreadPoolExecutor(1) as pool:
+    compiling = pool.submit(lowered.compile)
     state, _ = train_setup.init(config.seed)
-    gradients, train = [c.result() for c in compiling]
+    train = compiling.result()
   sharding = train_setup.batch_sharding()
-  _, first_gradients = gradients(state['params'], jax.device_put(batches[0], sharding))
-  losses, grad_norms = [], []
+  losses, grad_norms, first_gradients = [], [], None
   for i in range(num_steps):
     state, metrics = train(state, jax.device_put(batches[i], sharding))
     losses.append(float(metrics['loss']))
     grad_norms.append(float(metrics['grad_norm']))
+    if i == 0:
+      first_gradients = first_adam_gradients(state['opt_state'], grad_norms[0], config.optim)
   run = Run(np.array(losses), np.array(grad_norms), _flat(first_gradients),
             _flat(state['params']))
   return run, train_setup, train
+
+
+def first_adam_gradients(opt_state, grad_norm: float, optim_config):
+  """The gradients of a first optimizer step, from Adam's first moment after it: that step sets
+  mu = (1 - b1) g, g the gradients scaled down to optim.grad_clip_norm (the train step's
+  clipping, engine.optimizer.clip_by_global_norm), so g = mu / (1 - b1), scaled back up. A wrong
+  gradient makes a wrong moment: this is the gradient the update used."""
+  adam = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_adam_state)
+          if isinstance(s, optax.ScaleByAdamState)]
+  assert len(adam) == 1, 'the optimizer state holds no one Adam state to read gradients from'
+  clip = optim_config.grad_clip_norm
+  unclip = grad_norm / clip if grad_norm >= clip else 1.0
+  return jax.tree.map(lambda mu: np.asarray(mu, np.float32) / (1 - optim_config.b1) * unclip,
+                      jax.device_get(adam[0].mu))
+
+
+def _is_adam_state(node) -> bool:
+  return isinstance(node, optax.ScaleByAdamState)
 
 
 def engine_run(config, mode, num_steps) -> Run:
