@@ -28,7 +28,14 @@ def make_mesh(mesh_config, devices=None) -> jax.sharding.Mesh:
   dcn = (mesh_config.get('dcn_data', 1), mesh_config.get('dcn_fsdp', 1)) + (1,) * (
       len(MESH_AXES) - 2)
   if math.prod(dcn) == 1:
-    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    try:
+      return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:
+      # A TPU torus whose axes no product of physical axes matches (32 x 16 x 8 on 16x16x16):
+      # split physical axes rather than refuse the shape.
+      device_array = mesh_utils.create_device_mesh(shape, devices,
+                                                   allow_split_physical_axes=True)
+      return jax.sharding.Mesh(device_array, MESH_AXES, axis_types=axis_types)
   per_host = tuple(size // d for size, d in zip(shape, dcn))
   several_slices = len({getattr(d, 'slice_index', 0) for d in devices}) > 1
   device_array = mesh_utils.create_hybrid_device_mesh(

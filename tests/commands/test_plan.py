@@ -13,6 +13,7 @@ from engine.plan import report as plan_report
 from engine.analysis import comm_theory
 from engine.errors import ConfigError
 from engine.main import run as run_main
+from engine.mesh import make_mesh
 from engine.assemble import lay_out
 from experiments import tiny as tiny_experiment
 from tests.support.helpers import collective_table, compiled_train_step, tiny_config
@@ -127,6 +128,15 @@ def test_a_model_too_large_does_not_fit():
   (row,) = result['candidates']
   assert row['status'] == 'does not fit'
   assert row['memory']['peak_estimate_bytes'] > result['hbm_bytes_per_device']
+
+
+def test_a_mesh_that_splits_the_torus_axes_is_laid_out():
+  """8 x 8 on a 4x4x4 torus: no product of whole physical axes is 8, so the mesh splits one
+  (jax.make_mesh alone refuses)."""
+  devices = plan_lib.topology_devices('v5p:4x4x4')
+  mesh = make_mesh(ml_collections.ConfigDict({'data': 1, 'fsdp': 8, 'tensor': 8}), devices)
+  assert dict(mesh.shape)['fsdp'] == dict(mesh.shape)['tensor'] == 8
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
 
 
 @pytest.mark.parametrize('topology, message', [
