@@ -121,14 +121,13 @@ class _Gradients:
     return value, self.average(scattered)
 
   def scheduled_gradients(self, params, tokens_BL1):
-    """The 1F1B pipeline, plain or interleaved (engine/parallel/pipeline_1f1b.py): gradients
-    w.r.t. local copies of
-    the parameters, as accumulated_gradients takes them. A stage's own layers gather their
-    FSDP-split weights where each tick runs them (one layer's alive at a time, as in GPipe);
-    the weights outside the stack (the embedding, the head: every tick's head reads them) are
-    gathered once for the step and reduce-scattered once after it, and cast to varying over
-    `stage` too: each stage's gradient of them (the embedding's on the first stage, the head's
-    on the last) is summed over the stages. Then one pmean over the batch axes."""
+    """The 1F1B pipeline, plain or interleaved (engine/parallel/pipeline_1f1b.py): gradients w.r.t.
+    local copies of the parameters, as accumulated_gradients takes them. A stage's own layers
+    gather their FSDP-split weights where each tick runs them (one layer's alive at a time, as in
+    GPipe); the weights outside the stack (the embedding, the head: every tick's head reads them)
+    are gathered once for the step and reduce-scattered once after it, and cast to varying over
+    `stage` too: each stage's gradient of them (the embedding's on the first stage, the head's on
+    the last) is summed over the stages. Then one pmean over the batch axes."""
     ops, setup = self.ops, self.setup
     stage_axis, microbatches = ops.stage_axis, setup.options.microbatches
     local = self.map_param_values(params, lambda p, axes: manual_ops.cast_to_varying(
