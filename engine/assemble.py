@@ -64,18 +64,22 @@ class Run:
     return self.setup.abstract_batch(global_batch or self.config.data.global_batch_size,
                                      self.config.data.seq_len)
 
-  def compile_train_step(self, global_batch: int | None = None):
-    """The train step compiled ahead of time for the abstract state and batch."""
-    return compile_train_step(self.steps, self.setup, self.abstract_batch(global_batch))
+  def compile_train_step(self, global_batch: int | None = None, compiler_options=None):
+    """The train step compiled ahead of time for the abstract state and batch (with XLA
+    `compiler_options`, such as engine.plan.peak_memory's dump)."""
+    return compile_train_step(self.steps, self.setup, self.abstract_batch(global_batch),
+                              compiler_options)
 
   def compile_eval_step(self, global_batch: int | None = None):
     return self.steps.eval.lower(self.setup.abstract_state()['params'],
                                  self.abstract_batch(global_batch)).compile()
 
 
-def compile_train_step(steps: Steps, train_setup: TrainSetup, abstract_batch):
+def compile_train_step(steps: Steps, train_setup: TrainSetup, abstract_batch,
+                       compiler_options=None):
   """A mode's train step lowered and compiled for the setup's abstract state and a batch."""
-  return steps.train.lower(train_setup.abstract_state(), abstract_batch).compile()
+  return steps.train.lower(train_setup.abstract_state(), abstract_batch).compile(
+      compiler_options)
 
 
 def resolve_vocab_size(model_config, tokenizer_vocab: int) -> int:
@@ -139,6 +143,7 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
   options = StepOptions(compute_dtype=config.model.dtype, remat=config.model.remat,
                         microbatches=config.train.microbatches,
                         pipeline_schedule=pipeline.schedule_of(config.train),
+                        pipeline_head=config.train.get('pipeline_head', 'split'),
                         grad_reduce_dtype=config.parallelism.grad_reduce_dtype,
                         flat_gather=flat_gather(config.parallelism, mesh),
                         skip_nonfinite=config.train.skip_nonfinite_steps > 0,

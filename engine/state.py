@@ -51,6 +51,8 @@ class StepOptions:
   # 'interleaved_1f1b' (engine/parallel/pipeline_1f1b.py) [train.pipeline_schedule,
   # train.pipeline_repeats].
   pipeline_schedule: str = 'gpipe'
+  # 1F1B: the head split over the stages by rows, or on the last stage [train.pipeline_head].
+  pipeline_head: str = 'split'
   # Manual mode: the dtype of gradient reductions (and of the FSDP gathers whose transposes
   # they are) [parallelism.grad_reduce_dtype].
   grad_reduce_dtype: str = 'float32'

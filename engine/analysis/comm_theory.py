@@ -45,7 +45,10 @@ over its executions in one step. Keys are (kind, mesh axes).
   activations and cotangents, and instead of those two sums the gradients of every weight
   outside the stack over the stages (float32, each device's shard); its backward ticks run each
   layer's forward pass again, so a row-parallel layer's all-reduces are 3 per layer, not 2.
-  Stacked layers' gradients are split over `stage`, so each stage reduces only its own, once
+  With the head split over the stages (train.pipeline_head), each finished micro-batch's
+  output is reduce-scattered to the stages by rows and its cotangent all-gathered back (with a
+  mixture of experts, its per-layer loads broadcast from the last stage), and the
+  head's vocab-parallel reductions cover 1 / stages of the rows. Stacked layers' gradients are split over `stage`, so each stage reduces only its own, once
   per step; under FSDP each weight is gathered once per step, as with micro-batches (1F1B
   gathers a stage's layers in every tick that runs them: more than this, a known excess).
 - Expert parallel (engine/parallel/expert_exchange.py): per layer, the experts' buffer goes to
@@ -126,20 +129,46 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
         2 * (repeats * microbatches + stages - 2) * activation // microbatches)
     if _self_differentiating(setup):
       expected[('all-reduce', stage_axes)] += _outer_gradient_bytes(setup)
+      if head_split(setup, local_batch, seq_len * context):
+        # Each micro-batch's output dealt out to the stages by rows, its cotangent gathered.
+        expected[('reduce-scatter', stage_axes)] += activation // stages
+        expected[('all-gather', stage_axes)] += activation
     else:
       expected[('all-reduce', stage_axes)] += 2 * activation
   if model.experts is not None:
     _add_expert_exchange(setup, expected, local_batch, seq_len, activation_bytes)
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
   if vocab_parallel:
-    expected[('all-reduce', vocab_parallel)] += (
-        2 * activation + 3 * local_batch * seq_len * FLOAT32_BYTES)
+    # The embedding's sum in the forward pass; the head's (its input's gradient, the loss'
+    # reductions) on each stage's share of the rows where the head is split.
+    head_rows = 1 / _stages(setup) if head_split(setup, local_batch, seq_len * context) else 1
+    expected[('all-reduce', vocab_parallel)] += round(
+        activation + head_rows * (activation + 3 * local_batch * seq_len * FLOAT32_BYTES))
   return dict(expected)
 
 
 def _self_differentiating(setup: TrainSetup) -> bool:
   """Whether the pipeline schedule takes its gradients itself (1F1B, plain or interleaved)."""
   return setup.options.pipeline_schedule in SELF_DIFFERENTIATING
+
+
+def _stages(setup: TrainSetup) -> int:
+  mesh_shape = dict(setup.mesh.shape)
+  return math.prod(mesh_shape[a] for a in setup.rules.mesh_axes(LAYERS))
+
+
+def head_split(setup: TrainSetup, local_batch: int, seq_len: int) -> bool:
+  """Whether 1F1B splits the head over the stages: train.pipeline_head='split' and each
+  micro-batch's local rows, or else its positions (the whole sequence on each device), a
+  multiple of the stages (engine.parallel.pipeline_1f1b.head_axis, on the shapes)."""
+  stages = _stages(setup)
+  if not (_self_differentiating(setup) and stages > 1 and
+          setup.options.pipeline_head == 'split'):
+    return False
+  mesh_shape = dict(setup.mesh.shape)
+  context = math.prod(mesh_shape[a] for a in setup.rules.mesh_axes('length', activation=True))
+  return (local_batch // setup.options.microbatches % stages == 0 or
+          (context == 1 and seq_len % stages == 0))
 
 
 def _outer_gradient_bytes(setup: TrainSetup) -> int:
@@ -248,6 +277,8 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
     # GPipe broadcasts each micro-batch's from the last stage; 1F1B sums their mean once.
     once = _self_differentiating(setup)
     expected[('all-reduce', stage_axes)] += (1 if once else microbatches) * load_bytes
+    if head_split(setup, local_batch, seq_len):  # And to the stages that share its head.
+      expected[('all-reduce', stage_axes)] += microbatches * load_bytes
   if expert_axes:
     expected[('all-to-all', expert_axes)] += round(
         layers * ((2 * forward_passes + 2) * row_bytes + forward_passes * id_bytes))

@@ -3,6 +3,8 @@ collective."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -135,9 +137,13 @@ def one_f_one_b_gradients(setup: TrainSetup, ops: AutoOps, params, tokens_BL1):
   x_axes = ('batch', 'length', 'embed')
   lanes = pipeline_1f1b.StackedLanes(
       stages, lambda x, stash: ops._by_stage(x, ((None,) if stash else ()) + x_axes),
-      lambda a: ops._by_stage(a, (None,) * (a.ndim - 1)))
+      lambda a: ops._by_stage(a, (None,) * (a.ndim - 1)),
+      lambda rows: ops._by_stage(rows, ('batch',) + (None,) * (rows.ndim - 2)),
+      row_ways=math.prod(setup.mesh.shape[a] for a in setup.rules.mesh_axes('batch', True)),
+      positions_split=not setup.rules.mesh_axes('length', True))
   loss, stats, d_outer, d_staged = pipeline_1f1b.one_f_one_b(
-      cut, lanes, params, staged, tokens_BL1, setup.options.microbatches, ops, rows, cut.chunks)
+      cut, lanes, params, staged, tokens_BL1, setup.options.microbatches, ops, rows, cut.chunks,
+      setup.options.pipeline_head)
   d_layers = jax.tree.map(lambda g: pipeline.stack_by_depth(g, cut.chunks > 1), d_staged)
   return loss, cut.with_layers_params(d_outer, d_layers), stats
 

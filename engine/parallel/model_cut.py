@@ -107,5 +107,6 @@ class ModelCut:
   def stage(self, layers_params, carry, rows):
     return self.run(nnx.merge(self.layers_graphdef, layers_params), carry, rows)
 
-  def head(self, params, carry, tokens, ops):
-    return self.loss(params, tokens, _with_stack(ops, lambda run, layers, x: carry))
+  def head(self, params, carry, tokens, ops, **loss_options):
+    return self.loss(params, tokens, _with_stack(ops, lambda run, layers, x: carry),
+                     **loss_options)

@@ -56,6 +56,8 @@ SCHEDULES = ('gpipe', 'circular', '1f1b', 'interleaved_1f1b')
 # The schedules that take each stage's gradients themselves (engine/parallel/pipeline_1f1b.py)
 # rather than leaving the backward pass to JAX's transpose of the forward loop.
 SELF_DIFFERENTIATING = ('1f1b', 'interleaved_1f1b')
+# train.pipeline_head: where those schedules run the head (engine/parallel/pipeline_1f1b.py).
+HEAD_PLACEMENTS = ('split', 'last_stage')
 
 
 def schedule_of(train_config) -> str:

@@ -32,9 +32,15 @@ forward pass under `jax.vjp` (the stage's remat policy applies there): at most m
 more forward pass of the stage per micro-batch.
 
 The model is cut at its layer stack (engine/parallel/model_cut.py): the embedding runs on the
-whole batch before the ticks, its gradient after them from the cotangents stage 0 sends back; the
-head and the loss run on the last stage's output in every tick that finishes a micro-batch (every
-stage computes them on its own output, the last stage's counts: uniform work).
+whole batch before the ticks, its gradient after them from the cotangents stage 0 sends back. The
+head and the loss run in every tick that finishes a micro-batch, split over the stages
+(train.pipeline_head='split'): the last stage's output is dealt out by rows, stage s runs them on
+rows s b / S to (s + 1) b / S (with the micro-batch's auxiliary terms, which the last stage
+broadcasts), the loss is the mean of the shares and the cotangents are gathered back to the last
+stage. The head, the largest matmul of a large-vocabulary model, then costs each stage 1 / S of
+one micro-batch's instead of a whole one (manual mode computed it on every stage, uniform SPMD
+work: the last stage's counted). Where a micro-batch's rows do not divide by S, or with
+'last_stage', the last stage runs it alone (manual mode: every stage, on its own output).
 
 Manual mode holds one stage per device along the `stage` axis and shifts activations and
 cotangents with `ppermute`; auto mode holds [S, ...] arrays sharded over `stage`, runs each stage
@@ -100,6 +106,11 @@ class ItemOrder:
 class Lanes:
   """How a mode holds one value per stage: the manual version, a device's own stage."""
 
+  # The ways a micro-batch's rows are split within a stage (auto mode's batch axes: a split
+  # head's slices must keep them), and whether its positions may be split (not where a
+  # context axis splits them).
+  row_ways, positions_split = 1, True
+
   def __init__(self, axis: str, stages: int):
     self.axis, self.stages = axis, stages
 
@@ -142,6 +153,29 @@ class Lanes:
     del stash
     return jax.tree.map(jnp.zeros_like, tree)
 
+  def deal_out(self, stage: int, x, axis: int):
+    """Stage `stage`'s x [b, L, ...] dealt out along `axis` (0: rows, 1: positions): stage s
+    gets the s-th of S equal slices (a reduce-scatter of x, zeros on the other stages)."""
+    on = self.stage_index() == stage
+    return jax.lax.psum_scatter(jnp.where(on, x, jnp.zeros_like(x)), self.axis,
+                                scatter_dimension=axis, tiled=True)
+
+  def own_tokens(self, tokens_bL1, axis: int):
+    """Each stage's tokens for its slice of deal_out's: its 1 / S of the rows, or its positions'
+    1 / S of the length and the one token after them (the last one's target)."""
+    n = (tokens_bL1.shape[axis] - axis) // self.stages
+    return jax.lax.dynamic_slice_in_dim(tokens_bL1, self.stage_index() * n, n + axis, axis)
+
+  def broadcast_from(self, stage: int, tree):
+    """Stage `stage`'s value on every stage."""
+    on = self.stage_index() == stage
+    return jax.tree.map(lambda a: jax.lax.psum(jnp.where(on, a, jnp.zeros_like(a)), self.axis),
+                        tree)
+
+  def total(self, tree):
+    """The sum over the stages of per-stage values (manual mode: the caller's psum sums)."""
+    return tree
+
   def pin(self, tree, stash: bool = False):
     """Lays out a tree of per-stage values (auto mode's; manual values are local)."""
     del stash
@@ -151,9 +185,11 @@ class Lanes:
 class StackedLanes(Lanes):
   """Auto mode: [S, ...] arrays, the stages run under `vmap` (`pin` lays one out)."""
 
-  def __init__(self, stages: int, pin_x: Callable, pin_other: Callable):
+  def __init__(self, stages: int, pin_x: Callable, pin_other: Callable, pin_rows: Callable,
+               row_ways: int = 1, positions_split: bool = True):
     super().__init__('stage', stages)
-    self.pin_x, self.pin_other = pin_x, pin_other
+    self.pin_x, self.pin_other, self.pin_rows = pin_x, pin_other, pin_rows
+    self.row_ways, self.positions_split = row_ways, positions_split
 
   def pin(self, tree, stash: bool = False):
     """A carry-like tree of [S, ...] arrays (its first leaf x, [S, b, L, D], or with `stash`
@@ -191,6 +227,25 @@ class StackedLanes(Lanes):
     return self.pin(jax.tree.map(lambda a: jnp.zeros((self.stages, *a.shape), a.dtype), tree),
                     stash)
 
+  def deal_out(self, stage, x, axis):
+    del stage
+    slices = jnp.moveaxis(x.reshape(*x.shape[:axis], self.stages, -1, *x.shape[axis + 1:]),
+                          axis, 0)
+    return self.pin_x(slices, False)
+
+  def own_tokens(self, tokens_bL1, axis):
+    n = (tokens_bL1.shape[axis] - axis) // self.stages
+    return self.pin_rows(jnp.stack([jax.lax.slice_in_dim(tokens_bL1, s * n, (s + 1) * n + axis,
+                                                         axis=axis)
+                                    for s in range(self.stages)]))
+
+  def broadcast_from(self, stage, tree):
+    del stage  # One stage's value: every stage's under `map`.
+    return tree
+
+  def total(self, tree):
+    return jax.tree.map(lambda a: a.sum(0), tree)
+
 
 def _floats(tree) -> list:
   """The leaves that carry gradients (a carry's integer counters do not)."""
@@ -216,11 +271,14 @@ def _masked(valid, tree):
 def step_loss(setup, ops, tokens_BL1):
   """(the train step's loss function (params, tokens, ops) -> (loss, statistics), which divides
   by each micro-batch's share of the packed documents' kept count, and the documents' per-row
-  inputs of the layers or None): what both modes cut the model with."""
+  inputs of the layers or None): what both modes cut the model with. The loss takes
+  `shares`: the head split over that many stages, each share's packed documents divide by
+  1 / shares of the count."""
   eos_id, microbatches = setup.options.eos_id, setup.options.microbatches
   count = kept_count(ops, tokens_BL1, eos_id, microbatches)
-  loss = lambda params, tokens, loss_ops: next_token_loss(
-      params, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id, count=count)
+  loss = lambda params, tokens, loss_ops, shares=1: next_token_loss(
+      params, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id,
+      count=None if count is None else count / shares)
   rows = None if eos_id is None else packed_documents(ops, tokens_BL1, eos_id)[0].documents
   return loss, rows
 
@@ -229,8 +287,9 @@ class _Ticks:
   """What a stage does in tick t: its forward pass, its backward pass, and on the last stage
   the head and the loss (the module docstring)."""
 
-  def __init__(self, cut: ModelCut, order: ItemOrder, outer_params, outer_ops, tokens_BL1, rows):
-    self.cut, self.order = cut, order
+  def __init__(self, cut: ModelCut, lanes: Lanes, order: ItemOrder, outer_params, outer_ops,
+               tokens_BL1, rows, head_axis: int | None):
+    self.cut, self.lanes, self.order, self.head_axis = cut, lanes, order, head_axis
     self.K = stash_slots(order.S, order.M, order.V)
     self.outer_params, self.outer_ops = outer_params, outer_ops
     self.tokens_MbL1 = split_microbatches(tokens_BL1, order.M)
@@ -286,33 +345,80 @@ class _Ticks:
     return run
 
   def head(self, m: int, y):
-    """The loss / M of micro-batch m, which the last stage finished in this tick, its
-    statistics / M, the gradient of the outer parameters and the cotangent of y."""
-    M = self.order.M
-    (loss, stats), head_vjp = jax.vjp(
-        lambda p, yf: self.cut.head(p, _with_floats(y, yf), self.tokens_MbL1[m],
-                                    self.outer_ops),
-        self.outer_params, _floats(y))
+    """(the loss / M of micro-batch m, which the last stage finished in this tick, its
+    statistics / M, the gradient of the outer parameters, the cotangent of y): from y, the
+    stages' outputs as the lanes hold them. Split, each stage runs the head on 1 / S of the
+    last stage's rows (manual mode: each result its share, the caller sums them); else the
+    last stage on all of them."""
+    lanes, S, M = self.lanes, self.order.S, self.order.M
+    last, tokens = lanes.of_stage(y, S - 1), self.tokens_MbL1[m]
+
+    def whole(params, floats):
+      return self.cut.head(params, _with_floats(last, floats), tokens, self.outer_ops)
+
+    def split(params, floats):
+      # Stage s's share: its slice's loss (packed documents: their sum over 1 / S of the count)
+      # with the micro-batch's auxiliary terms; the mean over the stages is the loss.
+      x, extras = _x_and_extras(_with_floats(last, floats))
+      extras = lanes.broadcast_from(S - 1, extras)
+      share = lambda s, x_s, tokens_s: self.cut.head(
+          params, _carry(x_s, extras), tokens_s, self.outer_ops, shares=S)
+      loss, stats = lanes.total(lanes.map(share, lanes.deal_out(S - 1, x, self.head_axis),
+                                          lanes.own_tokens(tokens, self.head_axis)))
+      return loss / S, jax.tree.map(lambda a: a / S, stats)
+
+    split_head = self.head_axis is not None
+    (loss, stats), head_vjp = jax.vjp(split if split_head else whole, self.outer_params,
+                                      _floats(last))
     d_params, dy = head_vjp((jnp.ones_like(loss) / M, jax.tree.map(jnp.zeros_like, stats)))
-    return loss / M, jax.tree.map(lambda a: a / M, stats), d_params, dy
+    result = loss / M, jax.tree.map(lambda a: a / M, stats), d_params
+    return (*(result if split_head else lanes.only_on(S - 1, result)), dy)
+
+
+def _x_and_extras(carry):
+  """A carry's activations x [b, L, D] and the extras that ride with them (or None)."""
+  return carry if isinstance(carry, tuple) else (carry, None)
+
+
+def _carry(x, extras):
+  return x if extras is None else (x, extras)
+
+
+def head_axis(one, tokens_bL1, lanes: Lanes, head: str) -> int | None:
+  """Along which axis of a micro-batch's output `one` the head is split over the stages
+  (train.pipeline_head='split'): 0, its rows, where each stage's share still splits over the
+  lanes' row ways; else 1, its positions, where they divide and the layout keeps each
+  sequence whole (x's length is tokens_bL1's [b, L + 1] less one); else None, the last stage
+  runs it."""
+  if head != 'split':
+    return None
+  x, stages = _x_and_extras(one)[0], lanes.stages
+  if x.shape[0] % (stages * lanes.row_ways) == 0:
+    return 0
+  if (lanes.positions_split and x.shape[1] % stages == 0 and
+      x.shape[1] + 1 == tokens_bL1.shape[1]):
+    return 1
+  return None
 
 
 def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_BL1,
-                microbatches: int, outer_ops, rows=None, chunks: int = 1):
+                microbatches: int, outer_ops, rows=None, chunks: int = 1, head: str = 'split'):
   """(the mean loss over the micro-batches, their mean statistics, the gradients of the mean
   loss w.r.t. `outer_params` (everything but the stacked layers; the stacked subtree zeros),
   those w.r.t. `stage_params` (each stage's layers, as `lanes` holds them; with `chunks` > 1,
   interleaved, [chunks, ...] per stage)).
 
   `outer_params` feed the embedding and the head (with `outer_ops`); `rows`: per-row inputs of
-  the layers (packed documents' segments and positions, [B, L] each), or None. Manual mode:
-  every result is this device's, to be summed over the stages by the caller."""
+  the layers (packed documents' segments and positions, [B, L] each), or None; `head`:
+  train.pipeline_head (head_axis). Manual mode: every result is this device's, to be summed
+  over the stages by the caller."""
   S, M, ring = lanes.stages, microbatches, chunks > 1
   order = ItemOrder(S, M, chunks)
-  ticks_of = _Ticks(cut, order, outer_params, outer_ops, tokens_BL1, rows)
   carry, embed_vjp = jax.vjp(lambda p: cut.embed(p, tokens_BL1, outer_ops), outer_params)
   items = microbatch_items(carry, M)
   one = items[0]  # One micro-batch's carry: the shapes every tick moves.
+  ticks_of = _Ticks(cut, lanes, order, outer_params, outer_ops, tokens_BL1, rows,
+                    head_axis(one, tokens_BL1, lanes, head))
   x = lanes.where_stage(0, one, lanes.zeros(one))
   stash = lanes.zeros(jax.tree.map(lambda a: jnp.zeros((ticks_of.K, *a.shape), a.dtype), one),
                       True)
@@ -328,8 +434,7 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
       y, stash = lanes.pin(y), lanes.pin(stash, stash=True)
       m, v, valid = order.forward_item(t, S - 1)
       if valid and v == chunks - 1:  # The last stage finished a micro-batch: loss, cotangent.
-        loss_m, stats_m, d_head, dy_last = ticks_of.head(m, lanes.of_stage(y, S - 1))
-        loss_m, stats_m, d_head = lanes.only_on(S - 1, (loss_m, stats_m, d_head))
+        loss_m, stats_m, d_head, dy_last = ticks_of.head(m, y)
         loss = loss + loss_m
         stats = stats_m if stats is None else _tree_add(stats, stats_m)
         d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)

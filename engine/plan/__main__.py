@@ -23,6 +23,9 @@ _MESHES = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCO
 _DCN_GB_PER_S = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
                                    'Bandwidth between slices, GB/s (gigabytes) per chip.')
 _OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
+_MEMORY_BREAKDOWN = flags.DEFINE_bool(
+    'memory_breakdown', False, 'Also list, per candidate, the buffers live at the step\'s '
+    'memory peak, grouped (the compiler\'s live ranges; for a candidate that does not fit too).')
 
 
 def main(argv):
@@ -30,7 +33,7 @@ def main(argv):
   check_out_prefix(_OUT.value)
   start = time.perf_counter()
   result = plan(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _MODES.value, _MESHES.value,
-                _DCN_GB_PER_S.value)
+                _DCN_GB_PER_S.value, _MEMORY_BREAKDOWN.value)
   result['wall_s'] = time.perf_counter() - start
   config_arg = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
                     flags.FLAGS['config'].value)

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import tempfile
 
 # The plan compiles for the topology and runs nothing: CPU even on a TPU VM, which `import engine`
 # leaves to JAX (engine/runtime/platforms.py). libtpu still loads: jax.experimental.topologies
@@ -54,6 +55,8 @@ from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.hf import load as hf  # noqa: E402
 from engine.models.moe_dispatch import capacity  # noqa: E402
+from engine.parallel.pipeline import SELF_DIFFERENTIATING  # noqa: E402
+from engine.plan import peak_memory  # noqa: E402
 from engine.runtime.progress import phase  # noqa: E402
 from engine.train.metrics import log_memory  # noqa: E402
 
@@ -171,15 +174,40 @@ def _out_of_memory(error: Exception) -> dict | None:
   return {'needed_bytes': None, 'hbm_bytes': None}
 
 
-def executed_flops(model_flops: float, config) -> float:
-  """The FLOPs a step executes for the model's `model_flops` (6N + attention): full remat runs
-  every forward pass twice (8N), and a pipeline's stages also compute in the bubble."""
-  flops = model_flops * (4 / 3 if config.model.remat == 'full' else 1)
+def executed_flops(model_flops: float, config, train_setup=None) -> float:
+  """The FLOPs a step executes for the model's `model_flops` (6N + attention). The layers:
+  full remat runs every forward pass twice (8N), and so do the 1F1B schedules, whose backward
+  tick runs the stage's forward pass again (with full remat too: XLA's count of the unrolled
+  step shows no third), and a pipeline's stages also compute in the bubble. The head (head_flops, of the given `train_setup`) runs once for the
+  whole batch, outside remat and the bubble, but on every stage of a pipeline unless 1F1B
+  splits it over them (train.pipeline_head)."""
+  head = head_flops(train_setup, config) if train_setup is not None else 0.0
+  forward_passes = 2 if (config.model.remat == 'full' or config.train.get(
+      'pipeline_schedule', '') in SELF_DIFFERENTIATING) else 1
+  layers = (model_flops - head) * (4 + 2 * forward_passes) / 6
   stages, repeats = config.mesh.stage, config.train.pipeline_repeats
   if stages > 1:
     work = repeats * config.train.microbatches
-    flops *= (work + stages - 1) / work
-  return flops
+    layers *= (work + stages - 1) / work
+  return layers + head * head_copies(train_setup, config)
+
+
+def head_flops(train_setup, config) -> float:
+  """The output head's FLOPs per step in the model's count (6 x embed x vocab per token)."""
+  model = train_setup.model
+  return 6.0 * model.embed_dim * model.vocab_size * (config.data.global_batch_size *
+                                                      config.data.seq_len)
+
+
+def head_copies(train_setup, config) -> int:
+  """How many times a step computes the head: once, or with pipeline stages once per stage
+  unless 1F1B splits it over them."""
+  stages = config.mesh.stage
+  if train_setup is None or stages == 1:
+    return 1
+  local_batch = config.data.global_batch_size // math.prod(
+      dict(train_setup.mesh.shape)[a] for a in train_setup.rules.mesh_axes('batch', activation=True))
+  return 1 if comm_theory.head_split(train_setup, local_batch, config.data.seq_len) else stages
 
 
 def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> float:
@@ -207,9 +235,12 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
 
 
 def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
-                   hardware: Hardware, place: str = 'the candidate') -> dict:
+                   hardware: Hardware, place: str = 'the candidate',
+                   memory_breakdown: bool = False) -> dict:
   """Compiles one candidate (config with its mesh) for one mode; returns its plan row. `place`
-  names it in the progress lines ('candidate 2 of 6')."""
+  names it in the progress lines ('candidate 2 of 6'); `memory_breakdown`: the row also
+  carries the buffers live at the program's memory peak (engine.plan.peak_memory), whether it
+  fits or not."""
   config = config_lib.with_values(config, {'parallelism.mode': mode})
   row = {'mode': mode, 'config': json.loads(config.to_json())}
   try:
@@ -222,12 +253,20 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
   mesh_shape = dict(train_setup.mesh.shape)
   row.update(mesh=benchmark.mesh_name(mesh_shape), mesh_shape=mesh_shape)
   global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
-  try:
-    with phase(f'the train step, {mode} on {row["mesh"]} ({place})') as timer:
-      compiled = run.compile_train_step()
-  except Exception as e:  # pylint: disable=broad-except
-    if (oom := _out_of_memory(e)) is None:
-      raise
+  with tempfile.TemporaryDirectory() as dump:
+    try:
+      with phase(f'the train step, {mode} on {row["mesh"]} ({place})') as timer:
+        compiled = run.compile_train_step(
+            compiler_options=peak_memory.dump_options(dump) if memory_breakdown else None)
+      compile_error = None
+    except Exception as e:  # pylint: disable=broad-except
+      compile_error = e
+    if memory_breakdown:
+      row['peak_memory'] = peak_memory.breakdown(dump)
+  if compile_error is not None:
+    if (oom := _out_of_memory(compile_error)) is None:
+      raise compile_error
+    e = compile_error
     logging.info('The %s train step on %s does not fit in HBM (%s).', mode, row['mesh'], place)
     return {**row, 'status': 'does not fit', 'compile_s': timer.seconds,
             'memory': {'peak_estimate_bytes': oom['needed_bytes'],
@@ -244,7 +283,8 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
   model_flops = train_setup.model.flops_per_token(seq_len) * tokens
   padding = expert_padding_flops(train_setup, mode, tokens, seq_len)
   estimate = roofline(cost, table, hardware, config.model.dtype, mesh_shape,
-                      executed_flops(model_flops + padding, config) / hardware.num_devices)
+                      executed_flops(model_flops + padding, config, train_setup)
+                      / hardware.num_devices)
   peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
   fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
   run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
@@ -257,6 +297,10 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
       'memory': memory, 'hbm_bytes': hardware.hbm_bytes, 'roofline': estimate,
       'tokens_per_step': tokens, 'model_flops_per_step': model_flops,
       'expert_padding_flops_per_step': padding,
+      # The head's share of the executed FLOPs, per device: 1 / stages of it where 1F1B splits
+      # the head over the stages.
+      'head_flops_per_device': (head_flops(train_setup, config)
+                                * head_copies(train_setup, config) / hardware.num_devices),
       'mfu': model_flops / (hardware.num_devices * peak * estimate['serial_s']),
       'mfu_overlapped': model_flops / (hardware.num_devices * peak * estimate['overlapped_s']),
       'communication': communication,
@@ -269,8 +313,10 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
 
 
 def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, modes: list[str],
-         meshes: list[str], dcn_gb_per_s: float = DCN_GB_PER_S) -> dict:
-  """Every candidate (mesh x mode) compiled for the topology, ranked."""
+         meshes: list[str], dcn_gb_per_s: float = DCN_GB_PER_S,
+         memory_breakdown: bool = False) -> dict:
+  """Every candidate (mesh x mode) compiled for the topology, ranked (`memory_breakdown`:
+  plan_candidate's)."""
   parallel.check_modes(modes, '--modes')
   if not dcn_gb_per_s > 0:
     raise ConfigError(f'--dcn_gb_per_s={dcn_gb_per_s:g} must be a positive number.')
@@ -286,7 +332,7 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
                                        if mesh else {})
     for mode in modes:
       place = f'candidate {len(rows) + 1} of {count}'
-      rows.append(plan_candidate(candidate, mode, devices, hardware, place))
+      rows.append(plan_candidate(candidate, mode, devices, hardware, place, memory_breakdown))
   if all(row['status'] == 'invalid' for row in rows):
     raise ConfigError(f'no candidate can run on {topology}; the first, mesh '
                       f'{rows[0]["mesh"]}: {rows[0]["error"]}')

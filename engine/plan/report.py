@@ -60,6 +60,24 @@ def _ranking(result: dict) -> list[str]:
   return lines
 
 
+def _peak_memory(result: dict) -> list[str]:
+  """Per candidate compiled with --memory_breakdown: its largest chunks of memory at the peak
+  (engine.plan.peak_memory)."""
+  lines = []
+  for r in result['candidates']:
+    if not r.get('peak_memory'):
+      continue
+    peak = r['peak_memory']
+    lines += [f'## {r["mesh"]}, {r["mode"]}: memory at the peak, '
+              f'{_gib(peak["total_bytes"])} GiB per device', '',
+              '| GiB | values sharing the chunk | made by (a value of the first shape) |',
+              '|---:|---|---|']
+    lines += [f'| {_gib(c["bytes"])} | `{c["shapes"][:160]}` | `{c["op_name"][-160:] or "?"}` |'
+              for c in peak['chunks']]
+    lines.append('')
+  return lines
+
+
 def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
   """The plan as Markdown: the ranking, then each candidate's collectives against the theory."""
   c0 = result['candidates'][0]['config']
@@ -74,14 +92,16 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
                           for f in r.get('off_theory', [])])]
   lines += ['', 'Peak: arguments + outputs + temporaries - donated, from the compiled program '
             '(a compile that ran out of HBM: the HLO temporaries the compiler needed). Step time: '
-            'compute = FLOPs executed / peak (the model\'s 6N + attention, 8N under full remat, '
-            'plus the pipeline bubble and a mixture of experts\' padded slots: engine.plan.'
-            'expert_padding_flops; XLA\'s cost analysis counts a scanned layer once), HBM = '
+            'compute = FLOPs executed / peak (the model\'s 6N + attention, 8N for the layers '
+            'under full remat or 1F1B, plus the pipeline bubble, the head on every stage unless '
+            '1F1B splits it, and a mixture of experts\' padded slots: engine.plan.'
+            'executed_flops; XLA\'s cost analysis counts a scanned layer once), HBM = '
             'compiled bytes accessed / bandwidth (a lower bound, for the same reason), ICI and '
             'DCN = bytes on the wire / bandwidth (ring algorithms; every link of the chip for '
             'ICI: a lower bound); overlapped = the largest, serial = max(compute, HBM) + '
             'communication. MFU: the model\'s FLOPs per serial step time.', '']
   lines += [chips.TPU_NOTES, '']
+  lines += _peak_memory(result)
   for r in result['candidates']:
     if r['status'] == 'invalid' or 'communication' not in r:
       continue

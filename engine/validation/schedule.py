@@ -10,7 +10,7 @@ from ml_collections import ConfigDict
 
 from engine import sharding
 from engine.errors import ConfigError
-from engine.parallel.pipeline import SCHEDULES
+from engine.parallel.pipeline import HEAD_PLACEMENTS, SCHEDULES
 from engine.validation.checks import require_divisible
 
 
@@ -21,6 +21,10 @@ def check_schedule(config: ConfigDict, mesh: dict[str, int], rules: sharding.Rul
   stages, repeats = mesh['stage'], config.train.pipeline_repeats
   _check_named_schedule(config.train.get('pipeline_schedule', ''), stages, repeats,
                         config.train.microbatches)
+  head = config.train.get('pipeline_head', 'split')
+  if head not in HEAD_PLACEMENTS:
+    raise ConfigError(f'train.pipeline_head={head!r} is unknown; choose '
+                      f"{' or '.join(map(repr, HEAD_PLACEMENTS))}.")
   if repeats > 1 and stages == 1:
     raise ConfigError(
         f'train.pipeline_repeats={repeats}: the circular pipeline schedule needs mesh.stage > 1; '

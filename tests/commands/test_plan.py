@@ -124,10 +124,29 @@ def test_a_model_too_large_does_not_fit():
   config = _config('llama')
   config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 8192, 32768, 64
   config.model.num_layers, config.model.vocab_size = 16, 32768
-  result = plan_lib.plan(config, TOPOLOGY, 1, ['auto'], ['8x1x1'])
+  result = plan_lib.plan(config, TOPOLOGY, 1, ['auto'], ['8x1x1'], memory_breakdown=True)
   (row,) = result['candidates']
   assert row['status'] == 'does not fit'
   assert row['memory']['peak_estimate_bytes'] > result['hbm_bytes_per_device']
+  # The compiler's memory layout says what the total it reported is made of.
+  peak = row['peak_memory']
+  assert peak['total_bytes'] == pytest.approx(row['memory']['peak_estimate_bytes'], rel=1e-3)
+  sizes = [c['bytes'] for c in peak['chunks']]
+  assert sizes == sorted(sizes, reverse=True) and sum(sizes) <= 1.01 * peak['total_bytes']
+  assert any(c['op_name'] for c in peak['chunks'])
+  assert f'{row["mesh"]}, auto: memory at the peak' in plan_report.markdown(result, 'x')
+
+
+@pytest.mark.slow
+def test_the_memory_breakdown_of_a_step_that_fits():
+  """Its chunks lie between the compiled temporaries and the peak (arguments too), and the
+  largest name the step's own operations."""
+  result = plan_lib.plan(_config(), TOPOLOGY, 1, ['manual'], ['8x1x1'], memory_breakdown=True)
+  (row,) = result['candidates']
+  memory, peak = row['memory'], row['peak_memory']
+  assert row['status'] == 'fits'
+  assert memory['temp_size_in_bytes'] <= peak['total_bytes'] <= memory['peak_estimate_bytes']
+  assert 'train_step' in peak['chunks'][0]['op_name']
 
 
 def test_a_mesh_that_splits_the_torus_axes_is_laid_out():
@@ -169,7 +188,29 @@ def test_executed_flops_match_the_compiled_unrolled_step(remat):
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   model_flops = train_setup.model.flops_per_token(128) * 8 * 128
-  per_device = plan_lib.executed_flops(model_flops, config) / 8
+  per_device = plan_lib.executed_flops(model_flops, config, train_setup) / 8
+  assert cost['flops'] == pytest.approx(per_device, rel=0.08)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('head', ['split', 'last_stage'])
+def test_executed_flops_count_1f1b_recompute_and_the_heads_it_runs(head):
+  """data 2 x stage 4, 1F1B, layers unrolled: the stages' second forward pass, the bubble, and
+  the head once in all (split over the stages) or once per stage, against XLA's count."""
+  config = tiny_config(mesh=(2, 1, 1))
+  config.mesh.stage, config.train.microbatches = 4, 4
+  config.train.pipeline_schedule, config.train.pipeline_head = '1f1b', head
+  config.model.name, config.model.scan_layers = 'llama', False
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 256, 1024, 8
+  config.model.num_layers, config.model.vocab_size = 4, 4096
+  config.data.seq_len = config.model.max_len = 64
+  config.data.global_batch_size = 32  # 4 rows per device and micro-batch: one per stage.
+  train_setup, compiled = compiled_train_step(config, 'manual', 4096)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  model_flops = train_setup.model.flops_per_token(64) * 32 * 64
+  assert plan_lib.head_copies(train_setup, config) == (1 if head == 'split' else 4)
+  per_device = plan_lib.executed_flops(model_flops, config, train_setup) / 8
   assert cost['flops'] == pytest.approx(per_device, rel=0.08)
 
 
@@ -215,7 +256,7 @@ def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
     assert row['status'] == 'fits' and row['all_to_all_bytes']['theory'] == theory
     assert row['expert_padding_flops_per_step'] == pytest.approx(3 * useful)
     executed = plan_lib.executed_flops(
-        row['model_flops_per_step'] + row['expert_padding_flops_per_step'], config) / 8
+        row['model_flops_per_step'] + row['expert_padding_flops_per_step'], config, setup) / 8
     assert row['roofline']['compiled_flops_per_device'] == pytest.approx(executed, rel=0.05)
   manual = next(r for r in result['candidates'] if r['mode'] == 'manual')
   assert manual['all_to_all_bytes']['compiled'] == theory

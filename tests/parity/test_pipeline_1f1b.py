@@ -59,8 +59,9 @@ def test_matches_single_device(mode, model, layers, mesh, microbatches, referenc
     ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_interleaved_matches_single_device(mode, mesh, microbatches, references):
   """Two chunks of one layer per stage; with 4 micro-batches on 2 stages, two groups of them;
-  auto mode with FSDP."""
+  auto mode with FSDP and the head on the last stage (elsewhere auto mode splits it)."""
   config = _interleaved(mesh, microbatches=microbatches)
+  config.train.pipeline_head = 'split' if mode == 'manual' else 'last_stage'
   assert_same_run(engine_run(config, mode, STEPS), references[('gpt', 4)])
 
 
@@ -103,8 +104,8 @@ def _assert_same_gradients(got, want):
     np.testing.assert_allclose(np.reshape(g, w.shape), w, atol=1e-5 * max(1.0, np.abs(w).max()))
 
 
-def _documents_config(mesh, schedule=''):
-  config = _config(mesh, 'llama', 2, microbatches=4 if mesh[4] > 1 else 1)
+def _documents_config(mesh, schedule='', microbatches=1):
+  config = _config(mesh, 'llama', 2, microbatches)
   config.data.global_batch_size, config.data.document_masking = 8, True
   config.train.pipeline_schedule = schedule
   return config
@@ -120,11 +121,13 @@ def _document_tokens():
 @pytest.mark.slow
 @pytest.mark.parametrize('mode', ['manual', 'auto'])
 def test_packed_documents_match_one_device(mode):
+  """Manual mode: 4 micro-batches of one row per device, the head split over the 2 stages by
+  positions (a document's boundary may fall on the cut); auto: 2 of 4 rows, split by rows."""
   tokens = _document_tokens()
   reference = _gradients(_documents_config((1, 1, 1, 1, 1)), 'auto', tokens, vocab=VOCAB,
                          eos_id=EOS)
-  got = _gradients(_documents_config((2, 1, 1, 1, 2), '1f1b'), mode, tokens, reference[0],
-                   VOCAB, EOS)
+  config = _documents_config((2, 1, 1, 1, 2), '1f1b', 4 if mode == 'manual' else 2)
+  got = _gradients(config, mode, tokens, reference[0], VOCAB, EOS)
   _assert_same_gradients(got, reference)
 
 
@@ -160,6 +163,21 @@ def test_interleaved_gradients_match_one_device_with_fsdp_and_tensor(mode, model
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('mode, schedule, remat', [
+    ('manual', '1f1b', 'full'), ('auto', 'interleaved_1f1b', 'dots_saveable')])
+def test_remat_policies_compose_with_the_schedules(mode, schedule, remat):
+  """A stage's remat policy applies inside the backward tick's recomputed forward pass: the
+  gradients stay the single device's (data 2 x stage 2 Llama; the single device runs without
+  remat). Gradient accumulation has no separate form here: with stages the micro-batches are
+  the pipeline's."""
+  config = (_one_f_one_b((2, 1, 1, 1, 2), 'llama', 4, 4) if schedule == '1f1b' else
+            _interleaved((2, 1, 1, 1, 2), 'llama', 4, 2))
+  config.model.remat, config.data.global_batch_size = remat, 16
+  reference = _one_device_gradients('llama', 4)
+  _assert_same_gradients(_gradients(config, mode, _tokens(), reference[0]), reference)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('schedule', ['1f1b', 'interleaved_1f1b'])
 def test_a_stash_one_slot_short_fails_the_check(schedule, monkeypatch):
   """The planted bug: a stage overwrites an item's input before its backward pass. With the
@@ -173,6 +191,42 @@ def test_a_stash_one_slot_short_fails_the_check(schedule, monkeypatch):
                       lambda stages, microbatches, chunks: 2 * chunks * stages - 2)
   with pytest.raises(AssertionError, match='Not equal to tolerance'):
     _assert_same_gradients(_gradients(config, 'manual', _tokens(), reference[0]), reference)
+
+
+@pytest.mark.slow
+def test_a_head_that_reads_the_wrong_rows_fails_the_check(monkeypatch):
+  """The planted bug: every stage takes the first rows' tokens, not its own, for the slice of
+  the last stage's output it was dealt (the right rows pass in test_matches_single_device's
+  manual fsdp x tensor x stage Llama, whose head is split)."""
+  config = _one_f_one_b((1, 1, 1, 1, 2), layers=4, microbatches=2)
+  config.data.global_batch_size = 16
+  reference = _one_device_gradients('gpt', 4)
+  monkeypatch.setattr(pipeline_1f1b.Lanes, 'own_tokens', lambda self, tokens, axis: (
+      jax.lax.slice_in_dim(tokens, 0, (tokens.shape[axis] - axis) // self.stages + axis,
+                           axis=axis)))
+  with pytest.raises(AssertionError, match='Not equal to tolerance'):
+    _assert_same_gradients(_gradients(config, 'manual', _tokens(), reference[0]), reference)
+
+
+def _step_flops(head, vocab):
+  config = _one_f_one_b((2, 1, 1, 1, 4), layers=4, microbatches=4)
+  config.train.pipeline_head = head
+  config.model.vocab_size = vocab
+  config.data.global_batch_size = 32  # 4 rows per device and micro-batch: one per stage.
+  setup, compiled = compiled_train_step(config, 'manual', vocab)
+  return setup, config, compiled.cost_analysis()['flops']
+
+
+@pytest.mark.slow
+def test_the_split_head_cuts_a_devices_head_flops_by_the_stage_count():
+  """data 2 x stage 4, a head of 4096 words: split over the stages, each device's step runs
+  3 / 4 of the head's forward and backward FLOPs (6 x rows x length x embed x vocab) fewer
+  than on the last stage, where every stage runs it on its own output."""
+  setup, config, split = _step_flops('split', 4096)
+  last = _step_flops('last_stage', 4096)[2]
+  rows = config.data.global_batch_size // 2  # This device's, over the micro-batches.
+  head = 6 * rows * config.data.seq_len * config.model.embed_dim * 4096
+  assert 0.95 < (last - split) / (head * 3 / 4) < 1.1, (last, split, head)
 
 
 def _temporaries(schedule, microbatches):

@@ -312,6 +312,8 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.train.pipeline_schedule=1f1b'], 2, "train.pipeline_schedule='1f1b' "
      'needs pipeline stages, but mesh.stage=1; split the mesh into stages (mesh.stage > 1), or '
      'leave train.pipeline_schedule empty.'),
+    ([TINY, RUN, '--config.train.pipeline_head=first_stage'], 2, "train.pipeline_head="
+     "'first_stage' is unknown; choose 'split' or 'last_stage'."),
     (['--config=experiments/tiny.py:mesh=2x1x1x1x4', RUN, '--config.model.num_layers=8',
       '--config.train.pipeline_repeats=2', '--config.train.microbatches=6',
       '--config.data.global_batch_size=24', '--config.train.pipeline_schedule=interleaved_1f1b'],
