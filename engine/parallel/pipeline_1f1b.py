@@ -31,16 +31,19 @@ forward pass under `jax.vjp` (the stage's remat policy applies there): at most m
 2 V S - 1) inputs of [b, L, D] on a stage, not every micro-batch's activations. The price is one
 more forward pass of the stage per micro-batch.
 
-The model is cut at its layer stack (engine/parallel/model_cut.py): the embedding runs on the
-whole batch before the ticks, its gradient after them from the cotangents stage 0 sends back. The
+The model is cut at its layer stack (engine/parallel/model_cut.py): each micro-batch is embedded
+in the tick that feeds it to stage 0, and the embedding's gradient taken in the tick stage 0
+finishes its backward pass (so neither the whole batch's embedding nor its cotangent is ever
+alive; the embedding is a lookup, which every stage runs, uniform work). The
 head and the loss run in every tick that finishes a micro-batch, split over the stages
-(train.pipeline_head='split'): the last stage's output is dealt out by rows, stage s runs them on
-rows s b / S to (s + 1) b / S (with the micro-batch's auxiliary terms, which the last stage
-broadcasts), the loss is the mean of the shares and the cotangents are gathered back to the last
-stage. The head, the largest matmul of a large-vocabulary model, then costs each stage 1 / S of
-one micro-batch's instead of a whole one (manual mode computed it on every stage, uniform SPMD
-work: the last stage's counted). Where a micro-batch's rows do not divide by S, or with
-'last_stage', the last stage runs it alone (manual mode: every stage, on its own output).
+(train.pipeline_head='split'): the last stage's output is dealt out, stage s takes the s-th of S
+slices of its rows, or of its positions where the rows do not divide (head_axis), and runs them
+with the micro-batch's auxiliary terms, which the last stage broadcasts; the loss is the mean of
+the shares and the cotangents are gathered back to the last stage. The head, the largest matmul
+of a large-vocabulary model, then costs each stage 1 / S of one micro-batch's instead of a whole
+one (manual mode computed it on every stage, uniform SPMD work: the last stage's counted). Where
+neither divides, or with 'last_stage', the last stage runs it alone (manual mode: every stage,
+on its own output).
 
 Manual mode holds one stage per device along the `stage` axis and shifts activations and
 cotangents with `ppermute`; auto mode holds [S, ...] arrays sharded over `stage`, runs each stage
@@ -58,7 +61,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.parallel.model_cut import ModelCut
-from engine.parallel.pipeline import microbatch_items, whole_batch
 from engine.parallel.steps import (kept_count, next_token_loss, packed_documents,
                                    split_microbatches)
 
@@ -414,9 +416,8 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
   over the stages by the caller."""
   S, M, ring = lanes.stages, microbatches, chunks > 1
   order = ItemOrder(S, M, chunks)
-  carry, embed_vjp = jax.vjp(lambda p: cut.embed(p, tokens_BL1, outer_ops), outer_params)
-  items = microbatch_items(carry, M)
-  one = items[0]  # One micro-batch's carry: the shapes every tick moves.
+  embeddings = _Embeddings(cut, outer_params, split_microbatches(tokens_BL1, M), outer_ops)
+  one = embeddings.item(0)  # Micro-batch 0's carry: the shapes every tick moves.
   ticks_of = _Ticks(cut, lanes, order, outer_params, outer_ops, tokens_BL1, rows,
                     head_axis(one, tokens_BL1, lanes, head))
   x = lanes.where_stage(0, one, lanes.zeros(one))
@@ -424,7 +425,7 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
                       True)
   dy = lanes.zeros(_floats(one))
   d_stage = jax.tree.map(jnp.zeros_like, stage_params)
-  d_outer, loss, stats, d_first = None, 0.0, None, [None] * M
+  d_outer, loss, stats = None, 0.0, None
   # The ticks in which some stage has a forward (backward) pass to run.
   forward_ticks = range(order.items + S - 1)
   backward_ticks = range(order.ticks - (order.items + S - 1), order.ticks)
@@ -443,26 +444,40 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
       d_stage, dx = lanes.map(ticks_of.backward(t), stage_params, dy, stash, d_stage)
       dx = lanes.pin(dx)
       m, v, valid = order.backward_item(t, 0)
-      if valid and v == 0:  # Stage 0 finished a micro-batch's backward pass.
-        d_first[m] = lanes.only_on(0, lanes.of_stage(dx, 0))
+      if valid and v == 0:  # Stage 0 finished a micro-batch's backward pass: its embedding's.
+        d_embed = embeddings.gradient(m, lanes.only_on(0, lanes.of_stage(dx, 0))[0])
+        d_outer = d_embed if d_outer is None else _tree_add(d_outer, d_embed)
       dy = lanes.to_previous(dx, ring)
     if t + 1 in forward_ticks:
       m, v, valid = order.forward_item(t + 1, 0)
-      first = (items[m] if valid and v == 0 else
-               None if ring else jax.tree.map(jnp.zeros_like, one))
+      first = (one if m == 0 else embeddings.item(m)) if valid and v == 0 else (
+          None if ring else jax.tree.map(jnp.zeros_like, one))
       x = lanes.to_next(y, first, ring)
-  d_outer = _tree_add(d_outer, _embedding_gradient(embed_vjp, carry, d_first))
   return loss, stats, d_outer, d_stage
 
 
-def _embedding_gradient(embed_vjp, carry, d_first: list):
-  """The embedding's gradient, from the cotangents of every micro-batch's stack input (the
-  float leaves of each, stage 0's): x's micro-batches whole again. The extras every micro-batch
-  starts from are the model's constants (zeros it adds its layers' terms to): nothing to
-  differentiate."""
-  d_x = whole_batch(jnp.stack([d[0] for d in d_first]))
-  d_extras = [jnp.zeros_like(a) for a in _floats(carry)[1:]]
-  return embed_vjp(_zero_integers(_with_floats(carry, [d_x] + d_extras)))[0]
+class _Embeddings:
+  """Each micro-batch's stack input, embedded in the tick that first feeds it to stage 0, and
+  the embedding's gradient, taken in the tick stage 0 finishes its backward pass: one
+  micro-batch's embedding and its cotangent alive at a time, not the whole batch's."""
+
+  def __init__(self, cut: ModelCut, outer_params, tokens_MbL1, ops):
+    self.cut, self.outer_params, self.tokens_MbL1, self.ops = cut, outer_params, tokens_MbL1, ops
+    self.vjps = {}
+
+  def item(self, m: int):
+    carry, vjp = jax.vjp(lambda p: self.cut.embed(p, self.tokens_MbL1[m], self.ops),
+                         self.outer_params)
+    self.vjps[m] = vjp, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), carry)
+    return carry
+
+  def gradient(self, m: int, d_x):
+    """The gradient of the outer parameters from micro-batch m's stack input's cotangent d_x.
+    The extras every micro-batch starts from are the model's constants (zeros it adds its
+    layers' terms to): nothing to differentiate."""
+    vjp, carry = self.vjps.pop(m)
+    d_extras = [jnp.zeros(a.shape, a.dtype) for a in _floats(carry)[1:]]
+    return vjp(_zero_integers(_with_floats(carry, [d_x] + d_extras)))[0]
 
 
 def _zero_integers(tree):

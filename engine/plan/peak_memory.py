@@ -111,8 +111,8 @@ def _without_layout(shape: str) -> str:
 
 
 def breakdown(directory: str, largest: int = 12) -> dict | None:
-  """The peak's total bytes and its `largest` chunks: bytes, shapes, and the op name of a
-  live buffer of the chunk's first shape (where the step made it)."""
+  """The memory layout's total bytes and its `largest` chunks: bytes, shapes, and the op name
+  of a buffer live at the peak with one of the chunk's shapes (where the step made it)."""
   found = peak_chunks(directory)
   if found is None:
     return None
@@ -122,6 +122,7 @@ def breakdown(directory: str, largest: int = 12) -> dict | None:
     made_by.setdefault(_without_layout(b['shape']), b['op_name'])
   rows = []
   for chunk in chunks[:largest]:
-    first = re.sub(r'^\d+\u00d7', '', chunk['shapes'].split(', ')[0])  # '5xf32[..]' -> 'f32[..]'
-    rows.append({**chunk, 'op_name': made_by.get(first, '')})
+    # '5xf32[2,16]' -> 'f32[2,16]'; shapes list their dimensions with commas too.
+    shapes = [re.sub(r'^\d+\u00d7', '', s) for s in re.findall(r'[^\s,][^\]]*\]', chunk['shapes'])]
+    rows.append({**chunk, 'op_name': next((made_by[s] for s in shapes if made_by.get(s)), '')})
   return {'total_bytes': total, 'chunks': rows}

@@ -240,7 +240,7 @@ def _temporaries(schedule, microbatches):
 @pytest.mark.slow
 def test_manual_memory_stays_bounded_as_the_microbatches_grow():
   """data 2 x stage 4, from 4 to 8 micro-batches of the same size: 1F1B's temporaries grow by
-  less than half of GPipe's growth (the whole batch's embedding and its gradient still grow)."""
+  less than half of GPipe's growth (the stash still fills from 4 to its 2 x 4 - 1 items)."""
   growth = {schedule: _temporaries(schedule, 8) - _temporaries(schedule, 4)
             for schedule in ('gpipe', '1f1b')}
   assert 0 < growth['1f1b'] < growth['gpipe'] / 2, growth
