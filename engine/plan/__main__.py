@@ -24,8 +24,8 @@ _DCN_GB_PER_S = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
                                    'Bandwidth between slices, GB/s (gigabytes) per chip.')
 _OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
 _MEMORY_BREAKDOWN = flags.DEFINE_bool(
-    'memory_breakdown', False, 'Also list, per candidate, the buffers live at the step\'s '
-    'memory peak, grouped (the compiler\'s live ranges; for a candidate that does not fit too).')
+    'memory_breakdown', False, 'Also list, per candidate, the largest buffers of the step\'s '
+    'memory at its peak (the compiler\'s memory layout; for a candidate that does not fit too).')
 
 
 def main(argv):

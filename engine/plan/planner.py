@@ -267,7 +267,9 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
     if (oom := _out_of_memory(compile_error)) is None:
       raise compile_error
     e = compile_error
-    logging.info('The %s train step on %s does not fit in HBM (%s).', mode, row['mesh'], place)
+    logging.info('The %s train step on %s does not fit in HBM (%s)%s.', mode, row['mesh'], place,
+                 '' if memory_breakdown else '; --memory_breakdown lists the buffers that make '
+                 'its peak')
     return {**row, 'status': 'does not fit', 'compile_s': timer.seconds,
             'memory': {'peak_estimate_bytes': oom['needed_bytes'],
                        'temp_size_in_bytes': oom['needed_bytes']},

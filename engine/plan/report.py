@@ -101,6 +101,9 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
             'ICI: a lower bound); overlapped = the largest, serial = max(compute, HBM) + '
             'communication. MFU: the model\'s FLOPs per serial step time.', '']
   lines += [chips.TPU_NOTES, '']
+  if any(r['status'] == 'does not fit' and 'peak_memory' not in r for r in result['candidates']):
+    lines += ['A candidate does not fit: `--memory_breakdown` lists the buffers that make its '
+              'peak (the compiler\'s memory layout).', '']
   lines += _peak_memory(result)
   for r in result['candidates']:
     if r['status'] == 'invalid' or 'communication' not in r:

@@ -135,6 +135,8 @@ def test_a_model_too_large_does_not_fit():
   assert sizes == sorted(sizes, reverse=True) and sum(sizes) <= 1.01 * peak['total_bytes']
   assert any(c['op_name'] for c in peak['chunks'])
   assert f'{row["mesh"]}, auto: memory at the peak' in plan_report.markdown(result, 'x')
+  del row['peak_memory']  # Planned without the flag, the report points to it.
+  assert '`--memory_breakdown` lists the buffers' in plan_report.markdown(result, 'x')
 
 
 @pytest.mark.slow
