@@ -350,8 +350,8 @@ class _Ticks:
     """(the loss / M of micro-batch m, which the last stage finished in this tick, its
     statistics / M, the gradient of the outer parameters, the cotangent of y): from y, the
     stages' outputs as the lanes hold them. Split, each stage runs the head on 1 / S of the
-    last stage's rows (manual mode: each result its share, the caller sums them); else the
-    last stage on all of them."""
+    last stage's output (rows or positions: head_axis; manual mode: each result its share, the
+    caller sums them); else the last stage on all of it."""
     lanes, S, M = self.lanes, self.order.S, self.order.M
     last, tokens = lanes.of_stage(y, S - 1), self.tokens_MbL1[m]
 
