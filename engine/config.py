@@ -162,9 +162,9 @@ def default_config() -> ml_collections.ConfigDict:
   # (microbatches a multiple of stage) (engine/parallel/pipeline_1f1b.py).
   c.train.pipeline_schedule = ''
   # Where 1F1B (plain or interleaved) runs the output head and the loss of a finished
-  # micro-batch: 'split' over the stages, each on 1 / stage of its rows (the last stage's
-  # output reduce-scattered to them, the cotangents gathered back), or 'last_stage'. 'split'
-  # runs the last stage where a micro-batch's rows are not a multiple of mesh.stage.
+  # micro-batch: 'split' over the stages, each on 1 / stage of its rows, or of its positions
+  # where the rows do not divide (the last stage's output reduce-scattered to them, the
+  # cotangents gathered back; the last stage alone where neither divides), or 'last_stage'.
   c.train.pipeline_head = 'split'
   # A:B: a jax.profiler trace of steps A to B (both included) into WORKDIR/profile, for
   # TensorBoard's profile plugin (docs/training.md, "Profiling"). '': no trace.
