@@ -295,3 +295,21 @@ def test_fewer_microbatches_than_stages_are_refused_for_1f1b():
 def test_the_stash_holds_at_most_two_stages_minus_one_inputs():
   assert [pipeline_1f1b.stash_slots(4, m) for m in (2, 4, 7, 8, 32)] == [2, 4, 7, 7, 7]
   assert pipeline_1f1b.ticks(4, 8) == 8 + 2 * 4 - 2
+
+
+def test_the_head_splits_by_rows_then_positions():
+  """4 stages: rows that divide (per stage still over auto mode's batch ways), else positions
+  of a whole sequence, else the last stage; 'last_stage' always the last stage."""
+  x = lambda rows, length=16: np.zeros((rows, length, 8), np.float32)
+  tokens = lambda rows, length=16: np.zeros((rows, length + 1), np.int32)
+  manual = pipeline_1f1b.Lanes('stage', 4)
+  auto = pipeline_1f1b.StackedLanes(4, None, None, None, row_ways=2)
+  in_context = pipeline_1f1b.StackedLanes(4, None, None, None, row_ways=1, positions_split=False)
+  axis = pipeline_1f1b.head_axis
+  assert axis(x(8), tokens(8), manual, 'split') == 0
+  assert axis((x(2), {'load': np.zeros(3)}), tokens(2), manual, 'split') == 1
+  assert axis(x(8), tokens(8), auto, 'split') == 0 and axis(x(4), tokens(4), auto, 'split') == 1
+  assert axis(x(2, 6), tokens(2, 6), manual, 'split') is None
+  assert axis(x(2, 4), tokens(2, 16), manual, 'split') is None  # A context split of positions.
+  assert axis(x(2), tokens(2), in_context, 'split') is None
+  assert axis(x(8), tokens(8), manual, 'last_stage') is None
