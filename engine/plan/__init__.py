@@ -3,5 +3,6 @@
 
   __main__.py  the command line
   planner.py   candidates compiled, memory against HBM, collectives against theory, a roofline
+  peak_memory.py  what a compiled step's memory is made of, from the compiler's own reports
   report.py    the plan as Markdown, with each candidate's training command
 """

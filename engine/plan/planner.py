@@ -334,7 +334,8 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
                                        if mesh else {})
     for mode in modes:
       place = f'candidate {len(rows) + 1} of {count}'
-      rows.append(plan_candidate(candidate, mode, devices, hardware, place, memory_breakdown))
+      rows.append(plan_candidate(candidate, mode, devices, hardware, place,
+                                 memory_breakdown=memory_breakdown))
   if all(row['status'] == 'invalid' for row in rows):
     raise ConfigError(f'no candidate can run on {topology}; the first, mesh '
                       f'{rows[0]["mesh"]}: {rows[0]["error"]}')

@@ -118,7 +118,7 @@ def test_evaluate_logs_its_batches(monkeypatch, lines):
 def test_the_plan_names_each_candidate_of_how_many(monkeypatch):
   places = []
 
-  def candidate(config, mode, devices, hardware, place):
+  def candidate(config, mode, devices, hardware, place, memory_breakdown=False):
     places.append((mode, place))
     return {'status': 'fits', 'roofline': {'serial_s': 1.0}}
 
