@@ -48,9 +48,12 @@ over its executions in one step. Keys are (kind, mesh axes).
   With the head split over the stages (train.pipeline_head), each finished micro-batch's
   output is reduce-scattered to the stages by rows and its cotangent all-gathered back (with a
   mixture of experts, its per-layer loads broadcast from the last stage), and the
-  head's vocab-parallel reductions cover 1 / stages of the rows. Stacked layers' gradients are split over `stage`, so each stage reduces only its own, once
-  per step; under FSDP each weight is gathered once per step, as with micro-batches (1F1B
-  gathers a stage's layers in every tick that runs them: more than this, a known excess).
+  head's vocab-parallel reductions cover 1 / stages of the rows. Stacked layers' gradients are
+  split over `stage`, so each stage reduces only its own, once per step. Under FSDP every
+  weight outside the stack is gathered once per step, as with micro-batches, and a stage's
+  layers in every tick that runs them: once in a forward tick and twice in a backward one (the
+  recomputed forward pass, then the backward pass; manual FSDP never keeps gathered weights),
+  3 (groups x microbatches + stages - 1) / groups times a step, each tick one group's.
 - Expert parallel (engine/parallel/expert_exchange.py): per layer, the experts' buffer goes to
   the devices holding the experts and back (one all-to-all each way) in every forward pass (two
   under remat) and once each way in the backward pass. The buffer is the capacity dispatch's
@@ -171,6 +174,14 @@ def head_split(setup: TrainSetup, local_batch: int, seq_len: int) -> bool:
           (context == 1 and seq_len % stages == 0))
 
 
+def _one_f_one_b_gathers(setup: TrainSetup) -> float:
+  """How many times 1F1B gathers a stage's FSDP-split layers per step (the module docstring):
+  each of the groups x microbatches + stages - 1 forward ticks gathers one group's layers
+  once, each backward tick twice."""
+  groups = setup.model.layer_groups
+  return 3 * (groups * setup.options.microbatches + _stages(setup) - 1) / groups
+
+
 def _outer_gradient_bytes(setup: TrainSetup) -> int:
   """The 1F1B pipeline's sum over `stage` of the gradients of the weights outside the stack
   (the embedding's from the first stage, the head's from the last): float32, each device's
@@ -206,7 +217,9 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
       regathered = (backward_regather and setup.options.microbatches == 1
                     and LAYERS in p.logical_axes and len(p.shape) > 2)  # Not a stacked bias.
       gathers = 2 if regathered else 1
-      expected[('all-gather', gathered)] += gathers * shard_bytes * factor
+      if LAYERS in p.logical_axes and _self_differentiating(setup) and rules.mesh_axes(LAYERS):
+        gathers = _one_f_one_b_gathers(setup)
+      expected[('all-gather', gathered)] += round(gathers * shard_bytes * factor)
       expected[('reduce-scatter', gathered)] += shard_bytes
 
 

@@ -217,6 +217,22 @@ def test_executed_flops_count_1f1b_recompute_and_the_heads_it_runs(head):
 
 
 @pytest.mark.slow
+def test_1f1b_fsdp_gathers_a_stage_per_tick_as_the_theory_counts():
+  """fsdp 4 x stage 2, 1F1B over 4 micro-batches: each of the 5 forward ticks gathers the
+  stage's layers once and each of the 5 backward ticks twice; XLA:TPU gathers them in the
+  matmuls' bfloat16, half the theory's float32 bytes, which the plan names as the reason."""
+  config = _config('llama')
+  config.model.num_layers, config.data.global_batch_size = 4, 16
+  config.train.pipeline_schedule, config.train.microbatches = '1f1b', 4
+  result = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['1x4x1x1x2'])
+  (row,) = result['candidates']
+  gathers = next(r for r in row['communication']
+                 if (r['kind'], r['axes']) == ('all-gather', 'fsdp'))
+  assert gathers['manual']['bytes'] == pytest.approx(gathers['theory_bytes'] / 2, rel=0.05)
+  assert not any(f['kind'] == 'all-gather' and f['reason'] is None for f in row['off_theory'])
+
+
+@pytest.mark.slow
 def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
   config = _config()
   config.mesh.dcn_data = 2
