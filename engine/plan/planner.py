@@ -263,6 +263,9 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
       compile_error = e
     if memory_breakdown:
       row['peak_memory'] = peak_memory.breakdown(dump)
+      if row['peak_memory'] is None:  # Served from a compilation cache: nothing compiled.
+        logging.warning('No memory report for %s: the compiler wrote none (a cached program?).',
+                        place)
   if compile_error is not None:
     if (oom := _out_of_memory(compile_error)) is None:
       raise compile_error
