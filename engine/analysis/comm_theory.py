@@ -46,10 +46,10 @@ over its executions in one step. Keys are (kind, mesh axes).
   outside the stack over the stages (float32, each device's shard); its backward ticks run each
   layer's forward pass again, so a row-parallel layer's all-reduces are 3 per layer, not 2.
   With the head split over the stages (train.pipeline_head), each finished micro-batch's
-  output is reduce-scattered to the stages by rows and its cotangent all-gathered back (with a
-  mixture of experts, its per-layer loads broadcast from the last stage), and the
-  head's vocab-parallel reductions cover 1 / stages of the rows. Stacked layers' gradients are
-  split over `stage`, so each stage reduces only its own, once per step. Under FSDP every
+  output is reduce-scattered to the stages (by rows or positions) and its cotangent
+  all-gathered back (with a mixture of experts, its per-layer loads broadcast from the last
+  stage), and the head's vocab-parallel reductions cover 1 / stages of them. Stacked layers'
+  gradients are split over `stage`, so each stage reduces only its own, once per step. Under FSDP every
   weight outside the stack is gathered once per step, as with micro-batches, and a stage's
   layers in every tick that runs them: once in a forward tick and twice in a backward one (the
   recomputed forward pass, then the backward pass; manual FSDP never keeps gathered weights),
@@ -133,7 +133,7 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     if _self_differentiating(setup):
       expected[('all-reduce', stage_axes)] += _outer_gradient_bytes(setup)
       if head_split(setup, local_batch, seq_len * context):
-        # Each micro-batch's output dealt out to the stages by rows, its cotangent gathered.
+        # Each micro-batch's output dealt out to the stages, its cotangent gathered back.
         expected[('reduce-scatter', stage_axes)] += activation // stages
         expected[('all-gather', stage_axes)] += activation
     else:
@@ -143,10 +143,10 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
   if vocab_parallel:
     # The embedding's sum in the forward pass; the head's (its input's gradient, the loss'
-    # reductions) on each stage's share of the rows where the head is split.
-    head_rows = 1 / _stages(setup) if head_split(setup, local_batch, seq_len * context) else 1
+    # reductions) on each stage's share where the head is split.
+    head_share = 1 / _stages(setup) if head_split(setup, local_batch, seq_len * context) else 1
     expected[('all-reduce', vocab_parallel)] += round(
-        activation + head_rows * (activation + 3 * local_batch * seq_len * FLOAT32_BYTES))
+        activation + head_share * (activation + 3 * local_batch * seq_len * FLOAT32_BYTES))
   return dict(expected)
 
 

@@ -178,9 +178,10 @@ def executed_flops(model_flops: float, config, train_setup=None) -> float:
   """The FLOPs a step executes for the model's `model_flops` (6N + attention). The layers:
   full remat runs every forward pass twice (8N), and so do the 1F1B schedules, whose backward
   tick runs the stage's forward pass again (with full remat too: XLA's count of the unrolled
-  step shows no third), and a pipeline's stages also compute in the bubble. The head (head_flops, of the given `train_setup`) runs once for the
-  whole batch, outside remat and the bubble, but on every stage of a pipeline unless 1F1B
-  splits it over them (train.pipeline_head)."""
+  step shows no third), and a pipeline's stages also compute in the bubble. The head
+  (head_flops, of the given `train_setup`) runs once for the whole batch, outside remat and the
+  bubble, but on every stage of a pipeline unless 1F1B splits it over them
+  (train.pipeline_head)."""
   head = head_flops(train_setup, config) if train_setup is not None else 0.0
   forward_passes = 2 if (config.model.remat == 'full' or config.train.get(
       'pipeline_schedule', '') in SELF_DIFFERENTIATING) else 1
@@ -205,8 +206,9 @@ def head_copies(train_setup, config) -> int:
   stages = config.mesh.stage
   if train_setup is None or stages == 1:
     return 1
+  mesh_shape = dict(train_setup.mesh.shape)
   local_batch = config.data.global_batch_size // math.prod(
-      dict(train_setup.mesh.shape)[a] for a in train_setup.rules.mesh_axes('batch', activation=True))
+      mesh_shape[a] for a in train_setup.rules.mesh_axes('batch', activation=True))
   return 1 if comm_theory.head_split(train_setup, local_batch, config.data.seq_len) else stages
 
 
@@ -239,8 +241,8 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
                    memory_breakdown: bool = False) -> dict:
   """Compiles one candidate (config with its mesh) for one mode; returns its plan row. `place`
   names it in the progress lines ('candidate 2 of 6'); `memory_breakdown`: the row also
-  carries the buffers live at the program's memory peak (engine.plan.peak_memory), whether it
-  fits or not."""
+  carries the largest chunks of the compiled step's memory layout (engine.plan.peak_memory),
+  whether it fits or not."""
   config = config_lib.with_values(config, {'parallelism.mode': mode})
   row = {'mode': mode, 'config': json.loads(config.to_json())}
   try:

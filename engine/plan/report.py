@@ -70,7 +70,7 @@ def _peak_memory(result: dict) -> list[str]:
     peak = r['peak_memory']
     lines += [f'## {r["mesh"]}, {r["mode"]}: memory at the peak, '
               f'{_gib(peak["total_bytes"])} GiB per device', '',
-              '| GiB | values sharing the chunk | made by (a value of the first shape) |',
+              '| GiB | values sharing the chunk | made by (a value of one of its shapes) |',
               '|---:|---|---|']
     lines += [f'| {_gib(c["bytes"])} | `{c["shapes"][:160]}` | `{c["op_name"][-160:] or "?"}` |'
               for c in peak['chunks']]
