@@ -49,11 +49,11 @@ over its executions in one step. Keys are (kind, mesh axes).
   output is reduce-scattered to the stages (by rows or positions) and its cotangent
   all-gathered back (with a mixture of experts, its per-layer loads broadcast from the last
   stage), and the head's vocab-parallel reductions cover 1 / stages of them. Stacked layers'
-  gradients are split over `stage`, so each stage reduces only its own, once per step. Under FSDP every
-  weight outside the stack is gathered once per step, as with micro-batches, and a stage's
-  layers in every tick that runs them: once in a forward tick and twice in a backward one (the
-  recomputed forward pass, then the backward pass; manual FSDP never keeps gathered weights),
-  3 (groups x microbatches + stages - 1) / groups times a step, each tick one group's.
+  gradients are split over `stage`, so each stage reduces only its own, once per step. Under
+  FSDP every weight outside the stack is gathered once per step, as with micro-batches, and a
+  stage's layers in every tick that runs them: once in a forward tick and twice in a backward
+  one (the recomputed forward pass, then the backward pass; manual FSDP never keeps gathered
+  weights), 3 (groups x microbatches + stages - 1) / groups times a step, each tick one group's.
 - Expert parallel (engine/parallel/expert_exchange.py): per layer, the experts' buffer goes to
   the devices holding the experts and back (one all-to-all each way) in every forward pass (two
   under remat) and once each way in the backward pass. The buffer is the capacity dispatch's
