@@ -3,14 +3,15 @@
 
 XLA, libtpu's included, writes for every program it compiles with `dump_options`: the memory
 layout of its peak (`*-memory-usage-report.txt`: the chunks of device memory, each with the
-shapes of the values that take turns in it, summing to what the program needs), the buffers
-live at that peak (`*-live-range.txt`) and the program after optimisation
-(`*after_optimizations.txt`), whose instructions carry the JAX op names they came from.
-`breakdown` lists the largest chunks with their shapes and, from a live buffer of the same
-shape, the op name that made one: what libtpu's out-of-memory report lists on a device, for
-a program that fits too, and for one that does not (libtpu's ahead-of-time compile reports only
-the total then).
+shapes of the values that take turns in it; on a large step it lays out less than all of the
+temporaries the compiled program reports), the buffers live at that peak (`*-live-range.txt`)
+and the program after optimisation (`*after_optimizations.txt`), whose instructions carry the
+JAX op names they came from. `breakdown` lists the largest chunks with their shapes and, from a
+live buffer of one of those shapes, the op name that made it: what libtpu's out-of-memory
+report lists on a device, for a program that fits too, and for one that does not (libtpu's
+ahead-of-time compile reports only the total then).
 """
+
 from __future__ import annotations
 
 import glob
@@ -24,8 +25,9 @@ _PEAK_LINE = re.compile(r'^\s+([\w.\-]+)(\{[\d,]*\})?: (\d+) bytes')
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\(')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
+
 def dump_options(directory: str) -> dict:
-  """Compiler options that write a program's live ranges (and nothing per pass) to
+  """Compiler options that write a program's memory reports (and nothing per pass) to
   `directory`."""
   return {'xla_dump_to': directory, 'xla_dump_hlo_pass_re': '^$'}
 
@@ -119,10 +121,11 @@ def breakdown(directory: str, largest: int = 12) -> dict | None:
   total, chunks = found
   made_by = {}
   for b in peak_buffers(directory) or []:
-    made_by.setdefault(_without_layout(b['shape']), b['op_name'])
+    if b['op_name']:  # The largest named buffer of each shape.
+      made_by.setdefault(_without_layout(b['shape']), b['op_name'])
   rows = []
   for chunk in chunks[:largest]:
     # '5xf32[2,16]' -> 'f32[2,16]'; shapes list their dimensions with commas too.
     shapes = [re.sub(r'^\d+\u00d7', '', s) for s in re.findall(r'[^\s,][^\]]*\]', chunk['shapes'])]
-    rows.append({**chunk, 'op_name': next((made_by[s] for s in shapes if made_by.get(s)), '')})
+    rows.append({**chunk, 'op_name': next((made_by[s] for s in shapes if s in made_by), '')})
   return {'total_bytes': total, 'chunks': rows}
