@@ -227,8 +227,8 @@ def executed_layers(setup: TrainSetup) -> float:
   """Layers one device runs per step, in whole local batches: all of them, or with pipeline
   stages its stage's L / S on every iteration of the schedule, bubbles included (R x M + S - 1
   iterations of a micro-batch through L / (S x R) layers, R layer groups, M micro-batches)."""
-  mesh_shape, model = dict(setup.mesh.shape), setup.model
-  stages = math.prod(mesh_shape[a] for a in setup.rules.mesh_axes(LAYERS))
+  model = setup.model
+  stages = _stages(setup)
   if stages == 1:
     return model.num_layers
   items = model.layer_groups * setup.options.microbatches
@@ -271,7 +271,7 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
     id_bytes = rows * 4 if expert_axes else 0
   forward_passes = 1 if setup.options.remat == 'none' else 2
   stage_axes = rules.mesh_axes(LAYERS)
-  stages = math.prod(mesh_shape[a] for a in stage_axes)
+  stages = _stages(setup)
   items = model.layer_groups * setup.options.microbatches if stages > 1 else 1
   layers = executed_layers(setup)
   # The statistics are per execution of a layer: once per micro-batch (and pipeline iteration).

@@ -11,6 +11,7 @@ read from a config here.
   context.py          manual context parallelism: the split sequence, ring attention
   pipeline.py         pipeline stages over `stage`, in either mode (GPipe, circular)
   pipeline_1f1b.py    the 1F1B pipeline schedule, which takes each stage's gradients itself
+  stage_lanes.py      how each mode holds one value per stage, for that schedule
   model_cut.py        a model cut at its layer stack (embedding, stage, head) for that schedule
   flat_gather.py      manual FSDP's gathers, one collective per group of weights
   expert_exchange.py  manual expert parallelism: the experts' token exchange (all_to_all)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from engine.models import moe_dispatch
 from engine.models.attention import causal_attention
 from engine.models.ops import LocalOps
-from engine.parallel import pipeline, pipeline_1f1b
+from engine.parallel import pipeline, pipeline_1f1b, stage_lanes
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
                                    kept_count, map_params, next_token_loss, window_losses)
@@ -135,7 +135,7 @@ def one_f_one_b_gradients(setup: TrainSetup, ops: AutoOps, params, tokens_BL1):
   staged = nnx.to_pure_dict(pipeline.split_by_stage(nnx.state(layers), stages, ops._by_stage,
                                                     grouped=cut.chunks > 1))
   x_axes = ('batch', 'length', 'embed')
-  lanes = pipeline_1f1b.StackedLanes(
+  lanes = stage_lanes.StackedLanes(
       stages, lambda x, stash: ops._by_stage(x, ((None,) if stash else ()) + x_axes),
       lambda a: ops._by_stage(a, (None,) * (a.ndim - 1)),
       lambda rows: ops._by_stage(rows, ('batch',) + (None,) * (rows.ndim - 2)),

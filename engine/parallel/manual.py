@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine.parallel import manual_ops, pipeline, pipeline_1f1b
+from engine.parallel import manual_ops, pipeline, pipeline_1f1b, stage_lanes
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
@@ -146,7 +146,7 @@ class _Gradients:
     loss_fn, rows = pipeline_1f1b.step_loss(setup, ops, tokens_BL1)
     cut = ModelCut(loss_fn, local, tokens_BL1, ops)
     loss, stats, d_outer, d_stage = pipeline_1f1b.one_f_one_b(
-        cut, pipeline_1f1b.Lanes(stage_axis, ops.stages), outer, cut.layers_params(local),
+        cut, stage_lanes.Lanes(stage_axis, ops.stages), outer, cut.layers_params(local),
         tokens_BL1, microbatches, outer_ops, rows, cut.chunks, setup.options.pipeline_head)
     if self.gathers:
       d_outer = self._map_outer(d_outer, ops.scattered)

@@ -236,6 +236,26 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
   return 6.0 * routed * K / E * tokens * (slots - 1)
 
 
+def _compile(run, what: str, breakdown_row: dict | None):
+  """(the compiled train step or None, compile seconds, the compile's exception or None); with
+  `breakdown_row`, the compiler also writes its memory reports, and the row gets their
+  breakdown (engine.plan.peak_memory) whether the step fits or not."""
+  with tempfile.TemporaryDirectory() as dump:
+    compiled, error = None, None
+    try:
+      with phase(f'the train step, {what}') as timer:
+        compiled = run.compile_train_step(compiler_options=None if breakdown_row is None else
+                                          peak_memory.dump_options(dump))
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    if breakdown_row is not None:
+      breakdown_row['peak_memory'] = peak_memory.breakdown(dump)
+      if breakdown_row['peak_memory'] is None:  # Served from a compilation cache.
+        logging.warning('No memory report for %s: the compiler wrote none (a cached program?).',
+                        what)
+  return compiled, timer.seconds, error
+
+
 def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
                    hardware: Hardware, place: str = 'the candidate',
                    memory_breakdown: bool = False) -> dict:
@@ -254,32 +274,27 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
     return {**row, 'mesh': sizes, 'status': 'invalid', 'error': str(e)}
   mesh_shape = dict(train_setup.mesh.shape)
   row.update(mesh=benchmark.mesh_name(mesh_shape), mesh_shape=mesh_shape)
-  global_batch, seq_len = config.data.global_batch_size, config.data.seq_len
-  with tempfile.TemporaryDirectory() as dump:
-    try:
-      with phase(f'the train step, {mode} on {row["mesh"]} ({place})') as timer:
-        compiled = run.compile_train_step(
-            compiler_options=peak_memory.dump_options(dump) if memory_breakdown else None)
-      compile_error = None
-    except Exception as e:  # pylint: disable=broad-except
-      compile_error = e
-    if memory_breakdown:
-      row['peak_memory'] = peak_memory.breakdown(dump)
-      if row['peak_memory'] is None:  # Served from a compilation cache: nothing compiled.
-        logging.warning('No memory report for %s: the compiler wrote none (a cached program?).',
-                        place)
-  if compile_error is not None:
-    if (oom := _out_of_memory(compile_error)) is None:
-      raise compile_error
-    e = compile_error
+  compiled, compile_s, error = _compile(run, f'{mode} on {row["mesh"]} ({place})',
+                                        row if memory_breakdown else None)
+  if error is not None:
+    if (oom := _out_of_memory(error)) is None:
+      raise error
     logging.info('The %s train step on %s does not fit in HBM (%s)%s.', mode, row['mesh'], place,
                  '' if memory_breakdown else '; --memory_breakdown lists the buffers that make '
                  'its peak')
-    return {**row, 'status': 'does not fit', 'compile_s': timer.seconds,
+    return {**row, 'status': 'does not fit', 'compile_s': compile_s,
             'memory': {'peak_estimate_bytes': oom['needed_bytes'],
                        'temp_size_in_bytes': oom['needed_bytes']},
-            'hbm_bytes': hardware.hbm_bytes, 'error': str(e).splitlines()[0][:300]}
-  compile_s = timer.seconds
+            'hbm_bytes': hardware.hbm_bytes, 'error': str(error).splitlines()[0][:300]}
+  return _compiled_row(row, run, compiled, compile_s, hardware)
+
+
+def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware) -> dict:
+  """A compiled candidate's plan row: its memory, collectives against the theory, roofline
+  and MFU."""
+  config, train_setup, mode = run.config, run.setup, row['mode']
+  mesh_shape, global_batch, seq_len = (row['mesh_shape'], config.data.global_batch_size,
+                                       config.data.seq_len)
   memory = log_memory(f'{mode} {row["mesh"]} train step', compiled)
   found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
   table = collectives.summarize(found)
@@ -294,8 +309,8 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
                       / hardware.num_devices)
   peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
   fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
-  run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
-  communication = communication_table([run], theory)
+  mode_run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
+  communication = communication_table([mode_run], theory)
   flags = verdicts.off_theory(communication, [mode],
                               verdicts.context_for(train_setup, config, 'tpu'), row['mesh'])
   verdicts.log(flags)

@@ -11,7 +11,7 @@ import pytest
 from engine import parallel
 from engine.analysis import comm_theory
 from engine.errors import ConfigError
-from engine.parallel import pipeline_1f1b
+from engine.parallel import pipeline_1f1b, stage_lanes
 from engine.validation import validate
 from tests.parity.test_documents import EOS, VOCAB
 from tests.parity.test_moe import moe_config
@@ -201,7 +201,7 @@ def test_a_head_that_reads_the_wrong_rows_fails_the_check(monkeypatch):
   config = _one_f_one_b((1, 1, 1, 1, 2), layers=4, microbatches=2)
   config.data.global_batch_size = 16
   reference = _one_device_gradients('gpt', 4)
-  monkeypatch.setattr(pipeline_1f1b.Lanes, 'own_tokens', lambda self, tokens, axis: (
+  monkeypatch.setattr(stage_lanes.Lanes, 'own_tokens', lambda self, tokens, axis: (
       jax.lax.slice_in_dim(tokens, 0, (tokens.shape[axis] - axis) // self.stages + axis,
                            axis=axis)))
   with pytest.raises(AssertionError, match='Not equal to tolerance'):
@@ -302,9 +302,9 @@ def test_the_head_splits_by_rows_then_positions():
   of a whole sequence, else the last stage; 'last_stage' always the last stage."""
   x = lambda rows, length=16: np.zeros((rows, length, 8), np.float32)
   tokens = lambda rows, length=16: np.zeros((rows, length + 1), np.int32)
-  manual = pipeline_1f1b.Lanes('stage', 4)
-  auto = pipeline_1f1b.StackedLanes(4, None, None, None, row_ways=2)
-  in_context = pipeline_1f1b.StackedLanes(4, None, None, None, row_ways=1, positions_split=False)
+  manual = stage_lanes.Lanes('stage', 4)
+  auto = stage_lanes.StackedLanes(4, None, None, None, row_ways=2)
+  in_context = stage_lanes.StackedLanes(4, None, None, None, row_ways=1, positions_split=False)
   axis = pipeline_1f1b.head_axis
   assert axis(x(8), tokens(8), manual, 'split') == 0
   assert axis((x(2), {'load': np.zeros(3)}), tokens(2), manual, 'split') == 1
