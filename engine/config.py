@@ -154,12 +154,14 @@ def default_config() -> ml_collections.ConfigDict:
   # (stage - 1) / (R * microbatches + stage - 1) for R times the activation transfers. The
   # stacked parameters are stored as [R, layers / R, ...]: a checkpoint resumes with the same R.
   c.train.pipeline_repeats = 1
-  # 'gpipe' | 'circular' | '1f1b' | 'interleaved_1f1b' ('': GPipe, or circular when
+  # 'gpipe' | 'circular' | '1f1b' | 'interleaved_1f1b' | 'zb_h1' ('': GPipe, or circular when
   # pipeline_repeats > 1). 1F1B runs each micro-batch's backward pass as soon as its forward
   # pass has been through every stage, so a stage holds at most 2 * stage - 1 micro-batches'
   # inputs instead of every micro-batch's activations, for one more forward pass of each stage;
   # interleaved 1F1B does so on pipeline_repeats groups per stage, as circular lays them out
-  # (microbatches a multiple of stage) (engine/parallel/pipeline_1f1b.py).
+  # (microbatches a multiple of stage); zb_h1 is 1F1B with the weight gradients taken in a pass
+  # of their own, in step on every stage: a smaller bubble for stage items' projection inputs
+  # and cotangents per stage (engine/parallel/pipeline_1f1b.py).
   c.train.pipeline_schedule = ''
   # Where 1F1B (plain or interleaved) runs the output head and the loss of a finished
   # micro-batch: 'split' over the stages, each on 1 / stage of its rows, or of its positions

@@ -47,8 +47,8 @@ class StepOptions:
   # Gradients are accumulated over this many slices of the batch, then synchronised and
   # applied once [train.microbatches].
   microbatches: int = 1
-  # With pipeline stages: 'gpipe', 'circular' (engine/parallel/pipeline.py), '1f1b' or
-  # 'interleaved_1f1b' (engine/parallel/pipeline_1f1b.py) [train.pipeline_schedule,
+  # With pipeline stages: 'gpipe', 'circular' (engine/parallel/pipeline.py), '1f1b',
+  # 'interleaved_1f1b' or 'zb_h1' (engine/parallel/pipeline_1f1b.py) [train.pipeline_schedule,
   # train.pipeline_repeats].
   pipeline_schedule: str = 'gpipe'
   # 1F1B: the head split over the stages by rows, or on the last stage [train.pipeline_head].

@@ -13,10 +13,12 @@ the median step times gives the time per micro-batch (the slope), and the measur
 is the share of the step not explained by it, 1 - slope x M / t(M): the schedule's idle
 iterations plus whatever else does not scale with the batch (the optimizer update, launch
 overheads). Printed beside the bubble the schedule implies, (S - 1) / (R M + S - 1) (1F1B's
-is GPipe's, R = 1; interleaved 1F1B's is circular's), and the compiled step's temporaries per
-device, where the activations in flight live (train.pipeline_schedule=1f1b holds at most
-2 S - 1 micro-batches' inputs per stage, interleaved_1f1b 2 R S - 1 of its chunks', GPipe and
-circular every micro-batch's activations).
+is GPipe's, R = 1; interleaved 1F1B's is circular's; zb_h1's 3 (S - 1) / (4 M + 3 (S - 1)),
+engine.parallel.pipeline.bubble_fraction), and the compiled step's temporaries per device,
+where the activations in flight live (train.pipeline_schedule=1f1b holds at most 2 S - 1
+micro-batches' inputs per stage, interleaved_1f1b 2 R S - 1 of its chunks', zb_h1 1F1B's and
+S items' projection inputs and output cotangents, GPipe and circular every micro-batch's
+activations).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from engine.parallel.pipeline import bubble_fraction, schedule_of
 from engine.errors import ConfigError
 
 SCHEDULE_NAMES = {'gpipe': 'GPipe', 'circular': 'circular', '1f1b': '1F1B',
-                  'interleaved_1f1b': 'interleaved 1F1B'}
+                  'interleaved_1f1b': 'interleaved 1F1B', 'zb_h1': 'zero-bubble H1'}
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (a mesh with '
                                           'mesh.stage > 1).', lock_config=False)
@@ -83,8 +85,9 @@ def measure(config) -> None:
   runs = benchmark.run_variants(run.config, corpus, variants, _STEPS.value, _WARMUP.value,
                                 batch_sizes=sizes)
   stages, repeats = run.config.mesh.stage, run.config.train.pipeline_repeats
+  schedule = schedule_of(run.config.train)
   print(f'Pipeline bubble: {stages} stages, pipeline_repeats {repeats} '
-        f'({SCHEDULE_NAMES[schedule_of(run.config.train)]}), micro-batches of {rows_per_micro} '
+        f'({SCHEDULE_NAMES[schedule]}), micro-batches of {rows_per_micro} '
         f'rows, mesh {runs[0].mesh}; median of {_STEPS.value} steps each; temp MiB: the '
         'compiled step\'s temporaries per device (activations in flight among them).\n')
   print('| mode | micro-batches | batch | step ms | implied bubble | measured bubble | temp MiB |')
@@ -96,7 +99,7 @@ def measure(config) -> None:
     slopes.append(f'{mode} {1e3 * slope:.2f} ms')
     for count, run, bubble in zip(counts, mode_runs, measured):
       print(f'| {mode} | {count} | {rows_per_micro * count} | {run.median_ms():.1f} | '
-            f'{bubble_fraction(stages, count, repeats):.3f} | {bubble:.3f} | '
+            f'{bubble_fraction(stages, count, repeats, schedule):.3f} | {bubble:.3f} | '
             f'{run.memory.get("temp_size_in_bytes", 0) / 2**20:.1f} |')
   print(f'\nFitted time per micro-batch: {", ".join(slopes)}.')
 

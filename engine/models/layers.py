@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.models import dense_taps
+
 # The logical name of the axis that stacks layers (nnx.vmap / nnx.scan with
 # transform_metadata={nnx.PARTITION_NAME: LAYERS}). Parameters with this axis are prepared one
 # layer at a time, inside `ops.layer`; all others once, before the model runs.
@@ -55,10 +57,15 @@ def dense(x: jax.Array, w: jax.Array, in_dims: int = 1, preferred_element_type=N
   if w.shape[:in_dims] != contracted:
     raise ValueError(f'dense: x {x.shape} and w {w.shape} disagree on the {in_dims} '
                      'contracted dimensions')
-  y = jnp.dot(x.reshape(math.prod(lead), math.prod(contracted)),
-              w.reshape(math.prod(contracted), math.prod(out)),
-              preferred_element_type=preferred_element_type)
-  return y.reshape(*lead, *out)
+
+  def matmul(x, w):
+    y = jnp.dot(x.reshape(math.prod(lead), math.prod(contracted)),
+                w.reshape(math.prod(contracted), math.prod(out)),
+                preferred_element_type=preferred_element_type)
+    return y.reshape(*lead, *out)
+
+  # Inside a layer stack split into input- and weight-gradient passes, as they need it.
+  return dense_taps.dense_call(x, w, matmul)
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
@@ -75,15 +82,27 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
 
 def apply_layers(layers: nnx.Module, x: jax.Array, ops, unroll: int = 1) -> jax.Array:
   """x through every stacked layer in order (`layer(x, ops)`), `unroll` layers per loop
-  iteration (the number of layers writes the loop out in the HLO: debugging)."""
+  iteration (the number of layers writes the loop out in the HLO: debugging).
 
-  @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry, transform_metadata=_LAYER_AXIS,
-            unroll=unroll)
-  def run(layer, x, documents):
-    # Packed documents (ops.documents; a pipeline passes each micro-batch's) arrive as an
-    # argument: a scan body reused by several calls would keep the tracers it first closed over.
+  The stack hands `ops.stack` a `run(layers, x, documents, taps=None)`; with `taps`
+  (engine/models/dense_taps.py, values stacked per layer) it returns (x, what the taps' mode
+  returns per dense call, stacked per layer)."""
+
+  @nnx.scan(in_axes=(0, nnx.Carry, None, 0), out_axes=(nnx.Carry, 0),
+            transform_metadata=_LAYER_AXIS, unroll=unroll)
+  def scanned(layer, x, documents, taps):
+    # Packed documents (ops.documents; a pipeline passes each micro-batch's) and the taps
+    # arrive as arguments: a scan body reused by several calls would keep the tracers it first
+    # closed over.
     layer_ops = ops if documents is None else ops.with_documents(*documents)
-    return ops.layer(lambda layer, x: layer(x, layer_ops))(layer, x)
+    apply = lambda layer, x: layer(x, layer_ops)
+    if taps is None:
+      return ops.layer(apply)(layer, x), ()
+    return ops.layer(dense_taps.tapped(apply))(layer, x, taps)
+
+  def run(layers, x, documents, taps=None):
+    y, returned = scanned(layers, x, documents, taps)
+    return y if taps is None else (y, returned)
 
   return ops.stack(run, layers, x)
 

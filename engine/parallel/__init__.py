@@ -10,7 +10,8 @@ read from a config here.
   decode.py           generation's cached-attention ops (DecodeOps), compiled prefill and decode
   context.py          manual context parallelism: the split sequence, ring attention
   pipeline.py         pipeline stages over `stage`, in either mode (GPipe, circular)
-  pipeline_1f1b.py    the 1F1B pipeline schedule, which takes each stage's gradients itself
+  pipeline_1f1b.py    the 1F1B pipeline schedules (plain, interleaved, zero-bubble), which take
+                      each stage's gradients themselves
   stage_lanes.py      how each mode holds one value per stage, for that schedule
   model_cut.py        a model cut at its layer stack (embedding, stage, head) for that schedule
   flat_gather.py      manual FSDP's gathers, one collective per group of weights

@@ -143,7 +143,7 @@ def one_f_one_b_gradients(setup: TrainSetup, ops: AutoOps, params, tokens_BL1):
       positions_split=not setup.rules.mesh_axes('length', True))
   loss, stats, d_outer, d_staged = pipeline_1f1b.one_f_one_b(
       cut, lanes, params, staged, tokens_BL1, setup.options.microbatches, ops, rows, cut.chunks,
-      setup.options.pipeline_head)
+      setup.options.pipeline_head, split_backward=setup.options.pipeline_schedule == 'zb_h1')
   d_layers = jax.tree.map(lambda g: pipeline.stack_by_depth(g, cut.chunks > 1), d_staged)
   return loss, cut.with_layers_params(d_outer, d_layers), stats
 

@@ -147,7 +147,8 @@ class _Gradients:
     cut = ModelCut(loss_fn, local, tokens_BL1, ops)
     loss, stats, d_outer, d_stage = pipeline_1f1b.one_f_one_b(
         cut, stage_lanes.Lanes(stage_axis, ops.stages), outer, cut.layers_params(local),
-        tokens_BL1, microbatches, outer_ops, rows, cut.chunks, setup.options.pipeline_head)
+        tokens_BL1, microbatches, outer_ops, rows, cut.chunks, setup.options.pipeline_head,
+        split_backward=setup.options.pipeline_schedule == 'zb_h1')
     if self.gathers:
       d_outer = self._map_outer(d_outer, ops.scattered)
     # Scattered first: the sum over the stages then moves a shard of each gradient.

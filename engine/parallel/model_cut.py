@@ -7,7 +7,8 @@ three parts as functions of their own, to differentiate each with `jax.vjp`:
 
   embed(params, tokens)             -> the stack's input carry for the whole batch
   stage(layers_params, carry, rows) -> the carry through the layers given (one stage's share;
-                                       of a grouped stack, of one group)
+                                       of a grouped stack, of one group; with taps, the
+                                       backward pass split in two: dense_taps)
   head(params, carry, tokens)       -> (the loss of those tokens, the model's statistics)
 
 Each is the train step's own loss function (engine.parallel.steps.next_token_loss) run with ops
@@ -104,8 +105,10 @@ class ModelCut:
   def embed(self, params, tokens, ops):
     return _reach_stack(self.loss, params, tokens, ops).carry
 
-  def stage(self, layers_params, carry, rows):
-    return self.run(nnx.merge(self.layers_graphdef, layers_params), carry, rows)
+  def stage(self, layers_params, carry, rows, taps=None):
+    """The carry through the layers given; with `taps` (engine/models/dense_taps.py), also what
+    their mode returns per dense call, stacked per layer."""
+    return self.run(nnx.merge(self.layers_graphdef, layers_params), carry, rows, taps)
 
   def head(self, params, carry, tokens, ops, **loss_options):
     return self.loss(params, tokens, _with_stack(ops, lambda run, layers, x: carry),

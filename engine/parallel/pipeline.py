@@ -52,10 +52,10 @@ from engine.sharding import logical_axes_of
 
 # train.pipeline_schedule: '' picks GPipe, or the circular schedule when train.pipeline_repeats
 # > 1; each named one says which it is.
-SCHEDULES = ('gpipe', 'circular', '1f1b', 'interleaved_1f1b')
+SCHEDULES = ('gpipe', 'circular', '1f1b', 'interleaved_1f1b', 'zb_h1')
 # The schedules that take each stage's gradients themselves (engine/parallel/pipeline_1f1b.py)
 # rather than leaving the backward pass to JAX's transpose of the forward loop.
-SELF_DIFFERENTIATING = ('1f1b', 'interleaved_1f1b')
+SELF_DIFFERENTIATING = ('1f1b', 'interleaved_1f1b', 'zb_h1')
 # train.pipeline_head: where those schedules run the head (engine/parallel/pipeline_1f1b.py).
 HEAD_PLACEMENTS = ('split', 'last_stage')
 
@@ -68,8 +68,15 @@ def schedule_of(train_config) -> str:
   return 'circular' if train_config.pipeline_repeats > 1 else 'gpipe'
 
 
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-  """The fraction of a step each stage spends idle (repeats > 1: the circular schedule)."""
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1,
+                    schedule: str = '') -> float:
+  """The fraction of a step each stage spends idle (repeats > 1: the circular schedule).
+
+  zb_h1 (engine/parallel/pipeline_1f1b.py) counts its passes: a forward pass F, an input pass
+  (the forward recomputed, then the input gradient) 2 F, a weight pass F; the M weight passes
+  run in M ticks, not M + S - 1, so of 3 (M + S - 1) + M, 3 (S - 1) is idle."""
+  if schedule == 'zb_h1':
+    return 3 * (stages - 1) / (4 * microbatches + 3 * (stages - 1))
   return (stages - 1) / (repeats * microbatches + stages - 1)
 
 

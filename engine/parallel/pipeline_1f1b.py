@@ -26,6 +26,24 @@ stage 0's input cotangent back round to the last stage), arriving in the next ti
 order needs it. A tick costs 1 / V of a 1F1B tick: the bubble, (S - 1) / (V M + S - 1) of a
 step, shrinks V-fold (M must be a multiple of S: whole groups).
 
+Zero-bubble (train.pipeline_schedule='zb_h1': the ZB-H1 schedule of zero-bubble pipeline
+parallelism, in lockstep ticks): 1F1B with each backward pass split in two
+(engine/models/dense_taps.py). The input pass, in 1F1B's backward tick, recomputes the stage's
+forward pass and takes its input's cotangent (which stage s - 1 waits for) and the gradients
+of the parameters outside the projections; the weight pass takes the projections' weight
+gradients from the projection inputs and output cotangents the input pass kept. No stage waits
+for a weight pass, so every stage runs micro-batch m's in tick m + 2 S - 2, with stage 0's input
+pass of m: the weight passes take M ticks instead of M + S - 1, and the S - 1 ticks in which
+the backward passes start up the stages run without one. With a forward pass F, the input pass
+2 F (its recomputation included) and the weight pass F, the bubble falls from 1F1B's
+(S - 1) 4 F to (S - 1) 3 F (engine.parallel.pipeline.bubble_fraction). The price: stage s
+keeps s + 1 items' projection inputs and cotangents (a ring of S slots) besides 1F1B's stash.
+Why this form: every stage runs a tick's passes in lockstep (auto mode's vmap over the stages
+computes every branch of a per-stage choice), so a tick costs each pass any stage runs in it,
+and of the three only the weight pass has no neighbour to wait for; aligning it across the
+stages is what lockstep ticks can gain (ZB-V and the original ZB-H1 fill the bubble with
+per-stage choices instead).
+
 A stage keeps each item's input from its forward pass to its backward pass, which recomputes the
 forward pass under `jax.vjp` (the stage's remat policy applies there): at most min(M V,
 2 V S - 1) inputs of [b, L, D] on a stage, not every micro-batch's activations. The price is one
@@ -59,6 +77,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.models import dense_taps
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.stage_lanes import Lanes, masked
 from engine.parallel.steps import (kept_count, next_token_loss, packed_documents,
@@ -198,6 +217,56 @@ class _Ticks:
       return self.add_to_chunk(d_stage, v, masked(valid, d_params)), dx
     return run
 
+  def backward_input(self, t):
+    """The zero-bubble schedule's first half of `backward`: (stage s, its layers, its output's
+    cotangent, its stash, its layers' gradient so far, its ring of the items waiting for their
+    weight pass or None) -> (that gradient with the parameters' outside the projections added,
+    its input's cotangent, the ring with the item's projection inputs and output cotangents in
+    its slot) (engine/models/dense_taps.py)."""
+    def run(s, params, dy, stash, d_stage, ring):
+      m, _, valid = self.order.backward_item(t, s)
+      slot = self.order.forward_index(m, 0) % self.K
+      x = jax.tree.map(
+          lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=False), stash)
+      rows = self.rows_of(m)
+      recorded = jax.eval_shape(
+          lambda p, x: self.cut.stage(p, x, rows, dense_taps.Taps(dense_taps.RECORD))[1],
+          params, x)
+      if ring is None:  # The first tick: S slots, enough for the last stage's S - 1 waiting.
+        ring = jax.tree.map(lambda a: jnp.zeros((self.order.S, *a.shape), a.dtype),
+                            ([x_ for x_, _ in recorded], [y for _, y in recorded]))
+
+      def stage(p, xf, taps):
+        y, inputs = self.cut.stage(p, _with_floats(x, xf), rows,
+                                   dense_taps.Taps(dense_taps.INPUT, taps))
+        return _floats(y), list(inputs)
+      _, stage_vjp, inputs = jax.vjp(stage, params, _floats(x), dense_taps.zero_taps(recorded),
+                                     has_aux=True)
+      d_params, dx, d_taps = stage_vjp(dy)
+      waiting = m % self.order.S
+      ring = jax.tree.map(lambda r, new: jax.lax.dynamic_update_index_in_dim(r, jnp.where(
+          valid, new, jax.lax.dynamic_index_in_dim(r, waiting, 0, keepdims=False)), waiting, 0),
+                          ring, (inputs, list(d_taps)))
+      return _tree_add(d_stage, masked(valid, d_params)), dx, ring
+    return run
+
+  def backward_weights(self, m: int):
+    """The zero-bubble schedule's second half: (stage s, its layers, its stash, its layers'
+    gradient so far, its ring) -> that gradient with the projections' weight gradients of
+    micro-batch m added (every stage's m: the same in a tick)."""
+    def run(s, params, stash, d_stage, ring):
+      del s
+      inputs, d_taps = jax.tree.map(
+          lambda a: jax.lax.dynamic_index_in_dim(a, m % self.order.S, 0, keepdims=False), ring)
+      # The layers run on some carry of the right types; only the projections' outputs on
+      # the saved inputs are differentiated, the rest is dead code.
+      carry = jax.tree.map(lambda a: a[0], stash)
+      outputs = lambda p: list(self.cut.stage(
+          p, carry, self.rows_of(m), dense_taps.Taps(dense_taps.WEIGHT, tuple(inputs)))[1])
+      _, weights_vjp = jax.vjp(outputs, params)
+      return _tree_add(d_stage, weights_vjp(d_taps)[0])
+    return run
+
   def head(self, m: int, y):
     """(the loss / M of micro-batch m, which the last stage finished in this tick, its
     statistics / M, the gradient of the outer parameters, the cotangent of y): from y, the
@@ -256,7 +325,8 @@ def head_axis(one, tokens_bL1, lanes: Lanes, head: str) -> int | None:
 
 
 def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_BL1,
-                microbatches: int, outer_ops, rows=None, chunks: int = 1, head: str = 'split'):
+                microbatches: int, outer_ops, rows=None, chunks: int = 1, head: str = 'split',
+                split_backward: bool = False):
   """(the mean loss over the micro-batches, their mean statistics, the gradients of the mean
   loss w.r.t. `outer_params` (everything but the stacked layers; the stacked subtree zeros),
   those w.r.t. `stage_params` (each stage's layers, as `lanes` holds them; with `chunks` > 1,
@@ -264,9 +334,10 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
 
   `outer_params` feed the embedding and the head (with `outer_ops`); `rows`: per-row inputs of
   the layers (packed documents' segments and positions, [B, L] each), or None; `head`:
-  train.pipeline_head (head_axis). Manual mode: every result is this device's, to be summed
-  over the stages by the caller."""
-  S, M, ring = lanes.stages, microbatches, chunks > 1
+  train.pipeline_head (head_axis); `split_backward`: the zero-bubble schedule (one chunk), each
+  backward pass as an input pass now and a weight pass once the last stage's is done. Manual
+  mode: every result is this device's, to be summed over the stages by the caller."""
+  S, M, circle = lanes.stages, microbatches, chunks > 1
   order = ItemOrder(S, M, chunks)
   embeddings = _Embeddings(cut, outer_params, split_microbatches(tokens_BL1, M), outer_ops)
   one = embeddings.item(0)  # Micro-batch 0's carry: the shapes every tick moves.
@@ -277,7 +348,7 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
                       True)
   dy = lanes.zeros(_floats(one))
   d_stage = jax.tree.map(jnp.zeros_like, stage_params)
-  d_outer, loss, stats = None, 0.0, None
+  d_outer, loss, stats, ring = None, 0.0, None, None
   # The ticks in which some stage has a forward (backward) pass to run.
   forward_ticks = range(order.items + S - 1)
   backward_ticks = range(order.ticks - (order.items + S - 1), order.ticks)
@@ -293,18 +364,25 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
         d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)
         dy = lanes.where_stage(S - 1, dy_last, dy)
     if t in backward_ticks:
-      d_stage, dx = lanes.map(ticks_of.backward(t), stage_params, dy, stash, d_stage)
+      if split_backward:
+        d_stage, dx, ring = lanes.map(ticks_of.backward_input(t), stage_params, dy, stash,
+                                      d_stage, ring)
+      else:
+        d_stage, dx = lanes.map(ticks_of.backward(t), stage_params, dy, stash, d_stage)
       dx = lanes.pin(dx)
       m, v, valid = order.backward_item(t, 0)
       if valid and v == 0:  # Stage 0 finished a micro-batch's backward pass: its embedding's.
         d_embed = embeddings.gradient(m, lanes.only_on(0, lanes.of_stage(dx, 0))[0])
         d_outer = d_embed if d_outer is None else _tree_add(d_outer, d_embed)
-      dy = lanes.to_previous(dx, ring)
+      dy = lanes.to_previous(dx, circle)
+      if split_backward and 0 <= t - (2 * S - 2) < M:  # Every stage's weights of one item.
+        d_stage = lanes.map(ticks_of.backward_weights(t - (2 * S - 2)), stage_params, stash,
+                            d_stage, ring)
     if t + 1 in forward_ticks:
       m, v, valid = order.forward_item(t + 1, 0)
       first = (one if m == 0 else embeddings.item(m)) if valid and v == 0 else (
-          None if ring else jax.tree.map(jnp.zeros_like, one))
-      x = lanes.to_next(y, first, ring)
+          None if circle else jax.tree.map(jnp.zeros_like, one))
+      x = lanes.to_next(y, first, circle)
   return loss, stats, d_outer, d_stage
 
 

@@ -78,7 +78,7 @@ def _check_named_schedule(schedule: str, stages: int, repeats: int, microbatches
   if schedule not in grouped and repeats > 1:
     raise ConfigError(f'train.pipeline_schedule={schedule!r} runs one group of layers per '
                       f'stage, but train.pipeline_repeats={repeats}; set it to 1, or choose '
-                      f'{"interleaved_1f1b" if schedule == "1f1b" else "circular"}.')
+                      f'{"circular" if schedule == "gpipe" else "interleaved_1f1b"}.')
   if schedule == 'interleaved_1f1b' and microbatches % stages:
     raise ConfigError(f"train.pipeline_schedule='interleaved_1f1b' runs the micro-batches in "
                       f'groups of mesh.stage={stages}, but train.microbatches={microbatches}; '

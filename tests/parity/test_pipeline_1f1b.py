@@ -278,6 +278,10 @@ def test_manual_collectives_match_the_theory(mesh, model, schedule):
                                              '> 1 .* or choose 1f1b'),
     ('interleaved_1f1b', (2, 1, 1, 1, 4), 2, 'groups of mesh.stage=4, but train.microbatches=6; '
                                              'make it a multiple of 4'),
+    ('zb_h1', (8, 1, 1, 1, 1), 1, "'zb_h1' needs pipeline stages, but mesh.stage=1"),
+    ('zb_h1', (4, 1, 1, 1, 2), 2, "'zb_h1' runs one group of layers per stage, but "
+                                  'train.pipeline_repeats=2; set it to 1, or choose '
+                                  'interleaved_1f1b'),
 ])
 def test_bad_schedules_are_refused(schedule, mesh, repeats, message):
   config = _config(mesh, layers=8, microbatches=6 if mesh[4] == 4 else 2, repeats=repeats)
@@ -286,8 +290,10 @@ def test_bad_schedules_are_refused(schedule, mesh, repeats, message):
     validate(config, 8)
 
 
-def test_fewer_microbatches_than_stages_are_refused_for_1f1b():
+@pytest.mark.parametrize('schedule', ['1f1b', 'zb_h1'])
+def test_fewer_microbatches_than_stages_are_refused(schedule):
   config = _one_f_one_b((4, 1, 1, 1, 2), microbatches=1)
+  config.train.pipeline_schedule = schedule
   with pytest.raises(ConfigError, match='train.microbatches=1 is fewer than mesh.stage=2'):
     validate(config, 8)
 
