@@ -8,11 +8,13 @@ x @ w, whose weight gradient is x^T dy: what the second pass needs is each proje
 and its output's cotangent dy. `apply_layers` runs each layer under a `Taps` value that says how
 its `dense` calls behave:
 
-  RECORD  y = x @ w; the stack also returns every call's (x, y): their shapes, for the others.
+  RECORD  y = x @ w; the stack also returns the calls' inputs and outputs: their shapes, for
+          the others.
   INPUT   y = x @ stop_gradient(w) + tap, with a zero `tap` per call, an input of the pass: its
           cotangent is dy. The pass's gradient reaches the stage's input and every parameter
           outside the projections (norm scales, biases, experts' weights), not the projections'
-          weights; the stack also returns every call's x.
+          weights; the stack also returns the calls' inputs (each once: q, k and v projections
+          of one x share it).
   WEIGHT  y = stop_gradient(x_saved) @ w, on the x the input pass returned; the stack returns
           every y. Their vjp with the input pass's dy is exactly the projections' weight
           gradients (whatever the layout does to w on the way, a cast or a gather, is
@@ -45,24 +47,33 @@ class Taps:
 
 class _Layer:
   """One layer's trace under `taps`: hands out its values call by call and keeps what the
-  stack returns."""
+  stack returns. Calls on the same input (a query, key and value projection of one normed x)
+  keep it once: the passes trace the same code, so they see the same calls share it."""
 
   def __init__(self, taps: Taps):
-    self.taps, self.calls, self.returned = taps, 0, []
+    self.taps, self.calls = taps, 0
+    self.inputs, self.input_index, self.outputs = [], {}, []
 
   def dense(self, x, w, matmul: Callable):
     i, mode = self.calls, self.taps.mode
     self.calls += 1
+    if id(x) not in self.input_index:
+      self.input_index[id(x)] = len(self.inputs)
+      self.inputs.append(x)
     if mode == RECORD:
       y = matmul(x, w)
-      self.returned.append((x, y))
     elif mode == INPUT:
       y = matmul(x, jax.lax.stop_gradient(w)) + self.taps.values[i]
-      self.returned.append(x)
     else:
-      y = matmul(jax.lax.stop_gradient(self.taps.values[i]), w)
-      self.returned.append(y)
+      y = matmul(jax.lax.stop_gradient(self.taps.values[self.input_index[id(x)]]), w)
+    self.outputs.append(y)
     return y
+
+  def returned(self) -> tuple:
+    """RECORD: (the distinct inputs, every output); INPUT: the distinct inputs; WEIGHT: every
+    output."""
+    inputs, outputs = tuple(self.inputs), tuple(self.outputs)
+    return {RECORD: (inputs, outputs), INPUT: inputs, WEIGHT: outputs}[self.taps.mode]
 
 
 _ACTIVE: list[_Layer] = []
@@ -82,16 +93,16 @@ def tapped(apply: Callable) -> Callable:
       y = apply(layer, x)
     finally:
       layer_trace = _ACTIVE.pop()
-    return y, tuple(layer_trace.returned)
+    return y, layer_trace.returned()
   return run
 
 
 def zero_taps(recorded) -> tuple:
   """INPUT's zero taps, shaped (and, under shard_map, varying over the mesh axes) like the
-  RECORD pass's outputs `recorded` (jax.eval_shape's, stacked per layer)."""
+  outputs of the RECORD pass's `recorded` (jax.eval_shape's, stacked per layer)."""
   def zeros(y):
     z = jnp.zeros(y.shape, y.dtype)
     manual = getattr(y, 'manual_axis_type', None)
     varying = tuple(sorted(manual.varying)) if manual is not None else ()
     return jax.lax.pcast(z, varying, to='varying') if varying else z
-  return tuple(zeros(y) for _, y in recorded)
+  return tuple(zeros(y) for y in recorded[1])

@@ -234,7 +234,7 @@ class _Ticks:
           params, x)
       if ring is None:  # The first tick: S slots, enough for the last stage's S - 1 waiting.
         ring = jax.tree.map(lambda a: jnp.zeros((self.order.S, *a.shape), a.dtype),
-                            ([x_ for x_, _ in recorded], [y for _, y in recorded]))
+                            (list(recorded[0]), list(recorded[1])))
 
       def stage(p, xf, taps):
         y, inputs = self.cut.stage(p, _with_floats(x, xf), rows,

@@ -11,14 +11,18 @@ from engine.models.ops import LocalOps
 
 
 class _Layer(nnx.Module):
-  """Two projections around a norm-like scale and a bias: parameters of both passes."""
+  """Three projections, two of them on one input, around a norm-like scale and a bias:
+  parameters of both passes."""
 
   def __init__(self, rngs):
     normal = lambda *shape: nnx.Param(0.3 * jax.random.normal(rngs.params(), shape))
-    self.scale, self.w_in, self.bias, self.w_out = normal(8), normal(8, 16), normal(16), normal(16, 8)
+    self.scale, self.bias = normal(8), normal(16)
+    self.w_in, self.w_gate, self.w_out = normal(8, 16), normal(8, 16), normal(16, 8)
 
   def __call__(self, x, ops):
-    h = layers.dense(x * self.scale[...], self.w_in[...]) + self.bias[...]
+    scaled = x * self.scale[...]
+    h = layers.dense(scaled, self.w_in[...]) + self.bias[...]
+    h = h * jax.nn.sigmoid(layers.dense(scaled, self.w_gate[...]))
     return x + layers.dense(jnp.tanh(h), self.w_out[...])
 
 
@@ -41,6 +45,9 @@ def _split_gradients(stack, x, dy):
   _, input_vjp, inputs = jax.vjp(through, state, x, dense_taps.zero_taps(recorded),
                                  has_aux=True)
   d_input_pass, dx, d_taps = input_vjp(dy)
+  # Per layer: the three projections' outputs, their two distinct inputs.
+  assert [a.shape for a in d_taps] == [(3, 2, 5, 16)] * 2 + [(3, 2, 5, 8)]
+  assert [a.shape for a in inputs] == [(3, 2, 5, 8), (3, 2, 5, 16)]
   outputs = lambda s: run(s, jnp.zeros_like(x), dense_taps.Taps(dense_taps.WEIGHT, inputs))[1]
   _, weight_vjp = jax.vjp(outputs, state)
   return d_input_pass, weight_vjp(d_taps)[0], dx
@@ -62,7 +69,7 @@ def test_the_input_and_weight_passes_add_up_to_the_whole_backward_pass():
   for name in ('scale', 'bias'):  # Outside the projections: the input pass's alone.
     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
     assert not np.any(weights[name])
-  for name in ('w_in', 'w_out'):  # The projections' weights: the weight pass's alone.
+  for name in ('w_in', 'w_gate', 'w_out'):  # The projections' weights: the weight pass's alone.
     np.testing.assert_allclose(weights[name], want[name], rtol=1e-5, atol=1e-6)
     assert not np.any(got[name]) and np.any(want[name])
 
