@@ -55,7 +55,8 @@ from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.hf import load as hf  # noqa: E402
 from engine.models.moe_dispatch import capacity  # noqa: E402
-from engine.parallel.pipeline import SELF_DIFFERENTIATING  # noqa: E402
+from engine.parallel.pipeline import (SELF_DIFFERENTIATING, bubble_fraction,  # noqa: E402
+                                      schedule_of)
 from engine.plan import peak_memory  # noqa: E402
 from engine.runtime.progress import phase  # noqa: E402
 from engine.train.metrics import log_memory  # noqa: E402
@@ -178,7 +179,8 @@ def executed_flops(model_flops: float, config, train_setup=None) -> float:
   """The FLOPs a step executes for the model's `model_flops` (6N + attention). The layers:
   full remat runs every forward pass twice (8N), and so do the 1F1B schedules, whose backward
   tick runs the stage's forward pass again (with full remat too: XLA's count of the unrolled
-  step shows no third), and a pipeline's stages also compute in the bubble. The head
+  step shows no third), and a pipeline's stages also compute in the bubble (the schedule's
+  bubble_fraction of the step). The head
   (head_flops, of the given `train_setup`) runs once for the whole batch, outside remat and the
   bubble, but on every stage of a pipeline unless 1F1B splits it over them
   (train.pipeline_head)."""
@@ -186,10 +188,9 @@ def executed_flops(model_flops: float, config, train_setup=None) -> float:
   forward_passes = 2 if (config.model.remat == 'full' or config.train.get(
       'pipeline_schedule', '') in SELF_DIFFERENTIATING) else 1
   layers = (model_flops - head) * (4 + 2 * forward_passes) / 6
-  stages, repeats = config.mesh.stage, config.train.pipeline_repeats
-  if stages > 1:
-    work = repeats * config.train.microbatches
-    layers *= (work + stages - 1) / work
+  if config.mesh.stage > 1:  # The work spread over the whole step, idle ticks included.
+    layers /= 1 - bubble_fraction(config.mesh.stage, config.train.microbatches,
+                                  config.train.pipeline_repeats, schedule_of(config.train))
   return layers + head * head_copies(train_setup, config)
 
 
