@@ -243,11 +243,10 @@ class _Ticks:
       _, stage_vjp, inputs = jax.vjp(stage, params, _floats(x), dense_taps.zero_taps(recorded),
                                      has_aux=True)
       d_params, dx, d_taps = stage_vjp(dy)
-      # Written where the item does not exist too: before stage s's first input pass nothing
-      # waits, after its last the items waiting are the s before, in other slots.
-      ring = jax.tree.map(
-          lambda r, new: jax.lax.dynamic_update_index_in_dim(r, new, m % self.order.S, 0),
-          ring, (inputs, list(d_taps)))
+      waiting = m % self.order.S
+      ring = jax.tree.map(lambda r, new: jax.lax.dynamic_update_index_in_dim(r, jnp.where(
+          valid, new, jax.lax.dynamic_index_in_dim(r, waiting, 0, keepdims=False)), waiting, 0),
+                          ring, (inputs, list(d_taps)))
       return _tree_add(d_stage, masked(valid, d_params)), dx, ring
     return run
 
