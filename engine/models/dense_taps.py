@@ -18,7 +18,8 @@ its `dense` calls behave:
   WEIGHT  y = stop_gradient(x_saved) @ w, on the x the input pass returned; the stack returns
           every y. Their vjp with the input pass's dy is exactly the projections' weight
           gradients (whatever the layout does to w on the way, a cast or a gather, is
-          transposed with it), and nothing else: the rest of the layer is dead code.
+          transposed with it), and nothing else: the rest of the layer is dead code, and each
+          layer hands its input on unchanged, so that a scanned stack drops it too.
 
 The two passes' gradients add up to the whole backward pass's. The calls of a layer are matched
 by their order, which a layer's trace fixes.
@@ -93,6 +94,10 @@ def tapped(apply: Callable) -> Callable:
       y = apply(layer, x)
     finally:
       layer_trace = _ACTIVE.pop()
+    if taps.mode == WEIGHT:
+      # The layer's own output is dead code: passing the input on instead lets the compiler
+      # drop it from a scanned stack too (a loop's carry is live).
+      y = x
     return y, layer_trace.returned()
   return run
 
