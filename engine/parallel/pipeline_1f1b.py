@@ -217,10 +217,24 @@ class _Ticks:
       return self.add_to_chunk(d_stage, v, masked(valid, d_params)), dx
     return run
 
+  def backward_tick(self, t, stage_params, dy, stash, d_stage, ring, split: bool):
+    """Every stage's backward pass of tick t: (their layers' gradient so far with it added,
+    their inputs' cotangents, the zero-bubble schedule's ring). Split (zero-bubble): the input
+    pass, then every stage's weight pass of the micro-batch stage 0's input pass just ran."""
+    lanes = self.lanes
+    if not split:
+      d_stage, dx = lanes.map(self.backward(t), stage_params, dy, stash, d_stage)
+      return d_stage, lanes.pin(dx), ring
+    d_stage, dx, ring = lanes.map(self.backward_input(t), stage_params, dy, stash, d_stage, ring)
+    m = t - (2 * self.order.S - 2)
+    if 0 <= m < self.order.M:
+      d_stage = lanes.map(self.backward_weights(m), stage_params, stash, d_stage, ring)
+    return d_stage, lanes.pin(dx), ring
+
   def backward_input(self, t):
     """The zero-bubble schedule's first half of `backward`: (stage s, its layers, its output's
     cotangent, its stash, its layers' gradient so far, its ring of the items waiting for their
-    weight pass or None) -> (that gradient with the parameters' outside the projections added,
+    weight pass or None) -> (that gradient with the parameters outside the projections added,
     its input's cotangent, the ring with the item's projection inputs and output cotangents in
     its slot) (engine/models/dense_taps.py)."""
     def run(s, params, dy, stash, d_stage, ring):
@@ -334,9 +348,8 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
 
   `outer_params` feed the embedding and the head (with `outer_ops`); `rows`: per-row inputs of
   the layers (packed documents' segments and positions, [B, L] each), or None; `head`:
-  train.pipeline_head (head_axis); `split_backward`: the zero-bubble schedule (one chunk), each
-  backward pass as an input pass now and a weight pass once the last stage's is done. Manual
-  mode: every result is this device's, to be summed over the stages by the caller."""
+  train.pipeline_head (head_axis); `split_backward`: the zero-bubble schedule (one chunk).
+  Manual mode: every result is this device's, to be summed over the stages by the caller."""
   S, M, circle = lanes.stages, microbatches, chunks > 1
   order = ItemOrder(S, M, chunks)
   embeddings = _Embeddings(cut, outer_params, split_microbatches(tokens_BL1, M), outer_ops)
@@ -364,20 +377,13 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
         d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)
         dy = lanes.where_stage(S - 1, dy_last, dy)
     if t in backward_ticks:
-      if split_backward:
-        d_stage, dx, ring = lanes.map(ticks_of.backward_input(t), stage_params, dy, stash,
-                                      d_stage, ring)
-      else:
-        d_stage, dx = lanes.map(ticks_of.backward(t), stage_params, dy, stash, d_stage)
-      dx = lanes.pin(dx)
+      d_stage, dx, ring = ticks_of.backward_tick(t, stage_params, dy, stash, d_stage, ring,
+                                                 split_backward)
       m, v, valid = order.backward_item(t, 0)
       if valid and v == 0:  # Stage 0 finished a micro-batch's backward pass: its embedding's.
         d_embed = embeddings.gradient(m, lanes.only_on(0, lanes.of_stage(dx, 0))[0])
         d_outer = d_embed if d_outer is None else _tree_add(d_outer, d_embed)
       dy = lanes.to_previous(dx, circle)
-      if split_backward and 0 <= t - (2 * S - 2) < M:  # Every stage's weights of one item.
-        d_stage = lanes.map(ticks_of.backward_weights(t - (2 * S - 2)), stage_params, stash,
-                            d_stage, ring)
     if t + 1 in forward_ticks:
       m, v, valid = order.forward_item(t + 1, 0)
       first = (one if m == 0 else embeddings.item(m)) if valid and v == 0 else (
