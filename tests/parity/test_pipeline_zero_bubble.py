@@ -1,6 +1,6 @@
 """The zero-bubble pipeline schedule (train.pipeline_schedule='zb_h1'): both modes against the
 single-device run on stage 2 and stage 4 meshes with data, fsdp and tensor, 4 and 8
-micro-batches; packed documents and a mixture of experts; a remat policy; planted bugs in the
+micro-batches, a remat policy; packed documents and a mixture of experts; planted bugs in the
 weight pass fail the check; its collectives are 1F1B's; the bubble it implies."""
 
 import numpy as np
@@ -40,17 +40,18 @@ def test_matches_single_device(mode, model, layers, mesh, microbatches):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('mode, model, layers, mesh, microbatches', [
-    ('manual', 'gpt', 4, (4, 1, 1, 1, 2), 4), ('auto', 'gpt', 4, (2, 1, 1, 1, 4), 8),
-    ('manual', 'llama', 2, (1, 2, 2, 1, 2), 8), ('auto', 'gpt', 4, (1, 2, 1, 1, 4), 4),
+@pytest.mark.parametrize('mode, model, layers, mesh, microbatches, remat', [
+    ('manual', 'gpt', 4, (4, 1, 1, 1, 2), 4, 'none'),
+    ('manual', 'llama', 2, (1, 2, 2, 1, 2), 8, 'dots_saveable'),
+    ('auto', 'gpt', 4, (1, 2, 1, 1, 4), 8, 'none'),
 ], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
-def test_gradients_match_one_device(mode, model, layers, mesh, microbatches):
-  """Loss and every gradient: stage 2 with data 4 and with fsdp 2 x tensor 2; stage 4 with data
-  2 and with fsdp 2."""
+def test_gradients_match_one_device(mode, model, layers, mesh, microbatches, remat):
+  """Loss and every gradient: stage 2 with data 4, and with fsdp 2 x tensor 2 under a remat
+  policy (the single device runs without); stage 4 with fsdp 2 (auto)."""
   reference = _one_device_gradients(model, layers)
-  got = _gradients(_zero_bubble(mesh, model, layers, microbatches), mode, _tokens(),
-                   reference[0])
-  _assert_same_gradients(got, reference)
+  config = _zero_bubble(mesh, model, layers, microbatches)
+  config.model.remat = remat
+  _assert_same_gradients(_gradients(config, mode, _tokens(), reference[0]), reference)
 
 
 @pytest.mark.slow
@@ -76,14 +77,6 @@ def test_a_mixture_of_experts_with_its_balance_loss_matches_1f1b(mode):
   one_f_one_b = _gradients(config, mode, tokens)
   config.train.pipeline_schedule = 'zb_h1'
   _assert_same_gradients(_gradients(config, mode, tokens, one_f_one_b[0]), one_f_one_b)
-
-
-@pytest.mark.slow
-def test_a_remat_policy_composes():
-  config = _zero_bubble((2, 1, 1, 1, 2), 'llama', 4, 4)
-  config.model.remat = 'dots_saveable'
-  reference = _one_device_gradients('llama', 4)
-  _assert_same_gradients(_gradients(config, 'manual', _tokens(), reference[0]), reference)
 
 
 def _skip_weights(self, m):
