@@ -12,6 +12,8 @@ read from a config here.
   pipeline.py         pipeline stages over `stage`, in either mode (GPipe, circular)
   pipeline_1f1b.py    the 1F1B pipeline schedules (plain, interleaved, zero-bubble), which take
                       each stage's gradients themselves
+  zero_bubble.py      its zero-bubble form's backward pass, split into input and weight passes
+  carry_trees.py      the pytree operations those schedules apply to a stack's carry
   stage_lanes.py      how each mode holds one value per stage, for that schedule
   model_cut.py        a model cut at its layer stack (embedding, stage, head) for that schedule
   flat_gather.py      manual FSDP's gathers, one collective per group of weights

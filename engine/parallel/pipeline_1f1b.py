@@ -26,23 +26,8 @@ stage 0's input cotangent back round to the last stage), arriving in the next ti
 order needs it. A tick costs 1 / V of a 1F1B tick: the bubble, (S - 1) / (V M + S - 1) of a
 step, shrinks V-fold (M must be a multiple of S: whole groups).
 
-Zero-bubble (train.pipeline_schedule='zb_h1': the ZB-H1 schedule of zero-bubble pipeline
-parallelism, in lockstep ticks): 1F1B with each backward pass split in two
-(engine/models/dense_taps.py). The input pass, in 1F1B's backward tick, recomputes the stage's
-forward pass and takes its input's cotangent (which stage s - 1 waits for) and the gradients
-of the parameters outside the projections; the weight pass takes the projections' weight
-gradients from the projection inputs and output cotangents the input pass kept. No stage waits
-for a weight pass, so every stage runs micro-batch m's in tick m + 2 S - 2, with stage 0's input
-pass of m: the weight passes take M ticks instead of M + S - 1, and the S - 1 ticks in which
-the backward passes start up the stages run without one. With a forward pass F, the input pass
-2 F (its recomputation included) and the weight pass F, the bubble falls from 1F1B's
-(S - 1) 4 F to (S - 1) 3 F (engine.parallel.pipeline.bubble_fraction). The price: stage s
-keeps s + 1 items' projection inputs and cotangents (a ring of S slots) besides 1F1B's stash.
-Why this form: every stage runs a tick's passes in lockstep (auto mode's vmap over the stages
-computes every branch of a per-stage choice), so a tick costs each pass any stage runs in it,
-and of the three only the weight pass has no neighbour to wait for; aligning it across the
-stages is what lockstep ticks can gain (ZB-V and the original ZB-H1 fill the bubble with
-per-stage choices instead).
+Zero-bubble (train.pipeline_schedule='zb_h1'): this schedule with each backward pass split into
+an input pass and a weight pass (engine/parallel/zero_bubble.py).
 
 A stage keeps each item's input from its forward pass to its backward pass, which recomputes the
 forward pass under `jax.vjp` (the stage's remat policy applies there): at most min(M V,
@@ -75,13 +60,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from engine.models import dense_taps
+from engine.parallel.carry_trees import floats, tree_add, with_floats, zero_integers
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.stage_lanes import Lanes, masked
 from engine.parallel.steps import (kept_count, next_token_loss, packed_documents,
                                    split_microbatches)
+from engine.parallel.zero_bubble import SplitBackward
 
 
 def stash_slots(stages: int, microbatches: int, chunks: int = 1) -> int:
@@ -124,23 +109,6 @@ class ItemOrder:
     return microbatch, (self.V - 1 - chunk) if mirrored else chunk, (k >= 0) & (k < self.items)
 
 
-def _floats(tree) -> list:
-  """The leaves that carry gradients (a carry's integer counters do not)."""
-  return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.inexact)]
-
-
-def _with_floats(tree, floats: list):
-  """`tree` with its inexact leaves replaced, in order."""
-  leaves, treedef = jax.tree.flatten(tree)
-  it = iter(floats)
-  return jax.tree.unflatten(treedef, [next(it) if jnp.issubdtype(a.dtype, jnp.inexact) else a
-                                      for a in leaves])
-
-
-def _tree_add(a, b):
-  return jax.tree.map(jnp.add, a, b)
-
-
 def step_loss(setup, ops, tokens_BL1):
   """(the train step's loss function (params, tokens, ops) -> (loss, statistics), which divides
   by each micro-batch's share of the packed documents' kept count, and the documents' per-row
@@ -161,13 +129,14 @@ class _Ticks:
   the head and the loss (the module docstring)."""
 
   def __init__(self, cut: ModelCut, lanes: Lanes, order: ItemOrder, outer_params, outer_ops,
-               tokens_BL1, rows, head_axis: int | None):
+               tokens_BL1, rows, head_axis: int | None, split_backward: bool = False):
     self.cut, self.lanes, self.order, self.head_axis = cut, lanes, order, head_axis
     self.K = stash_slots(order.S, order.M, order.V)
     self.outer_params, self.outer_ops = outer_params, outer_ops
     self.tokens_MbL1 = split_microbatches(tokens_BL1, order.M)
     self.rows_M = None if rows is None else jax.tree.map(
         lambda a: split_microbatches(a, order.M), rows)
+    self.split = SplitBackward(self) if split_backward else None
 
   def rows_of(self, m):
     """Micro-batch m's per-row inputs (m may be traced and outside [0, M): the bubble's)."""
@@ -184,7 +153,7 @@ class _Ticks:
   def add_to_chunk(self, d_stage, v, d_chunk):
     """d_stage with d_chunk added to chunk v's gradient."""
     if self.order.V == 1:
-      return _tree_add(d_stage, d_chunk)
+      return tree_add(d_stage, d_chunk)
     return jax.tree.map(lambda acc, d: jax.lax.dynamic_update_index_in_dim(
         acc, jax.lax.dynamic_index_in_dim(acc, v, 0, keepdims=False) + d, v, 0), d_stage, d_chunk)
 
@@ -202,84 +171,39 @@ class _Ticks:
       return y, stash
     return run
 
+  def stashed(self, stash, m, v):
+    """Item (m, v)'s input, as the stash holds it since its forward pass."""
+    slot = self.order.forward_index(m, v) % self.K
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=False),
+                        stash)
+
   def backward(self, t):
     """(stage s, its layers, its output's cotangent, its stash, its layers' gradient so far) ->
     (that gradient with its backward item's added, its input's cotangent); the forward pass
     recomputed."""
     def run(s, params, dy, stash, d_stage):
       m, v, valid = self.order.backward_item(t, s)
-      slot = self.order.forward_index(m, v) % self.K
-      x = jax.tree.map(
-          lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=False), stash)
-      floats = lambda p, xf: _floats(self.cut.stage(p, _with_floats(x, xf), self.rows_of(m)))
-      _, stage_vjp = jax.vjp(floats, self.chunk(params, v), _floats(x))
+      x = self.stashed(stash, m, v)
+      through = lambda p, xf: floats(self.cut.stage(p, with_floats(x, xf), self.rows_of(m)))
+      _, stage_vjp = jax.vjp(through, self.chunk(params, v), floats(x))
       d_params, dx = stage_vjp(dy)
       return self.add_to_chunk(d_stage, v, masked(valid, d_params)), dx
     return run
 
-  def backward_tick(self, t, stage_params, dy, stash, d_stage, ring, split: bool):
+  def backward_tick(self, t, stage_params, dy, stash, d_stage, ring):
     """Every stage's backward pass of tick t: (their layers' gradient so far with it added,
     their inputs' cotangents, the zero-bubble schedule's ring). Split (zero-bubble): the input
     pass, then every stage's weight pass of the micro-batch stage 0's input pass just ran."""
     lanes = self.lanes
-    if not split:
+    if self.split is None:
       d_stage, dx = lanes.map(self.backward(t), stage_params, dy, stash, d_stage)
       return d_stage, lanes.pin(dx), ring
-    d_stage, dx, ring = lanes.map(self.backward_input(t), stage_params, dy, stash, d_stage, ring)
+    d_stage, dx, ring = lanes.map(self.split.input_pass(t), stage_params, dy, stash, d_stage,
+                                  ring)
     m = t - (2 * self.order.S - 2)
     if 0 <= m < self.order.M:
-      d_stage = lanes.map(self.backward_weights(m), stage_params, stash, d_stage, ring)
+      d_stage = lanes.map(self.split.weight_pass(m), stage_params, stash, d_stage, ring)
     return d_stage, lanes.pin(dx), ring
-
-  def backward_input(self, t):
-    """The zero-bubble schedule's first half of `backward`: (stage s, its layers, its output's
-    cotangent, its stash, its layers' gradient so far, its ring of the items waiting for their
-    weight pass or None) -> (that gradient with the parameters outside the projections added,
-    its input's cotangent, the ring with the item's projection inputs and output cotangents in
-    its slot) (engine/models/dense_taps.py)."""
-    def run(s, params, dy, stash, d_stage, ring):
-      m, _, valid = self.order.backward_item(t, s)
-      slot = self.order.forward_index(m, 0) % self.K
-      x = jax.tree.map(
-          lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=False), stash)
-      rows = self.rows_of(m)
-      recorded = jax.eval_shape(
-          lambda p, x: self.cut.stage(p, x, rows, dense_taps.Taps(dense_taps.RECORD))[1],
-          params, x)
-      if ring is None:  # The first tick: S slots, enough for the last stage's S - 1 waiting.
-        ring = jax.tree.map(lambda a: jnp.zeros((self.order.S, *a.shape), a.dtype),
-                            (list(recorded[0]), list(recorded[1])))
-
-      def stage(p, xf, taps):
-        y, inputs = self.cut.stage(p, _with_floats(x, xf), rows,
-                                   dense_taps.Taps(dense_taps.INPUT, taps))
-        return _floats(y), list(inputs)
-      _, stage_vjp, inputs = jax.vjp(stage, params, _floats(x), dense_taps.zero_taps(recorded),
-                                     has_aux=True)
-      d_params, dx, d_taps = stage_vjp(dy)
-      waiting = m % self.order.S
-      ring = jax.tree.map(lambda r, new: jax.lax.dynamic_update_index_in_dim(r, jnp.where(
-          valid, new, jax.lax.dynamic_index_in_dim(r, waiting, 0, keepdims=False)), waiting, 0),
-                          ring, (inputs, list(d_taps)))
-      return _tree_add(d_stage, masked(valid, d_params)), dx, ring
-    return run
-
-  def backward_weights(self, m: int):
-    """The zero-bubble schedule's second half: (stage s, its layers, its stash, its layers'
-    gradient so far, its ring) -> that gradient with the projections' weight gradients of
-    micro-batch m added (every stage's m: the same in a tick)."""
-    def run(s, params, stash, d_stage, ring):
-      del s
-      inputs, d_taps = jax.tree.map(
-          lambda a: jax.lax.dynamic_index_in_dim(a, m % self.order.S, 0, keepdims=False), ring)
-      # The layers run on some carry of the right types; only the projections' outputs on
-      # the saved inputs are differentiated, the rest is dead code.
-      carry = jax.tree.map(lambda a: a[0], stash)
-      outputs = lambda p: list(self.cut.stage(
-          p, carry, self.rows_of(m), dense_taps.Taps(dense_taps.WEIGHT, tuple(inputs)))[1])
-      _, weights_vjp = jax.vjp(outputs, params)
-      return _tree_add(d_stage, weights_vjp(d_taps)[0])
-    return run
 
   def head(self, m: int, y):
     """(the loss / M of micro-batch m, which the last stage finished in this tick, its
@@ -290,13 +214,13 @@ class _Ticks:
     lanes, S, M = self.lanes, self.order.S, self.order.M
     last, tokens = lanes.of_stage(y, S - 1), self.tokens_MbL1[m]
 
-    def whole(params, floats):
-      return self.cut.head(params, _with_floats(last, floats), tokens, self.outer_ops)
+    def whole(params, last_floats):
+      return self.cut.head(params, with_floats(last, last_floats), tokens, self.outer_ops)
 
-    def split(params, floats):
+    def split(params, last_floats):
       # Stage s's share: its slice's loss (packed documents: their sum over 1 / S of the count)
       # with the micro-batch's auxiliary terms; the mean over the stages is the loss.
-      x, extras = _x_and_extras(_with_floats(last, floats))
+      x, extras = _x_and_extras(with_floats(last, last_floats))
       extras = lanes.broadcast_from(S - 1, extras)
       share = lambda s, x_s, tokens_s: self.cut.head(
           params, _carry(x_s, extras), tokens_s, self.outer_ops, shares=S)
@@ -306,7 +230,7 @@ class _Ticks:
 
     split_head = self.head_axis is not None
     (loss, stats), head_vjp = jax.vjp(split if split_head else whole, self.outer_params,
-                                      _floats(last))
+                                      floats(last))
     d_params, dy = head_vjp((jnp.ones_like(loss) / M, jax.tree.map(jnp.zeros_like, stats)))
     result = loss / M, jax.tree.map(lambda a: a / M, stats), d_params
     return (*(result if split_head else lanes.only_on(S - 1, result)), dy)
@@ -355,11 +279,11 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
   embeddings = _Embeddings(cut, outer_params, split_microbatches(tokens_BL1, M), outer_ops)
   one = embeddings.item(0)  # Micro-batch 0's carry: the shapes every tick moves.
   ticks_of = _Ticks(cut, lanes, order, outer_params, outer_ops, tokens_BL1, rows,
-                    head_axis(one, tokens_BL1, lanes, head))
+                    head_axis(one, tokens_BL1, lanes, head), split_backward)
   x = lanes.where_stage(0, one, lanes.zeros(one))
   stash = lanes.zeros(jax.tree.map(lambda a: jnp.zeros((ticks_of.K, *a.shape), a.dtype), one),
                       True)
-  dy = lanes.zeros(_floats(one))
+  dy = lanes.zeros(floats(one))
   d_stage = jax.tree.map(jnp.zeros_like, stage_params)
   d_outer, loss, stats, ring = None, 0.0, None, None
   # The ticks in which some stage has a forward (backward) pass to run.
@@ -373,16 +297,15 @@ def one_f_one_b(cut: ModelCut, lanes: Lanes, outer_params, stage_params, tokens_
       if valid and v == chunks - 1:  # The last stage finished a micro-batch: loss, cotangent.
         loss_m, stats_m, d_head, dy_last = ticks_of.head(m, y)
         loss = loss + loss_m
-        stats = stats_m if stats is None else _tree_add(stats, stats_m)
-        d_outer = d_head if d_outer is None else _tree_add(d_outer, d_head)
+        stats = stats_m if stats is None else tree_add(stats, stats_m)
+        d_outer = d_head if d_outer is None else tree_add(d_outer, d_head)
         dy = lanes.where_stage(S - 1, dy_last, dy)
     if t in backward_ticks:
-      d_stage, dx, ring = ticks_of.backward_tick(t, stage_params, dy, stash, d_stage, ring,
-                                                 split_backward)
+      d_stage, dx, ring = ticks_of.backward_tick(t, stage_params, dy, stash, d_stage, ring)
       m, v, valid = order.backward_item(t, 0)
       if valid and v == 0:  # Stage 0 finished a micro-batch's backward pass: its embedding's.
         d_embed = embeddings.gradient(m, lanes.only_on(0, lanes.of_stage(dx, 0))[0])
-        d_outer = d_embed if d_outer is None else _tree_add(d_outer, d_embed)
+        d_outer = d_embed if d_outer is None else tree_add(d_outer, d_embed)
       dy = lanes.to_previous(dx, circle)
     if t + 1 in forward_ticks:
       m, v, valid = order.forward_item(t + 1, 0)
@@ -412,11 +335,5 @@ class _Embeddings:
     The extras every micro-batch starts from are the model's constants (zeros it adds its
     layers' terms to): nothing to differentiate."""
     vjp, carry = self.vjps.pop(m)
-    d_extras = [jnp.zeros(a.shape, a.dtype) for a in _floats(carry)[1:]]
-    return vjp(_zero_integers(_with_floats(carry, [d_x] + d_extras)))[0]
-
-
-def _zero_integers(tree):
-  """Cotangents for a carry's integer leaves: float0 zeros, as jax.vjp expects."""
-  return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else
-                      np.zeros(a.shape, jax.dtypes.float0), tree)
+    d_extras = [jnp.zeros(a.shape, a.dtype) for a in floats(carry)[1:]]
+    return vjp(zero_integers(with_floats(carry, [d_x] + d_extras)))[0]

@@ -6,7 +6,7 @@ weight pass fail the check; its collectives are 1F1B's; the bubble it implies.""
 import numpy as np
 import pytest
 
-from engine.parallel import pipeline_1f1b
+from engine.parallel import zero_bubble
 from engine.parallel.pipeline import bubble_fraction
 from tests.parity.test_documents import EOS, VOCAB
 from tests.parity.test_moe import moe_config
@@ -83,8 +83,8 @@ def _skip_weights(self, m):
   return lambda s, params, stash, d_stage, ring: d_stage
 
 
-def _weights_of_the_next_microbatch(self, m, right=pipeline_1f1b._Ticks.backward_weights):
-  return right(self, (m + 1) % self.order.M)
+def _weights_of_the_next_microbatch(self, m, right=zero_bubble.SplitBackward.weight_pass):
+  return right(self, (m + 1) % self.ticks.order.M)
 
 
 @pytest.mark.slow
@@ -94,7 +94,7 @@ def test_a_wrong_weight_pass_fails_the_check(planted, monkeypatch):
   """The planted bugs: the weight pass skipped, or run on another micro-batch's saved
   projections (the right one passes in test_gradients_match_one_device's manual stage 2)."""
   reference = _one_device_gradients('gpt', 4)
-  monkeypatch.setattr(pipeline_1f1b._Ticks, 'backward_weights', planted)
+  monkeypatch.setattr(zero_bubble.SplitBackward, 'weight_pass', planted)
   with pytest.raises(AssertionError, match='Not equal to tolerance'):
     _assert_same_gradients(_gradients(_zero_bubble((4, 1, 1, 1, 2)), 'manual', _tokens(),
                                       reference[0]), reference)
