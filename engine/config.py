@@ -61,6 +61,11 @@ def default_config() -> ml_collections.ConfigDict:
   # Compute dtype: float32 | bfloat16. Parameters and optimizer state stay float32; logits and
   # the loss are float32.
   c.model.dtype = 'float32'
+  # How the layers' dense projections multiply (engine/models/quantized_matmul.py): default (in
+  # model.dtype) | int8 | fp8 (e4m3 forward, e5m2 gradients), forward and backward, with a scale
+  # per channel and per block of matmul_block elements along each contraction.
+  c.model.matmul_precision = 'default'
+  c.model.matmul_block = 128
   # What each layer keeps for the backward pass: none (keep all) | full (recompute the layer) |
   # dots_saveable | dots_with_no_batch_dims_saveable (keep matmul outputs).
   c.model.remat = 'none'

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.models import quantized_matmul
 from engine.models.layers import apply_layers, dense, param, stack_layers
 from engine.models.ops import LocalOps
+from engine.models.quantized_matmul import MatmulPrecision
 from engine.models.spec import ModelSpec
 
 
@@ -39,6 +41,7 @@ class GPTConfig:
   attention_scale_on: str = 'queries'  # engine.models.attention.SCALE_ON
   attention_scale: float | None = None  # None: 1 / sqrt(head_dim).
   attention: str = 'einsum'  # engine.models.attention.IMPLEMENTATIONS
+  matmul: MatmulPrecision = quantized_matmul.DEFAULT  # The projections' (not the head's).
 
   @property
   def head_dim(self) -> int:
@@ -82,18 +85,19 @@ class Block(nnx.Module):
   def attention(self, x_BLD, ops):
     x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
     w_qkv_CDHK = self.w_qkv_CDHK[...]
+    heads = ('batch', 'length', 'heads', 'head_dim')
     q_BLHK, k_BLHK, v_BLHK = (
-        ops.constrain(dense(x_BLD, w_qkv_CDHK[c]), ('batch', 'length', 'heads', 'head_dim'))
+        ops.constrain(dense(x_BLD, w_qkv_CDHK[c], precision=self.cfg.matmul), heads)
         for c in range(3))
     out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, self.cfg.attention_scale_on,
                              self.cfg.attention, self.cfg.attention_scale)
-    y_BLD = dense(out_BLHK, self.w_out_HKD[...], in_dims=2)
+    y_BLD = dense(out_BLHK, self.w_out_HKD[...], in_dims=2, precision=self.cfg.matmul)
     return ops.finish_contraction(y_BLD, 'heads')
 
   def mlp(self, x_BLD, ops):
-    h_BLF = dense(x_BLD, self.w_up_DF[...]) + self.b_up_F[...]
+    h_BLF = dense(x_BLD, self.w_up_DF[...], precision=self.cfg.matmul) + self.b_up_F[...]
     h_BLF = ops.constrain(jax.nn.gelu(h_BLF), ('batch', 'length', 'mlp'))
-    y_BLD = dense(h_BLF, self.w_down_FD[...])
+    y_BLD = dense(h_BLF, self.w_down_FD[...], precision=self.cfg.matmul)
     return ops.finish_contraction(y_BLD, 'mlp') + self.b_down_D[...]
 
   def __call__(self, x_BLD, ops):
@@ -146,7 +150,8 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       init_std=model_config.init_std, norm_eps=model_config.norm_eps,
       attention_scale_on=model_config.attention_scale_on, attention=model_config.attention,
       attention_scale=(None if model_config.attention_scale == -1 else
-                       model_config.attention_scale))
+                       model_config.attention_scale),
+      matmul=quantized_matmul.from_config(model_config))
   D, F, HK = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads * cfg.head_dim
   # Weights that multiply activations: qkv, attention out, MLP up and down, the output head.
   matmul_params = cfg.num_layers * (4 * D * HK + 2 * D * F) + vocab_size * D

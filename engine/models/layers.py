@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models import dense_taps
+from engine.models import dense_taps, quantized_matmul
 
 # The logical name of the axis that stacks layers (nnx.vmap / nnx.scan with
 # transform_metadata={nnx.PARTITION_NAME: LAYERS}). Parameters with this axis are prepared one
@@ -44,14 +44,16 @@ def param(rngs: nnx.Rngs, shape, logical_axes, std: float | None) -> nnx.Param:
   return nnx.Param(value, out_sharding=tuple(logical_axes))
 
 
-def dense(x: jax.Array, w: jax.Array, in_dims: int = 1, preferred_element_type=None):
+def dense(x: jax.Array, w: jax.Array, in_dims: int = 1, preferred_element_type=None,
+          precision: quantized_matmul.MatmulPrecision = quantized_matmul.DEFAULT):
   """x [..., *in] times w [*in, *out] -> [..., *out], as one 2-D matrix product.
 
   `jnp.einsum('BLD,DF->BLF', ...)` computes the same, but XLA:CPU lays out the weight gradient
   of an einsum with two free dimensions on x (batch, length) behind a strided transpose of the
   output gradient; flattening them first ran a Llama MLP's forward and backward faster
   (docs/benchmarks.md). Reshapes of leading and trailing dimensions are free on
-  every backend and keep each dimension's sharding.
+  every backend and keep each dimension's sharding. `precision` quantizes the product
+  (engine/models/quantized_matmul.py), forward and backward.
   """
   lead, contracted, out = x.shape[:x.ndim - in_dims], x.shape[x.ndim - in_dims:], w.shape[in_dims:]
   if w.shape[:in_dims] != contracted:
@@ -59,9 +61,12 @@ def dense(x: jax.Array, w: jax.Array, in_dims: int = 1, preferred_element_type=N
                      'contracted dimensions')
 
   def matmul(x, w):
-    y = jnp.dot(x.reshape(math.prod(lead), math.prod(contracted)),
-                w.reshape(math.prod(contracted), math.prod(out)),
-                preferred_element_type=preferred_element_type)
+    x_NK = x.reshape(math.prod(lead), math.prod(contracted))
+    w_KF = w.reshape(math.prod(contracted), math.prod(out))
+    if precision.quantized:
+      y = quantized_matmul.matmul(x_NK, w_KF, precision)
+    else:
+      y = jnp.dot(x_NK, w_KF, preferred_element_type=preferred_element_type)
     return y.reshape(*lead, *out)
 
   # Inside a layer stack split into input- and weight-gradient passes, as they need it.

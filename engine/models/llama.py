@@ -22,9 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.models import quantized_matmul
 from engine.models.layers import apply_layers, dense, param, stack_layers
 from engine.models.moe import MoeConfig, MoeMlp
 from engine.models.ops import LocalOps
+from engine.models.quantized_matmul import MatmulPrecision
 from engine.models.spec import ExpertsSpec, ModelSpec
 
 
@@ -79,6 +81,7 @@ class LlamaConfig:
   scan_layers: bool = True
   init_std: float = 0.02
   moe: MoeConfig | None = None  # A mixture of experts in place of each block's MLP.
+  matmul: MatmulPrecision = quantized_matmul.DEFAULT  # The projections' (not the head's).
 
 
 class RMSNorm(nnx.Module):
@@ -148,14 +151,14 @@ class Block(nnx.Module):
     v_BLnK = ops.kv_for_query_heads(v_BLNK, cfg.num_heads)
     out_BLHK = ops.attention(q_BLHK, k_BLnK, v_BLnK, cfg.attention_scale_on, cfg.attention,
                              cfg.attention_scale)
-    y_BLD = dense(out_BLHK, self.w_o_HKD[...], in_dims=2)
+    y_BLD = dense(out_BLHK, self.w_o_HKD[...], in_dims=2, precision=self.cfg.matmul)
     return ops.finish_contraction(y_BLD, 'heads')
 
   def projections(self, x_BLD):
     """Queries, keys and values before rotary: biased (Qwen2), each head normalised (Qwen3)."""
-    q_BLHK = dense(x_BLD, self.w_q_DHK[...])
-    k_BLNK = dense(x_BLD, self.w_k_DNK[...])
-    v_BLNK = dense(x_BLD, self.w_v_DNK[...])
+    q_BLHK = dense(x_BLD, self.w_q_DHK[...], precision=self.cfg.matmul)
+    k_BLNK = dense(x_BLD, self.w_k_DNK[...], precision=self.cfg.matmul)
+    v_BLNK = dense(x_BLD, self.w_v_DNK[...], precision=self.cfg.matmul)
     if self.cfg.qkv_bias:
       q_BLHK = q_BLHK + self.b_q_HK[...].astype(q_BLHK.dtype)
       k_BLNK = k_BLNK + self.b_k_NK[...].astype(k_BLNK.dtype)
@@ -166,10 +169,10 @@ class Block(nnx.Module):
 
   def mlp(self, x_BLD, ops):
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')  # Feeds the gate and up projections.
-    gate_BLF = dense(x_BLD, self.w_gate_DF[...])
-    up_BLF = dense(x_BLD, self.w_up_DF[...])
+    gate_BLF = dense(x_BLD, self.w_gate_DF[...], precision=self.cfg.matmul)
+    up_BLF = dense(x_BLD, self.w_up_DF[...], precision=self.cfg.matmul)
     h_BLF = ops.constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    y_BLD = dense(h_BLF, self.w_down_FD[...])
+    y_BLD = dense(h_BLF, self.w_down_FD[...], precision=self.cfg.matmul)
     return ops.finish_contraction(y_BLD, 'mlp')
 
   def __call__(self, carry, ops):
@@ -253,7 +256,8 @@ def moe_config(model_config) -> MoeConfig | None:
       experts_per_token=model_config.experts_per_token, router=model_config.moe_router,
       shared_expert_dim=model_config.moe_shared_expert, dispatch=model_config.moe_dispatch,
       capacity_factor=model_config.moe_capacity_factor,
-      aux_loss_coef=model_config.moe_aux_loss_coef, z_loss_coef=model_config.moe_z_loss_coef)
+      aux_loss_coef=model_config.moe_aux_loss_coef, z_loss_coef=model_config.moe_z_loss_coef,
+      shared_matmul=quantized_matmul.from_config(model_config))
 
 
 def build(model_config, vocab_size: int) -> ModelSpec:
@@ -274,7 +278,8 @@ def build(model_config, vocab_size: int) -> ModelSpec:
                        model_config.attention_scale),
       attention=model_config.attention, qkv_bias=model_config.qkv_bias,
       qk_norm=model_config.qk_norm, scan_layers=model_config.scan_layers,
-      init_std=model_config.init_std, moe=moe_config(model_config))
+      init_std=model_config.init_std, moe=moe_config(model_config),
+      matmul=quantized_matmul.from_config(model_config))
   D, F, K = cfg.embed_dim, cfg.mlp_dim, cfg.head_dim
   HK, NK = cfg.num_heads * K, cfg.num_kv_heads * K
   if cfg.moe:  # What one token multiplies: the router, k experts and the shared expert.

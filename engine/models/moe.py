@@ -28,14 +28,16 @@ F expert hidden.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models import moe_config
+from engine.models import moe_config, quantized_matmul
 from engine.models.layers import dense, param
 from engine.models.moe_dispatch import ExpertFFN, capacity
+from engine.models.quantized_matmul import MatmulPrecision
 
 # The choices of model.moe_router and model.moe_dispatch, declared with the keys.
 ROUTERS, DISPATCHES = moe_config.ROUTERS, moe_config.DISPATCHES
@@ -52,6 +54,8 @@ class MoeConfig:
   capacity_factor: float = 1.0
   aux_loss_coef: float = 0.0
   z_loss_coef: float = 0.0
+  # The shared expert's projections (the routed experts and the router: the compute dtype).
+  shared_matmul: MatmulPrecision = quantized_matmul.DEFAULT
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -133,9 +137,10 @@ class MoeMlp(nnx.Module):
     x_TD = x_BLD.reshape(B * L, D)
     y_TD = jnp.einsum('tkd,tk->td', y_TKD, weights_TK.astype(y_TKD.dtype))
     if cfg.shared_expert_dim:
-      h_TS = jax.nn.silu(dense(x_TD, self.w_shared_gate_DS[...])) * dense(
+      shared = functools.partial(dense, precision=cfg.shared_matmul)
+      h_TS = jax.nn.silu(shared(x_TD, self.w_shared_gate_DS[...])) * shared(
           x_TD, self.w_shared_up_DS[...])
-      y_TD = y_TD + ops.finish_contraction(dense(h_TS, self.w_shared_down_SD[...]), 'mlp')
+      y_TD = y_TD + ops.finish_contraction(shared(h_TS, self.w_shared_down_SD[...]), 'mlp')
     balance, z, load_E = router_losses(logits_TE, probs_TE, experts_TK, ops)
     aux = cfg.aux_loss_coef * balance + cfg.z_loss_coef * z
     if cfg.dispatch != 'dropless':  # Dropless drops nothing: no collective for its zero.

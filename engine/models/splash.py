@@ -23,6 +23,8 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash_lib
 # (block_attention); private in jax 0.10, hence pinned by tests/parity/test_splash.py.
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
 
+from engine.models.varying_axes import vary, vary_alike, varying
+
 # The kernel's tiles are multiples of 128 positions (TPU lanes); the largest of these that
 # divides the length is used for every block of the forward and backward passes.
 BLOCK_CHOICES = (512, 256, 128)
@@ -50,17 +52,6 @@ def _kernel(num_heads: int, length: int, interpret: bool, causal: bool = True,
   with jax.ensure_compile_time_eval():  # Concrete mask tables, not tracers of one trace.
     return splash_lib.make_splash_mha_single_device(
         mask, block_sizes=sizes, save_residuals=save_residuals, interpret=interpret)
-
-
-def _varying(x) -> frozenset:
-  """The mesh axes over which shard_map's check_vma types x as varying."""
-  return jax.typeof(x).manual_axis_type.varying
-
-
-def _vary(x, axes):
-  """x typed as varying over `axes` too."""
-  missing = tuple(a for a in axes if a not in _varying(x))
-  return jax.lax.pcast(x, missing, to='varying') if missing else x
 
 
 def _unchecked(f, *args):
@@ -101,9 +92,9 @@ def _typed_like_inputs(fn):
   def forward(*args):
     shapes[:] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
     if len(args) > 3:  # Segment ids: see backward.
-      return _vary(_unchecked(lambda *a: [fn(*a)], *args)[0], _varying(args[0])), list(args)
+      return vary(_unchecked(lambda *a: [fn(*a)], *args)[0], varying(args[0])), list(args)
     out, *residuals = _unchecked(_vjp_of(fn, shapes)[1], *args)
-    return _vary(out, _varying(args[0])), residuals
+    return vary(out, varying(args[0])), residuals
 
   def backward(residuals, ct):
     if len(shapes) > 3:
@@ -114,13 +105,12 @@ def _typed_like_inputs(fn):
     else:
       grads = _unchecked(lambda *a: list(_vjp_of(fn, shapes)[0](*a)), ct, *residuals)
     # The segment ids are integers: no cotangent.
-    return (*(_vary(g, _varying(ct)) for g in grads), *[None] * (len(shapes) - 3))
+    return (*(vary(g, varying(ct)) for g in grads), *[None] * (len(shapes) - 3))
 
   call.defvjp(forward, backward)
 
   def typed(*args):
-    axes = tuple(set().union(*(_varying(x) for x in args)))
-    return call(*(_vary(x, axes) for x in args))
+    return call(*vary_alike(*args))
 
   return typed
 
@@ -203,13 +193,13 @@ def _block_call(heads: int, length: int, causal: bool, interpret: bool, segmente
     return run_forward(*args)[0]
 
   def run_forward(*args):
-    o, lse = (_vary(x, _varying(args[0])) for x in _unchecked(forward, *args))
+    o, lse = (vary(x, varying(args[0])) for x in _unchecked(forward, *args))
     return (o, lse), (*args, o, lse)
 
   def run_backward(residuals, cotangents):
     grads = _unchecked(backward, *residuals, *cotangents)
     # Segment ids are integers: no cotangent.
-    return (*(_vary(g, _varying(residuals[0])) for g in grads),
+    return (*(vary(g, varying(residuals[0])) for g in grads),
             *[None] * (len(residuals) - 5))
 
   call.defvjp(run_forward, run_backward)
@@ -228,8 +218,7 @@ def block_attention(q_BQHK, k_BSNK, v_BSNK, causal: bool, segments=None):
   args = _heads_first(q_BQHK, k_BSNK, v_BSNK)
   if segments is not None:
     args += tuple(s.astype(jnp.int32) for s in segments)
-  axes = tuple(set().union(*(_varying(x) for x in args)))
-  args = tuple(_vary(x, axes) for x in args)
+  args = tuple(vary_alike(*args))
   call = lambda interpret: _block_call(heads, length, causal, interpret, segments is not None)
   run = lambda interpret: call(interpret)(*args)
   o_BHQK, lse_BHQ = jax.lax.platform_dependent(tpu=lambda: run(False),

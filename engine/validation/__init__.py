@@ -37,6 +37,7 @@ from engine.validation.moe import check_moe
 from engine.validation.optim import check_optim
 from engine.validation.parallelism import check_parallelism
 from engine.validation.samples import check_sample_keys
+from engine.validation.precision import check_matmul_precision
 from engine.validation.schedule import check_schedule
 from engine.validation.train import check_train
 
@@ -77,4 +78,5 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   if training:
     check_schedule(config, mesh, rules, num_processes)
   check_model_splits(config.model, mesh)
+  check_matmul_precision(config, mesh, training)
   return config
