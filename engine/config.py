@@ -131,6 +131,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.parallelism.rules = 'auto'  # A preset in engine.sharding.RULE_PRESETS; 'auto' follows the mesh.
   # Manual mode: dtype of the gradient reductions and of the FSDP gathers they transpose.
   c.parallelism.grad_reduce_dtype = 'float32'  # float32 | bfloat16
+  # Manual FSDP: what the weight gathers send: default (grad_reduce_dtype) | int8 | fp8, 1-byte
+  # values with a float32 scale per shard and channel, dequantized after the gather; gradients
+  # are reduce-scattered in grad_reduce_dtype (engine/parallel/quantized_gather.py).
+  c.parallelism.gather_dtype = 'default'
   # Manual FSDP: per_layer gathers a layer's split weights in one all_gather (and reduce-scatters
   # their gradients in one), per_weight one collective per weight; auto: per_layer on CPU
   # devices, whose compiler combines neither, per_weight on GPU / TPU, whose compilers do.

@@ -56,6 +56,9 @@ class StepOptions:
   # Manual mode: the dtype of gradient reductions (and of the FSDP gathers whose transposes
   # they are) [parallelism.grad_reduce_dtype].
   grad_reduce_dtype: str = 'float32'
+  # Manual FSDP: the gathered weights sent as int8 or fp8 with their scales, or ('default') in
+  # grad_reduce_dtype [parallelism.gather_dtype] (engine/parallel/quantized_gather.py).
+  gather_dtype: str = 'default'
   # Manual FSDP: a layer's split weights gathered in one all_gather, their gradients
   # reduce-scattered in one (engine/parallel/flat_gather.py), rather than one collective per
   # weight [parallelism.fsdp_gather; auto: on CPU devices].

@@ -31,8 +31,9 @@ from absl import logging
 from engine.analysis import hlo_loops
 
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
-                'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
+                'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
+                'c64': 8, 'c128': 16}
 _INSTRUCTION = re.compile(
     r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (' + '|'.join(KINDS) + r'|while|call|conditional|send)'
     r'(-start)?\((.*)$')
@@ -50,6 +51,7 @@ class Collective:
   axes: tuple[str, ...]  # Mesh axes its groups span, in mesh order.
   shapes: tuple[tuple[int, ...], ...]  # Result buffers (several when XLA combined them).
   buffer_bytes: tuple[int, ...]  # Per device, per execution, one entry per buffer.
+  dtypes: tuple[str, ...]  # Each buffer's HLO element type (s8, bf16, f8e4m3fn, ...).
   executions: int  # Per step: 1, or the trip count of the loops it sits in.
   name: str
   computation: str  # The HLO computation it sits in (a loop body, or the entry).
@@ -76,12 +78,12 @@ class Collective:
     return sum(b for s, b in zip(self.shapes, self.buffer_bytes) if s)
 
 
-def _shapes(type_text: str) -> list[tuple[tuple[int, ...], int]]:
-  """[(dims, bytes)] of every array in an HLO type, in order."""
+def _shapes(type_text: str) -> list[tuple[tuple[int, ...], int, str]]:
+  """[(dims, bytes, element type)] of every array in an HLO type, in order."""
   out = []
   for dtype, dims in _SHAPE.findall(type_text):
     shape = tuple(int(d) for d in dims.split(',') if d)
-    out.append((shape, math.prod(shape) * _DTYPE_BYTES[dtype]))
+    out.append((shape, math.prod(shape) * _DTYPE_BYTES[dtype], dtype))
   return out
 
 
@@ -145,9 +147,8 @@ def _parse(hlo_text: str):
 def _results(type_text: str, shapes: list) -> list:
   """The result buffers of an async start, (operands, results) on GPU and CPU; XLA:TPU spells
   collective-permute-start (operand, result, u32[], u32[]): its context scalars are left out."""
-  dtypes = [d for d, _ in _SHAPE.findall(type_text)]
   end = len(shapes)
-  while end > 2 and shapes[end - 1][0] == () and dtypes[end - 1] in ('u32', 's32'):
+  while end > 2 and shapes[end - 1][0] == () and shapes[end - 1][2] in ('u32', 's32'):
     end -= 1
   return shapes[end // 2:end]
 
@@ -186,8 +187,9 @@ def _collective(instruction: tuple, mesh_shape: dict[str, int], executions: int,
       shapes = _results(type_text, shapes)
     kind, axes = op, group_axes(replica_groups(rest), mesh_shape)
   return Collective(
-      kind=kind, axes=axes, shapes=tuple(s for s, _ in shapes),
-      buffer_bytes=tuple(b for _, b in shapes), executions=executions, name=name,
+      kind=kind, axes=axes, shapes=tuple(s for s, _, _ in shapes),
+      buffer_bytes=tuple(b for _, b, _ in shapes), dtypes=tuple(d for _, _, d in shapes),
+      executions=executions, name=name,
       computation=computation, unknown_trip_loops=unknown)
 
 

@@ -68,7 +68,9 @@ over its executions in one step. Keys are (kind, mesh axes).
 Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
-`parallelism.grad_reduce_dtype`, activations in the compute dtype, the loss terms in float32.
+`parallelism.grad_reduce_dtype` (the gathers in one byte per value and their float32 scales with
+`parallelism.gather_dtype` int8 or fp8), activations in the compute dtype, the loss terms in
+float32.
 """
 
 from __future__ import annotations
@@ -215,12 +217,30 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
     if gathered:
       factor = math.prod(mesh_shape[a] for a in gathered)
       regathered = (backward_regather and setup.options.microbatches == 1
-                    and LAYERS in p.logical_axes and len(p.shape) > 2)  # Not a stacked bias.
+                    and LAYERS in p.logical_axes and len(p.shape) > 2  # Not a stacked bias.
+                    and not _keeps_dequantized_weights(setup))
       gathers = 2 if regathered else 1
       if LAYERS in p.logical_axes and _self_differentiating(setup) and rules.mesh_axes(LAYERS):
         gathers = _one_f_one_b_gathers(setup)
-      expected[('all-gather', gathered)] += round(gathers * shard_bytes * factor)
+      expected[('all-gather', gathered)] += round(gathers * _gathered_bytes(setup, p) * factor)
       expected[('reduce-scatter', gathered)] += shard_bytes
+
+
+def _keeps_dequantized_weights(setup: TrainSetup) -> bool:
+  """Quantized gathers under model.remat='none' keep the dequantized weights for the backward
+  pass (engine/parallel/quantized_gather.py): no re-gather."""
+  return setup.options.gather_dtype != 'default' and setup.options.remat == 'none'
+
+
+def _gathered_bytes(setup: TrainSetup, p) -> int:
+  """What one FSDP gather of parameter `p` sends per device: its shard in the reduction dtype,
+  or (parallelism.gather_dtype) one byte per value and a float32 scale per position outside the
+  split dimensions (engine/parallel/quantized_gather.py)."""
+  values = math.prod(p.shard_shape)
+  if setup.options.gather_dtype == 'default':
+    return values * np.dtype(setup.options.grad_reduce_dtype).itemsize
+  split = [dim for dim, name in enumerate(p.logical_axes) if setup.rules.gather_axes(name)]
+  return values + 4 * values // math.prod(p.shard_shape[dim] for dim in split)
 
 
 def executed_layers(setup: TrainSetup) -> float:

@@ -14,7 +14,7 @@ from flax import nnx
 
 from engine.models import moe_dispatch
 from engine.models.ops import LocalOps, reduce_losses
-from engine.parallel import context, expert_exchange, flat_gather, pipeline
+from engine.parallel import context, expert_exchange, flat_gather, pipeline, quantized_gather
 from engine.parallel.steps import REMAT_POLICIES, map_params_together
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
@@ -49,6 +49,7 @@ class ManualOps(LocalOps):
     self.mesh_shape = dict(setup.mesh.shape)
     self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
     self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
+    self.gather_dtype = setup.options.gather_dtype
     self.gather = gather
     self.flat_gather = setup.options.flat_gather
     keep = REMAT_POLICIES[setup.options.remat] or jax.checkpoint_policies.everything_saveable
@@ -61,8 +62,13 @@ class ManualOps(LocalOps):
   def gathered(self, values: list, logical_axes: list) -> list:
     """The parameters with their FSDP-split dimensions all-gathered, those split alike in one
     all_gather (engine/parallel/flat_gather.py), in the reduction dtype (the gather's transpose,
-    a reduce-scatter, then moves the gradient in that dtype)."""
+    a reduce-scatter, then moves the gradient in that dtype); or each in int8 / fp8 with its
+    scales (parallelism.gather_dtype: engine/parallel/quantized_gather.py)."""
     splits = [flat_gather.split_dims(self.rules, axes) for axes in logical_axes]
+    if self.gather_dtype != 'default':  # 1-byte values and their scales on the wire.
+      return [quantized_gather.gather(v, s, self.gather_dtype, self.compute_dtype,
+                                      self.reduce_dtype) if s else v
+              for v, s in zip(values, splits)]
     values = [v.astype(self.reduce_dtype) if s else v for v, s in zip(values, splits)]
     return flat_gather.gather_together(values, splits, self.flat_gather)
 

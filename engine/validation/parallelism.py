@@ -10,6 +10,7 @@ from ml_collections import ConfigDict
 from engine import sharding
 from engine.config import DTYPES, FSDP_GATHERS
 from engine.errors import ConfigError
+from engine.parallel.quantized_gather import GATHER_DTYPES
 from engine.validation.checks import choose
 
 
@@ -22,6 +23,7 @@ def check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rule
     raise ConfigError(f'parallelism.rules={parallelism.rules!r} is unknown; choose '
                       f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")
   rules = sharding.rules_for(parallelism.rules, mesh)
+  _check_gather_dtype(parallelism, mesh)
   unused = [a for a, size in mesh.items() if size > 1 and a not in rules.mesh_axes_used()]
   if unused:
     raise ConfigError(
@@ -54,3 +56,18 @@ def check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rule
         f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} '
         'pipeline stages of equal depth; choose a stage count that divides it.')
   return rules
+
+
+def _check_gather_dtype(parallelism: ConfigDict, mesh: dict[str, int]) -> None:
+  choose(parallelism, 'gather_dtype', 'parallelism.gather_dtype', GATHER_DTYPES)
+  if parallelism.gather_dtype == 'default':
+    return
+  if parallelism.mode != 'manual':
+    raise ConfigError(
+        f'parallelism.gather_dtype={parallelism.gather_dtype!r} needs parallelism.mode=manual: '
+        "in auto mode the compiler picks what its gathers send (engine.compare's collectives "
+        "table shows it); set it to 'default', or use manual mode.")
+  if mesh['fsdp'] == 1:
+    raise ConfigError(
+        f'parallelism.gather_dtype={parallelism.gather_dtype!r} quantizes the FSDP weight '
+        "gathers, and mesh.fsdp=1 has none; set it to 'default', or give mesh.fsdp a size > 1.")
