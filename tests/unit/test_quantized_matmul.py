@@ -5,7 +5,6 @@ and as each mode runs them on a mesh (a column-parallel and a row-parallel proje
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
