@@ -7,6 +7,9 @@ bandwidth per chip, as the vendors publish them:
     version's page (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e).
   A100, H100, H200, L4: NVIDIA's data sheets (SXM parts for A100 / H100 / H200).
 
+`int8` and `fp8` are the dense int8 (TOPS) and fp8 peaks the same pages list, where the chip has
+the units: no TPU up to v6e lists fp8 (its matmul units take bfloat16 and int8), nor does A100.
+
 On TPUs float32 matmuls run at the bfloat16 rate by default (JAX's DEFAULT precision is one
 bfloat16 pass); on NVIDIA GPUs XLA runs them as TF32, whose peak is listed as `float32`.
 MFU is always the model's FLOPs over the peak of the compute dtype: an f32 run on an H100 is
@@ -30,16 +33,21 @@ class Chip:
 
 
 CHIPS = (
-    Chip('TPU v4', ('TPU v4',), {'bfloat16': 275, 'float32': 275}, 32, 1200, 300),
-    Chip('TPU v5e', ('TPU v5 lite', 'TPU v5e'), {'bfloat16': 197, 'float32': 197}, 16, 819,
-         200),
-    Chip('TPU v5p', ('TPU v5p', 'TPU v5'), {'bfloat16': 459, 'float32': 459}, 95, 2765, 600),
-    Chip('TPU v6e', ('TPU v6 lite', 'TPU v6e', 'TPU v6'), {'bfloat16': 918, 'float32': 918}, 32,
-         1640, 448),
-    Chip('NVIDIA A100', ('A100',), {'bfloat16': 312, 'float32': 156}, 80, 2039, 600),
-    Chip('NVIDIA H100', ('H100',), {'bfloat16': 989, 'float32': 495}, 80, 3350, 900),
-    Chip('NVIDIA H200', ('H200',), {'bfloat16': 989, 'float32': 495}, 141, 4800, 900),
-    Chip('NVIDIA L4', ('L4',), {'bfloat16': 121, 'float32': 60}, 24, 300, 64),
+    Chip('TPU v4', ('TPU v4',), {'bfloat16': 275, 'float32': 275, 'int8': 275}, 32, 1200, 300),
+    Chip('TPU v5e', ('TPU v5 lite', 'TPU v5e'), {'bfloat16': 197, 'float32': 197, 'int8': 393},
+         16, 819, 200),
+    Chip('TPU v5p', ('TPU v5p', 'TPU v5'), {'bfloat16': 459, 'float32': 459, 'int8': 918}, 95,
+         2765, 600),
+    Chip('TPU v6e', ('TPU v6 lite', 'TPU v6e', 'TPU v6'),
+         {'bfloat16': 918, 'float32': 918, 'int8': 1836}, 32, 1640, 448),
+    Chip('NVIDIA A100', ('A100',), {'bfloat16': 312, 'float32': 156, 'int8': 624}, 80, 2039,
+         600),
+    Chip('NVIDIA H100', ('H100',), {'bfloat16': 989, 'float32': 495, 'int8': 1979, 'fp8': 1979},
+         80, 3350, 900),
+    Chip('NVIDIA H200', ('H200',), {'bfloat16': 989, 'float32': 495, 'int8': 1979, 'fp8': 1979},
+         141, 4800, 900),
+    Chip('NVIDIA L4', ('L4',), {'bfloat16': 121, 'float32': 60, 'int8': 242, 'fp8': 242}, 24,
+         300, 64),
 )
 
 

@@ -287,6 +287,9 @@ def build(model_config, vocab_size: int) -> ModelSpec:
     F = (moe.experts_per_token * moe.mlp_dim + moe.shared_expert_dim +
          moe.num_experts / 3)
   matmul_params = cfg.num_layers * (2 * D * HK + 2 * D * NK + 3 * D * F) + vocab_size * D
+  # What matmul_precision quantizes: the attention and MLP projections, a shared expert's.
+  projected = 3 * D * (cfg.moe.shared_expert_dim if cfg.moe else cfg.mlp_dim)
+  quantized_params = cfg.num_layers * (2 * D * HK + 2 * D * NK + projected)
 
   def flops_per_token(seq_len: int) -> float:
     # As GPT's: 6 per weight, and attention's scores and weighted sum over seq_len positions.
@@ -300,7 +303,9 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       row_parallel_per_layer=('heads', 'mlp') if not cfg.moe or cfg.moe.shared_expert_dim else (
           ('heads',)),
       flops_per_token=flops_per_token, split_where_divisible=('kv_heads',),
-      context_parallel=True, experts=_experts_spec(cfg.moe))
+      context_parallel=True, experts=_experts_spec(cfg.moe),
+      quantized_params=quantized_params if cfg.matmul.quantized else 0,
+      matmul_precision=cfg.matmul.name)
 
 
 def _experts_spec(moe: MoeConfig | None) -> ExpertsSpec | None:

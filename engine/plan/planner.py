@@ -27,6 +27,7 @@ Candidates are ranked by the slower estimate, those that fit first.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -129,15 +130,20 @@ class Hardware:
 
 
 def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
-             mesh_shape: dict[str, int], executed_flops: float) -> dict:
+             mesh_shape: dict[str, int], executed_flops: float,
+             quantized: tuple[str, float] = ('default', 0.0)) -> dict:
   """Seconds per step for compute, HBM traffic and communication, and the two estimates.
 
   XLA's cost analysis counts a loop body once, so with scanned layers its FLOPs and bytes cover
   one layer of each loop: compute uses `executed_flops` (what the step really runs, per device)
-  where that is larger, and the HBM time is a lower bound."""
+  where that is larger, and the HBM time is a lower bound. `quantized`: (precision, FLOPs per
+  device of the quantized projections), which run at the chip's peak for that precision."""
   peak = hardware.per_device(hardware.chip.peak_tflops[dtype] * 1e12)
   flops = max(float(cost.get('flops', 0.0)), executed_flops)
-  compute_s = flops / peak
+  precision, fast = quantized[0], min(quantized[1], flops)
+  compute_s = (flops - fast) / peak
+  if fast:
+    compute_s += fast / hardware.per_device(hardware.chip.peak_tflops[precision] * 1e12)
   memory_s = float(cost.get('bytes accessed', 0.0)) / hardware.per_device(
       hardware.chip.hbm_gb_per_s * 1e9)
   comm_s = {'ici': 0.0, 'dcn': 0.0}
@@ -185,13 +191,27 @@ def executed_flops(model_flops: float, config, train_setup=None) -> float:
   bubble, but on every stage of a pipeline unless 1F1B splits it over them
   (train.pipeline_head)."""
   head = head_flops(train_setup, config) if train_setup is not None else 0.0
+  return (model_flops - head) * _layer_work(config) + head * head_copies(train_setup, config)
+
+
+def _layer_work(config) -> float:
+  """Executed FLOPs of the layers per FLOP of the model's count: full remat and the 1F1B
+  schedules run the forward pass twice, and a pipeline's stages also compute in the bubble
+  (the work spread over the whole step, idle ticks included)."""
   forward_passes = 2 if (config.model.remat == 'full' or config.train.get(
       'pipeline_schedule', '') in SELF_DIFFERENTIATING) else 1
-  layers = (model_flops - head) * (4 + 2 * forward_passes) / 6
-  if config.mesh.stage > 1:  # The work spread over the whole step, idle ticks included.
-    layers /= 1 - bubble_fraction(config.mesh.stage, config.train.microbatches,
-                                  config.train.pipeline_repeats, schedule_of(config.train))
-  return layers + head * head_copies(train_setup, config)
+  work = (4 + 2 * forward_passes) / 6
+  if config.mesh.stage > 1:
+    work /= 1 - bubble_fraction(config.mesh.stage, config.train.microbatches,
+                                config.train.pipeline_repeats, schedule_of(config.train))
+  return work
+
+
+def quantized_flops(train_setup, config) -> float:
+  """The executed FLOPs of the projections model.matmul_precision quantizes (6 per weight and
+  token, scaled as the layers are): what runs at the chip's int8 / fp8 peak."""
+  tokens = config.data.global_batch_size * config.data.seq_len
+  return 6.0 * train_setup.model.quantized_params * tokens * _layer_work(config)
 
 
 def head_flops(train_setup, config) -> float:
@@ -290,6 +310,16 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
   return _compiled_row(row, run, compiled, compile_s, hardware)
 
 
+# `%dot.5 = s32[128,256]{1,0} dot(s8[128,512]{1,0} %a, s8[512,256]{1,0} %b), ...`
+_MATMUL = re.compile(r'\s(?:dot|convolution)\((\w+)\[[^\]]*\][^,]*, (\w+)\[')
+
+
+def matmul_types(hlo_text: str) -> dict[str, int]:
+  """How many matmuls of the compiled program take each pair of operand types."""
+  found = collections.Counter(f'{a} x {b}' for a, b in _MATMUL.findall(hlo_text))
+  return dict(sorted(found.items()))
+
+
 def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware) -> dict:
   """A compiled candidate's plan row: its memory, collectives against the theory, roofline
   and MFU."""
@@ -307,7 +337,9 @@ def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware
   padding = expert_padding_flops(train_setup, mode, tokens, seq_len)
   estimate = roofline(cost, table, hardware, config.model.dtype, mesh_shape,
                       executed_flops(model_flops + padding, config, train_setup)
-                      / hardware.num_devices)
+                      / hardware.num_devices,
+                      (config.model.matmul_precision,
+                       quantized_flops(train_setup, config) / hardware.num_devices))
   peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
   fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
   mode_run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
@@ -327,6 +359,8 @@ def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware
       'mfu': model_flops / (hardware.num_devices * peak * estimate['serial_s']),
       'mfu_overlapped': model_flops / (hardware.num_devices * peak * estimate['overlapped_s']),
       'communication': communication,
+      # Operand types of the compiled step's matmuls ('s8 x s8': int8 projections), and count.
+      'matmul_types': matmul_types(compiled.as_text()),
       'off_theory': [dataclasses.asdict(f) for f in flags],
       # The experts' exchange per step and device, bytes of the results (theory, compiled).
       'all_to_all_bytes': {'theory': sum(b for (k, _), b in theory.items() if k == 'all-to-all'),
@@ -347,6 +381,12 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
     config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before anything compiles.
   devices = topology_devices(topology, num_slices)
   hardware = Hardware.of(devices, dcn_gb_per_s)
+  precision = config.model.matmul_precision
+  if precision != 'default' and precision not in hardware.chip.peak_tflops:
+    has = [p for p in ('int8', 'fp8') if p in hardware.chip.peak_tflops]
+    raise ConfigError(f'model.matmul_precision={precision!r}: {hardware.chip.name} has no '
+                      f'{precision} matmul units (engine/chips.py); choose '
+                      f"{' or '.join(map(repr, has + ['default']))}.")
   num_processes = len({d.process_index for d in devices})
   config = hf.with_model_config(config)  # train.init_from=hf:DIR: plan DIR's model, once.
   rows, count = [], len(meshes or ['']) * len(modes)

@@ -253,6 +253,9 @@ COMMAND_ROWS = {
          'product 8 or set one axis to -1.'),
         ([TINY, V5P, '--out=$T/no_such_dir/plan'], 2, '--out=$T/no_such_dir/plan: '
          '$T/no_such_dir is not a directory; create it, or pass a prefix in one.'),
+        ([TINY, V5P, '--config.model.matmul_precision=fp8', '--config.model.matmul_block=16'],
+         2, "model.matmul_precision='fp8': TPU v5p has no fp8 matmul units (engine/chips.py); "
+         "choose 'int8' or 'default'."),
     ],
     'engine.analysis.bubble': [
         ([], 2, '--config is required: Experiment config file (a mesh with mesh.stage > 1).'),

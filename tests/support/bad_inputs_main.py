@@ -180,6 +180,24 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.parallelism.fsdp_gather=flat'], 2,
      "parallelism.fsdp_gather='flat' is unknown; choose one of ('auto', 'per_layer', "
      "'per_weight')."),
+    ([TINY, RUN, '--config.model.matmul_precision=int4'], 2,
+     "model.matmul_precision='int4' is unknown; choose one of ('default', 'int8', 'fp8')."),
+    ([TINY, RUN, '--config.model.matmul_precision=int8'], 2,
+     'model.matmul_block=128 does not divide model.embed_dim (64): each device quantizes its '
+     'part of a contraction in whole blocks; give --config.model.matmul_block=64 (it divides '
+     'every one), or change the sizes.'),
+    ([TINY, RUN, '--config.model.matmul_precision=fp8', '--config.model.matmul_block=0'], 2,
+     'model.matmul_block=0 must be positive: the contraction elements that share a scale (128 '
+     'is the usual).'),
+    ([TINY, RUN, '--config.parallelism.gather_dtype=int4'], 2,
+     "parallelism.gather_dtype='int4' is unknown; choose one of ('default', 'int8', 'fp8')."),
+    ([TINY, RUN, '--config.parallelism.gather_dtype=int8', '--config.mesh.fsdp=8',
+      '--config.mesh.data=1'], 2, "parallelism.gather_dtype='int8' needs parallelism.mode=manual: "
+     "in auto mode the compiler picks what its gathers send (engine.compare's collectives table "
+     "shows it); set it to 'default', or use manual mode."),
+    ([TINY, RUN, '--config.parallelism.gather_dtype=fp8', '--config.parallelism.mode=manual'], 2,
+     "parallelism.gather_dtype='fp8' quantizes the FSDP weight gathers, and mesh.fsdp=1 has "
+     "none; set it to 'default', or give mesh.fsdp a size > 1."),
     ([TINY, RUN, '--config.parallelism.rules=zero3'], 2, "parallelism.rules='zero3' is unknown; "
      "choose 'auto' or one of ['data_parallel', 'fsdp', 'fsdp_tensor', 'tensor']."),
     ([TINY, RUN, '--config.data.source=hf'], 2,
