@@ -99,7 +99,9 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
             'compiled bytes accessed / bandwidth (a lower bound, for the same reason), ICI and '
             'DCN = bytes on the wire / bandwidth (ring algorithms; every link of the chip for '
             'ICI: a lower bound); overlapped = the largest, serial = max(compute, HBM) + '
-            'communication. MFU: the model\'s FLOPs per serial step time.', '']
+            'communication. MFU: the model\'s FLOPs per serial step time, against the compute '
+            'dtype\'s peak; with model.matmul_precision int8 or fp8 the quantized projections\' '
+            'FLOPs are timed at that precision\'s peak (engine/chips.py).', '']
   lines += [chips.TPU_NOTES, '']
   if any(r['status'] == 'does not fit' and 'peak_memory' not in r for r in result['candidates']):
     lines += ['A candidate does not fit: `--memory_breakdown` lists the buffers that make its '
@@ -125,6 +127,9 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
     if any(row[r['mode']].get('lower_bound') for row in r['communication']):
       lines += ['', f'**Lower bounds**: {LOWER_BOUND_NOTE} The ICI and DCN times of this '
                 'candidate are lower bounds too.']
+    if r.get('matmul_types'):
+      kinds = ', '.join(f'{pair}: {n}' for pair, n in r['matmul_types'].items())
+      lines += ['', f'Matmuls of the compiled step by operand types: {kinds}.']
     command = train_command(config_arg, list(overrides), r['mesh_shape'], r['mode'],
                             ml_collections.ConfigDict(r['config']))
     lines += ['', f'Train it: `{command}`', '']

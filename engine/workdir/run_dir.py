@@ -28,7 +28,10 @@ ADDED_KEYS = {
     'model.sliding_window': 0,
     'optim.schedule': 'cosine',
     'optim.decay_fraction': 0.2,
+    'model.matmul_precision': 'default',
+    'model.matmul_block': 128,
     'parallelism.fsdp_gather': 'auto',
+    'parallelism.gather_dtype': 'default',
     'train.init_from': '',
     'train.pipeline_repeats': 1,
 }
@@ -64,14 +67,16 @@ def prepare(workdir: str) -> epath.Path:
 def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
   """Refuses to resume a checkpoint whose model or data config differ from this one: the state
   would not fit, or the run would silently change; so does a learning-rate schedule whose end
-  would move with train.num_steps. Mesh, mode and the optim keys may change (but not the
-  circular pipeline's layer grouping)."""
+  would move with train.num_steps. Mesh, mode, the optim keys and the model's compute keys
+  (COMPUTE_KEYS: dtype, remat, matmul precision) may change (but not the circular pipeline's
+  layer grouping)."""
   path = workdir / CONFIG_FILE
   if not path.exists():
     return
   saved = json.loads(upgrade(ml_collections.ConfigDict(json.loads(path.read_text()))).to_json())
   for section in ('model', 'data'):
-    if saved.get(section) != json.loads(config[section].to_json()):
+    if _state_keys(saved.get(section), section) != _state_keys(
+        json.loads(config[section].to_json()), section):
       raise ConfigError(
           f'--workdir={workdir} holds checkpoints of a run with a different {section} config; '
           f'use a new --workdir, or the {section} settings of {path}.')
@@ -140,6 +145,17 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
                       'a training run.')
   saved.pop('tokenizer', None)  # The kept tokenizer's record (engine/workdir/tokenizer.py).
   return upgrade(ml_collections.ConfigDict(saved))
+
+
+# Model keys that change how a step computes, not the state a checkpoint holds (float32
+# parameters and optimizer state whatever they are): a run may resume with others.
+COMPUTE_KEYS = frozenset({'dtype', 'remat', 'matmul_precision', 'matmul_block'})
+
+
+def _state_keys(section_values: dict | None, section: str) -> dict | None:
+  if section != 'model' or section_values is None:
+    return section_values
+  return {k: v for k, v in section_values.items() if k not in COMPUTE_KEYS}
 
 
 def upgrade(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -247,3 +247,23 @@ def test_a_checkpoint_of_another_model_without_its_config_is_refused_clearly(sav
   with pytest.raises(CheckpointError, match=r'The checkpoint of step 4 .* could not be restored '
                      r'into this model: .*resume with that config, or use a new --workdir'):
     train(config, str(workdir))
+
+
+@pytest.mark.slow
+def test_a_quantized_run_resumes_in_bfloat16_and_back(tmp_path):
+  """Checkpoints hold float32 state whatever the matmuls compute in: an int8 run's checkpoint
+  resumes in bfloat16 with unquantized matmuls, whose checkpoint resumes in fp8; each resume
+  starts from the step and parameters the run before it saved."""
+  workdir = str(tmp_path / 'run')
+  losses = {}
+  for steps, dtype, precision in ((2, 'float32', 'int8'), (4, 'bfloat16', 'default'),
+                                  (6, 'bfloat16', 'fp8')):
+    config = _config(steps, async_checkpoints=False)
+    config.model.dtype, config.model.matmul_precision = dtype, precision
+    config.model.matmul_block = 8
+    losses.update(train(config, workdir).train_losses)
+  assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+  assert all(np.isfinite(list(losses.values())))
+  # The state carried over: step 3 starts from step 2's parameters, not from a fresh start
+  # (whose loss is step 1's, the highest of a converging run).
+  assert losses[3] < losses[1] - 0.01
