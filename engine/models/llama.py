@@ -257,7 +257,7 @@ def moe_config(model_config) -> MoeConfig | None:
       shared_expert_dim=model_config.moe_shared_expert, dispatch=model_config.moe_dispatch,
       capacity_factor=model_config.moe_capacity_factor,
       aux_loss_coef=model_config.moe_aux_loss_coef, z_loss_coef=model_config.moe_z_loss_coef,
-      shared_matmul=quantized_matmul.from_config(model_config))
+      matmul=quantized_matmul.from_config(model_config))
 
 
 def build(model_config, vocab_size: int) -> ModelSpec:
@@ -287,8 +287,12 @@ def build(model_config, vocab_size: int) -> ModelSpec:
     F = (moe.experts_per_token * moe.mlp_dim + moe.shared_expert_dim +
          moe.num_experts / 3)
   matmul_params = cfg.num_layers * (2 * D * HK + 2 * D * NK + 3 * D * F) + vocab_size * D
-  # What matmul_precision quantizes: the attention and MLP projections, a shared expert's.
-  projected = 3 * D * (cfg.moe.shared_expert_dim if cfg.moe else cfg.mlp_dim)
+  # What matmul_precision quantizes: the attention and MLP projections, a shared expert's, and
+  # the k experts a token meets under the capacity dispatch.
+  projected = 3 * D * cfg.mlp_dim
+  if cfg.moe:
+    projected = 3 * D * (cfg.moe.shared_expert_dim + (
+        cfg.moe.experts_per_token * cfg.moe.mlp_dim if cfg.moe.dispatch == 'capacity' else 0))
   quantized_params = cfg.num_layers * (2 * D * HK + 2 * D * NK + projected)
 
   def flops_per_token(seq_len: int) -> float:

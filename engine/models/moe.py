@@ -54,8 +54,9 @@ class MoeConfig:
   capacity_factor: float = 1.0
   aux_loss_coef: float = 0.0
   z_loss_coef: float = 0.0
-  # The shared expert's projections (the routed experts and the router: the compute dtype).
-  shared_matmul: MatmulPrecision = quantized_matmul.DEFAULT
+  # The shared expert's projections and a capacity dispatch's experts (the router and the
+  # dropless dispatch's experts: the compute dtype).
+  matmul: MatmulPrecision = quantized_matmul.DEFAULT
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -129,7 +130,8 @@ class MoeMlp(nnx.Module):
     weights_TK, experts_TK = weights_BLK.reshape(B * L, -1), experts_BLK.reshape(B * L, -1)
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')
     ffn = ExpertFFN(self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
-                    lambda y: ops.finish_contraction(y, 'mlp'))
+                    lambda y: ops.finish_contraction(y, 'mlp'),
+                    cfg.matmul if cfg.dispatch == 'capacity' else quantized_matmul.DEFAULT)
     slots = (None if cfg.dispatch == 'dropless' else
              capacity(L, cfg.experts_per_token, cfg.num_experts, cfg.capacity_factor))
     y_BLKD, dropped = ops.experts(x_BLD, experts_BLK, ffn, cfg.num_experts, slots)
@@ -137,7 +139,7 @@ class MoeMlp(nnx.Module):
     x_TD = x_BLD.reshape(B * L, D)
     y_TD = jnp.einsum('tkd,tk->td', y_TKD, weights_TK.astype(y_TKD.dtype))
     if cfg.shared_expert_dim:
-      shared = functools.partial(dense, precision=cfg.shared_matmul)
+      shared = functools.partial(dense, precision=cfg.matmul)
       h_TS = jax.nn.silu(shared(x_TD, self.w_shared_gate_DS[...])) * shared(
           x_TD, self.w_shared_up_DS[...])
       y_TD = y_TD + ops.finish_contraction(shared(h_TS, self.w_shared_down_SD[...]), 'mlp')

@@ -20,11 +20,14 @@ L * K per sequence), E experts, C slots per expert and sequence, D embed, F expe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from engine.models import quantized_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,8 @@ class ExpertFFN:
   w_up_EDF: jax.Array
   w_down_EFD: jax.Array
   finish: Callable[[jax.Array], jax.Array]
+  # How `batched` multiplies (model.matmul_precision, for the capacity dispatch).
+  precision: quantized_matmul.MatmulPrecision = quantized_matmul.DEFAULT
 
   @property
   def num_experts(self) -> int:
@@ -50,9 +55,12 @@ class ExpertFFN:
 
   def batched(self, x_ENC: jax.Array) -> jax.Array:
     """[E, N, D] -> [E, N, D]: row block e through expert e (zero rows stay zero)."""
-    gate = jnp.einsum('end,edf->enf', x_ENC, self.w_gate_EDF)
-    up = jnp.einsum('end,edf->enf', x_ENC, self.w_up_EDF)
-    return self.finish(jnp.einsum('enf,efd->end', jax.nn.silu(gate) * up, self.w_down_EFD))
+    if self.precision.quantized:
+      product = functools.partial(quantized_matmul.batched_matmul, precision=self.precision)
+    else:
+      product = lambda x, w: jnp.einsum('enk,ekf->enf', x, w)
+    gate, up = product(x_ENC, self.w_gate_EDF), product(x_ENC, self.w_up_EDF)
+    return self.finish(product(jax.nn.silu(gate) * up, self.w_down_EFD))
 
 
 def capacity(length: int, k: int, experts: int, factor: float) -> int:

@@ -1,8 +1,11 @@
 """Dense projections in int8 or fp8, forward and backward: Qwix's quantized training.
 
 `model.matmul_precision` picks how every `engine.models.layers.dense` projection (attention's
-query / key / value / output, the MLP's, a shared expert's) multiplies; the token embedding, the
-output head, a router and the routed experts stay in the compute dtype (`model.dtype`):
+query / key / value / output, the MLP's, a shared expert's) multiplies, and a capacity
+dispatch's experts (`batched_matmul`); the token embedding, the output head, a router and the
+dropless dispatch's experts stay in the compute dtype (`model.dtype`: its grouped matmuls'
+weight gradients contract over the rows each device routes, which no block size aligns across
+layouts):
 
   default  the compute dtype's matmul.
   int8     both operands of each of the three matmuls (the forward x @ w, and the backward
@@ -91,11 +94,19 @@ def _qt_config(precision: MatmulPrecision):
 
 def matmul(x_NK: jax.Array, w_KF: jax.Array, precision: MatmulPrecision) -> jax.Array:
   """x [N, K] @ w [K, F] in `precision`, in x's dtype."""
+  return _dot_general(x_NK, w_KF, (((1,), (0,)), ((), ())), precision)
+
+
+def batched_matmul(x_ENK: jax.Array, w_EKF: jax.Array, precision: MatmulPrecision) -> jax.Array:
+  """x [E, N, K] @ w [E, K, F] for each e (a capacity dispatch's experts), in `precision`."""
+  return _dot_general(x_ENK, w_EKF, (((2,), (1,)), ((0,), (0,))), precision)
+
+
+def _dot_general(x, w, dimension_numbers, precision: MatmulPrecision) -> jax.Array:
   from qwix._src.core import dot_general_qt  # pylint: disable=g-import-not-at-top
   # Typed alike under shard_map, as jnp.dot would cast them: a custom gradient comes back typed
   # like its input.
-  x_NK, w_KF = vary_alike(x_NK, w_KF)
-  y = dot_general_qt.dot_general_qt(x_NK, w_KF, (((1,), (0,)), ((), ())),
-                                    _qt_config(precision))
-  return y.astype(x_NK.dtype)
+  x, w = vary_alike(x, w)
+  y = dot_general_qt.dot_general_qt(x, w, dimension_numbers, _qt_config(precision))
+  return y.astype(x.dtype)
 

@@ -9,6 +9,7 @@ import math
 from ml_collections import ConfigDict
 
 from engine.errors import ConfigError
+from engine.models.moe_dispatch import capacity
 from engine.models.quantized_matmul import PRECISIONS
 from engine.validation.checks import choose
 
@@ -49,12 +50,16 @@ def _contractions(config: ConfigDict, mesh: dict[str, int], training: bool) -> d
           kv_heads * head_dim // (tensor if kv_heads % tensor == 0 else 1)),
       'the MLP width on a device (model.mlp_dim / mesh.tensor)': model.mlp_dim // tensor,
   }
-  shared = model.get('moe_shared_expert', 0) if model.get('num_experts', 0) else 0
-  if shared:
-    extents['the shared expert width on a device'] = shared // tensor
+  experts = model.get('num_experts', 0)
+  if experts and model.moe_shared_expert:
+    extents['the shared expert width on a device'] = model.moe_shared_expert // tensor
+  # Ring attention's zigzag layout holds each sequence as two pieces per device.
+  length = config.data.seq_len // (mesh['context'] * (2 if mesh['context'] > 1 else 1))
+  if experts and model.moe_dispatch == 'capacity':
+    extents['an expert\'s width on a device'] = (model.moe_mlp_dim or model.mlp_dim) // tensor
+    if training:
+      extents['the slots per expert and sequence (the capacity dispatch\'s)'] = capacity(
+          length, model.experts_per_token, experts, model.moe_capacity_factor)
   if training:
-    # Ring attention's zigzag layout holds each sequence as two pieces per device.
-    pieces = mesh['context'] * (2 if mesh['context'] > 1 else 1)
-    extents['the tokens of a sequence piece (data.seq_len / pieces per sequence)'] = (
-        config.data.seq_len // pieces)
+    extents['the tokens of a sequence piece (data.seq_len / pieces per sequence)'] = length
   return extents

@@ -1,5 +1,6 @@
 """int8 and fp8 projections (model.matmul_precision) in both modes on the suite's meshes (data,
-fsdp, tensor, their mix, context, a 1F1B and a zero-bubble pipeline) against the single-device
+fsdp, tensor, their mix, context, a 1F1B and a zero-bubble pipeline, experts) against the
+single-device
 run of the same quantization, whose projections tests/unit/test_quantized_matmul.py holds to
 NumPy's account; and that the quantization changes the run, so the comparison can tell."""
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.parity.test_llama import llama_config
+from tests.parity.test_moe import moe_config
 from tests.parity.test_pipeline import _config as pipeline_config
 from tests.support.helpers import _ungrouped, engine_run, single_device_run
 
@@ -71,6 +73,17 @@ def test_gpt_context_and_pipelines_match_single_device(schedule, mesh, mode):
   if schedule:
     config.train.pipeline_schedule = schedule
   reference = single_device_run(_quantized(pipeline_config(model='gpt'), 'int8'), STEPS)
+  _assert_same_quantized_run(engine_run(config, mode, STEPS), reference)
+
+
+@pytest.mark.parametrize('mode', ['manual', 'auto'])
+@pytest.mark.parametrize('mesh', [(2, 1, 1, 1, 1, 4), (1, 2, 2, 1, 1, 2)],
+                         ids=['expert4_data2', 'expert2_fsdp2_tensor2'])
+def test_capacity_experts_match_single_device(mesh, mode):
+  """A mixture of experts with the capacity dispatch, whose experts' matmuls are quantized too
+  (4 slots per expert and sequence: one block), its auxiliary losses included."""
+  reference = single_device_run(_quantized(moe_config(dispatch='capacity'), 'int8'), STEPS)
+  config = _quantized(moe_config(mesh, 'capacity', mode), 'int8')
   _assert_same_quantized_run(engine_run(config, mode, STEPS), reference)
 
 

@@ -5,6 +5,7 @@ and as each mode runs them on a mesh (a column-parallel and a row-parallel proje
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
@@ -118,3 +119,17 @@ def test_auto_sharded_projection_matches_numpy(name):
   expected = quantized_reference.quantized_dense(*map(np.asarray, (x, w, dy)), name, BLOCK)
   for what, a, e in zip(('y', 'dx', 'dw'), got, expected):
     _assert_close(a, e, f'{name} {what}')
+
+
+@pytest.mark.parametrize('name', ['int8', 'fp8'])
+def test_batched_experts_match_numpy_expert_by_expert(name):
+  """A capacity dispatch's [E, N, K] @ [E, K, F]: each expert's block is the 2-D projection."""
+  precision = quantized_matmul.MatmulPrecision(name, BLOCK)
+  operands = [_operands(seed) for seed in range(3)]
+  x, w, dy = (jnp.stack(parts) for parts in zip(*operands))
+  y, vjp = jax.vjp(lambda x, w: quantized_matmul.batched_matmul(x, w, precision), x, w)
+  got = (y, *vjp(dy))
+  for e, (xe, we, dye) in enumerate(operands):
+    expected = quantized_reference.quantized_dense(*map(np.asarray, (xe, we, dye)), name, BLOCK)
+    for what, a, ex in zip(('y', 'dx', 'dw'), got, expected):
+      _assert_close(a[e], ex, f'{name} expert {e} {what}')
