@@ -178,10 +178,17 @@ def report(config, runs: list, tokens: int, matmul: float | None, external: dict
            f'{config.model.embed_dim}, sequence {config.data.seq_len}, batch '
            f'{config.data.global_batch_size}, {config.model.dtype}, remat {config.model.remat}; '
            f'{jax.device_count()} x {jax.devices()[0].device_kind}; {_STEPS.value} timed steps')
+  if config.model.matmul_precision != 'default':
+    title += f'; {config.model.matmul_precision} projections'
   if matmul:
     title += f'; calibrated matmul: {matmul / 1e12:.4g} TFLOP/s per device'
   off = off_theory(config, [r for r in runs if not r.mode.endswith(baseline.SUFFIX)])
   text = '\n'.join(verdicts.markdown(off)) + '\n' + benchmark.markdown(rows, title, external)
+  if config.model.matmul_precision != 'default' and jax.devices()[0].platform == 'cpu':
+    text += ('\n\nXLA:CPU has no int8 or fp8 matrix units: it runs the quantized matmuls as '
+             'float32 products, after the quantization\'s own work, so this step is slower than '
+             'the unquantized one here. On TPU and GPU they run on the chip\'s int8 / fp8 units '
+             '(engine.plan times them at those peaks).')
   if _DENSE.value:
     text += '\n\n' + benchmark.dense_comparison(rows)
   pairs = baseline.comparison(rows) if _BASELINE.value else None

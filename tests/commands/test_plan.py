@@ -281,3 +281,29 @@ def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
   manual = next(r for r in result['candidates'] if r['mode'] == 'manual')
   assert manual['all_to_all_bytes']['compiled'] == theory
   assert '| all-to-all MiB (theory / compiled) |' in plan_report.markdown(result, 'x')
+
+
+@pytest.mark.slow
+def test_int8_projections_compile_to_int8_matmuls_timed_at_the_int8_peak():
+  """The quantized step for TPU v5p: its projections' matmuls take int8 operands in the HLO (the
+  head's and attention's stay bfloat16), and the roofline times their FLOPs at v5p's int8 peak
+  (twice bfloat16's), so compute falls by half their share against the unquantized step."""
+  config = _config()
+  config.model.dtype = 'bfloat16'
+  # Blocks of 128 (the sequence too): libtpu compiles smaller ones to bfloat16 matmuls.
+  config.model.matmul_precision, config.model.matmul_block = 'int8', 128
+  config.data.seq_len = config.model.max_len = 128
+  (row,) = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['8x1x1'])['candidates']
+  # GPT's 6 projections (q, k, v, out, up, down) x 3 products, once in the scanned layer's
+  # forward and backward loop bodies.
+  assert row['matmul_types'].get('s8 x s8', 0) == 6 * 3
+  assert row['matmul_types'].get('bf16 x bf16', 0) > 0
+  estimate = row['roofline']
+  quantized = plan_lib.quantized_flops(lay_out(config, 1024), config) / 8
+  assert 0 < quantized < estimate['flops_per_device']
+  peak = 459e12  # v5p bfloat16; int8: 918.
+  assert estimate['compute_s'] == pytest.approx(
+      (estimate['flops_per_device'] - quantized) / peak + quantized / (2 * peak), rel=1e-9)
+  assert 's8 x s8' in plan_report.markdown({**{'candidates': [row]}, 'topology': TOPOLOGY,
+                                            'num_slices': 1, 'devices': 8, 'chip': 'TPU v5p',
+                                            'hbm_bytes_per_device': 1}, 'x')
