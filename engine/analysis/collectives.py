@@ -241,13 +241,14 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
 
 
 def summarize(collectives: list[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
-  """(kind, axes) -> {'ops', 'executions', 'buffers', 'bytes', 'array_bytes',
+  """(kind, axes) -> {'ops', 'executions', 'buffers', 'bytes', 'array_bytes', 'dtype_bytes',
   'ops_in_unknown_loops'} per step (`array_bytes` leaves out scalar buffers such as losses and
-  norms). `ops_in_unknown_loops` counts the row's ops inside a loop of unknown trip count: when
-  it is above 0, executions, buffers and bytes are lower bounds."""
+  norms; `dtype_bytes` splits them by element type, {'s8': ..., 'f32': ...}).
+  `ops_in_unknown_loops` counts the row's ops inside a loop of unknown trip count: when it is
+  above 0, executions, buffers and bytes are lower bounds."""
   table = collections.defaultdict(
       lambda: {'ops': 0, 'executions': 0, 'buffers': 0, 'bytes': 0, 'array_bytes': 0,
-               'ops_in_unknown_loops': 0})
+               'dtype_bytes': collections.Counter(), 'ops_in_unknown_loops': 0})
   for c in collectives:
     row = table[(c.kind, c.axes)]
     row['ops'] += 1
@@ -256,7 +257,11 @@ def summarize(collectives: list[Collective]) -> dict[tuple[str, tuple[str, ...]]
     row['buffers'] += c.buffers * c.executions
     row['bytes'] += c.bytes * c.executions
     row['array_bytes'] += c.array_bytes * c.executions
-  return dict(sorted(table.items()))
+    for shape, size, dtype in zip(c.shapes, c.buffer_bytes, c.dtypes):
+      if shape:
+        row['dtype_bytes'][dtype] += size * c.executions
+  return {key: {**row, 'dtype_bytes': dict(row['dtype_bytes'])}
+          for key, row in sorted(table.items())}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,7 +131,7 @@ def _communication_table(report: dict) -> list[str]:
          'engine/analysis/comm_theory.py.', '']
   header = ['kind', 'mesh axes', 'theory KiB']
   for m in modes:
-    header += [f'{m} count', f'{m} KiB', f'{m} / theory']
+    header += [f'{m} count', f'{m} KiB', f'{m} types', f'{m} / theory']
   rows = []
   for row in report['communication']:
     cells = [row['kind'], row['axes'], f'{row["theory_bytes"] / 1024:.1f}']
@@ -143,9 +143,17 @@ def _communication_table(report: dict) -> list[str]:
         ratio = f'**{ratio}**'
       cells += [lower_bound(e, e['executions']) + (
                     " (a loop's trip count unknown)" if e.get('lower_bound') else ''),
-                lower_bound(e, f'{e["bytes"] / 1024:.1f}'), ratio]
+                lower_bound(e, f'{e["bytes"] / 1024:.1f}'), element_types(e), ratio]
     rows.append(cells)
   return out + _table(header, rows) + ['']
+
+
+def element_types(entry: dict) -> str:
+  """The element types a mode's row moved, by share of its bytes: 's8 94 %, f32 6 %'."""
+  by_type = entry.get('dtype_bytes') or {}
+  total = sum(by_type.values())
+  return ', '.join(f'{t} {100 * b / total:.0f} %' for t, b in
+                   sorted(by_type.items(), key=lambda kv: -kv[1])) if total else '-'
 
 
 def _schedule_note(report: dict) -> list[str]:

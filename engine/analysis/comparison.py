@@ -113,8 +113,9 @@ def communication_table(runs, theory: dict) -> list[dict]:
     row = {'kind': kind, 'axes': ','.join(axes) or '-', 'theory_bytes': theory.get((kind, axes), 0)}
     for mode, table in measured.items():
       entry = table.get((kind, axes), {'executions': 0, 'array_bytes': 0, 'bytes': 0,
-                                       'ops_in_unknown_loops': 0})
+                                       'dtype_bytes': {}, 'ops_in_unknown_loops': 0})
       row[mode] = {'executions': entry['executions'], 'bytes': entry['array_bytes'],
+                   'dtype_bytes': entry['dtype_bytes'],
                    'ratio': (entry['array_bytes'] / row['theory_bytes']
                              if row['theory_bytes'] else None),
                    # Not in the theory and moving arrays, not just a loss or a norm.

@@ -8,7 +8,7 @@ import ml_collections
 from engine import chips
 from engine import config as config_lib
 from engine.analysis import verdicts
-from engine.analysis.compare_report import LOWER_BOUND_NOTE, lower_bound
+from engine.analysis.compare_report import LOWER_BOUND_NOTE, element_types, lower_bound
 
 
 def train_command(config_arg: str, overrides: list[str], mesh: dict[str, int], mode: str,
@@ -111,8 +111,8 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
     if r['status'] == 'invalid' or 'communication' not in r:
       continue
     lines += [f'## {r["mesh"]}, {r["mode"]}: collectives per step and device', '',
-              '| kind | axes | executions | MiB | theory MiB | measured / theory |',
-              '|---|---|---:|---:|---:|---:|']
+              '| kind | axes | executions | MiB | types | theory MiB | measured / theory |',
+              '|---|---|---:|---:|---|---:|---:|']
     for row in r['communication']:
       e = row[r['mode']]
       ratio = lower_bound(e, f'{e["ratio"]:.2f}') if e['ratio'] is not None else (
@@ -123,7 +123,7 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
           " (a loop's trip count unknown)" if e.get('lower_bound') else '')
       mib = lower_bound(e, f'{e["bytes"] / 2**20:.1f}')
       lines.append(f'| {row["kind"]} | {row["axes"]} | {executions} | {mib} | '
-                   f'{row["theory_bytes"] / 2**20:.1f} | {ratio} |')
+                   f'{element_types(e)} | {row["theory_bytes"] / 2**20:.1f} | {ratio} |')
     if any(row[r['mode']].get('lower_bound') for row in r['communication']):
       lines += ['', f'**Lower bounds**: {LOWER_BOUND_NOTE} The ICI and DCN times of this '
                 'candidate are lower bounds too.']

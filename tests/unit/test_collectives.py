@@ -48,15 +48,17 @@ def test_loop_bodies_count_once_per_iteration_and_tuples_per_buffer():
       'ENTRY %main.2 (a: f32[8]) -> f32[8] {',
       '  %w = (s32[], f32[8]) while(%t), condition=%cond.1, body=%body.1, '
       'backend_config={"known_trip_count":{"n":"6"}}',
-      '  %ar = (f32[8]{0}, f32[2,3]{1,0}, f32[]) all-reduce(%a, %b, %c), '
+      '  %ar = (f32[8]{0}, s8[2,3]{1,0}, f32[]) all-reduce(%a, %b, %c), '
       'replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add',
       '}'])
   table = collectives.summarize(collectives.count_collectives(hlo, _Mesh(MESH_222)))
   assert table[('all-gather', ('tensor',))] == {'ops': 1, 'executions': 6, 'buffers': 6,
                                                 'bytes': 6 * 64, 'array_bytes': 6 * 64,
+                                                'dtype_bytes': {'f32': 6 * 64},
                                                 'ops_in_unknown_loops': 0}
   assert table[('all-reduce', ('data',))] == {'ops': 1, 'executions': 1, 'buffers': 3,
-                                              'bytes': 32 + 24 + 4, 'array_bytes': 32 + 24,
+                                              'bytes': 32 + 6 + 4, 'array_bytes': 32 + 6,
+                                              'dtype_bytes': {'f32': 32, 's8': 6},
                                               'ops_in_unknown_loops': 0}
 
 
