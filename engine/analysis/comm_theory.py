@@ -68,9 +68,9 @@ over its executions in one step. Keys are (kind, mesh axes).
 Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
-`parallelism.grad_reduce_dtype` (the gathers in one byte per value and their float32 scales with
-`parallelism.gather_dtype` int8 or fp8), activations in the compute dtype, the loss terms in
-float32.
+`parallelism.grad_reduce_dtype` (the gathers in one byte per value with `parallelism.gather_dtype`
+int8 or fp8, and an all-reduce of each weight's float32 channel scales), activations in the
+compute dtype, the loss terms in float32.
 """
 
 from __future__ import annotations
@@ -224,6 +224,8 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
         gathers = _one_f_one_b_gathers(setup)
       expected[('all-gather', gathered)] += round(gathers * _gathered_bytes(setup, p) * factor)
       expected[('reduce-scatter', gathered)] += shard_bytes
+      if setup.options.gather_dtype != 'default':  # The channels' scales, a pmax per gather.
+        expected[('all-reduce', gathered)] += gathers * _scale_bytes(setup, p)
 
 
 def _keeps_dequantized_weights(setup: TrainSetup) -> bool:
@@ -234,13 +236,17 @@ def _keeps_dequantized_weights(setup: TrainSetup) -> bool:
 
 def _gathered_bytes(setup: TrainSetup, p) -> int:
   """What one FSDP gather of parameter `p` sends per device: its shard in the reduction dtype,
-  or (parallelism.gather_dtype) one byte per value and a float32 scale per position outside the
-  split dimensions (engine/parallel/quantized_gather.py)."""
+  or one byte per value (parallelism.gather_dtype: engine/parallel/quantized_gather.py)."""
   values = math.prod(p.shard_shape)
   if setup.options.gather_dtype == 'default':
     return values * np.dtype(setup.options.grad_reduce_dtype).itemsize
+  return values
+
+
+def _scale_bytes(setup: TrainSetup, p) -> int:
+  """A quantized gather's float32 scales: one per position outside the split dimensions."""
   split = [dim for dim, name in enumerate(p.logical_axes) if setup.rules.gather_axes(name)]
-  return values + 4 * values // math.prod(p.shard_shape[dim] for dim in split)
+  return 4 * math.prod(size for dim, size in enumerate(p.shard_shape) if dim not in split)
 
 
 def executed_layers(setup: TrainSetup) -> float:
