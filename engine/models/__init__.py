@@ -16,6 +16,8 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   ops.py             the operations a model calls where a layout may communicate (LocalOps)
   layers.py          shared building blocks: 2-D dense products, stacked and scanned layers
   dense_taps.py      a stack's backward pass in an input-gradient and a weight-gradient half
+  quantized_matmul.py  int8 / fp8 projections, forward and backward (Qwix's quantized training)
+  varying_axes.py    shard_map's varying-axes types, and the casts that widen them
   attention.py       causal attention: einsum, jax.nn.dot_product_attention or splash
   splash.py          the Pallas TPU splash-attention kernel, whole and per ring block
   documents.py       packed documents: segment ids and in-document positions

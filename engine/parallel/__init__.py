@@ -17,6 +17,7 @@ read from a config here.
   stage_lanes.py      how each mode holds one value per stage, for that schedule
   model_cut.py        a model cut at its layer stack (embedding, stage, head) for that schedule
   flat_gather.py      manual FSDP's gathers, one collective per group of weights
+  quantized_gather.py manual FSDP's gathers in int8 / fp8, one scale per channel
   expert_exchange.py  manual expert parallelism: the experts' token exchange (all_to_all)
 """
 

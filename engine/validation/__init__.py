@@ -19,6 +19,7 @@ are checked by that model (engine/models/__init__.py: MODEL_CHECKS, through mode
   moe.py          a mixture of experts against the mesh and the mode
   schedule.py     what a train step needs: the pipeline schedule and the batch's split
   layout.py       check_layout: every parameter's split, once the model is laid out
+  precision.py    quantized projections: the precision, and a block that divides each contraction
 """
 
 from __future__ import annotations
