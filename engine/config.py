@@ -65,7 +65,7 @@ def default_config() -> ml_collections.ConfigDict:
   # model.dtype) | int8 | fp8 (e4m3 forward, e5m2 gradients), forward and backward, with a scale
   # per channel and per block of matmul_block elements along each contraction.
   c.model.matmul_precision = 'default'
-  c.model.matmul_block = 128
+  c.model.matmul_block = 128  # Contraction elements per scale; 128+ keeps TPU's int8 matmuls.
   # What each layer keeps for the backward pass: none (keep all) | full (recompute the layer) |
   # dots_saveable | dots_with_no_batch_dims_saveable (keep matmul outputs).
   c.model.remat = 'none'
