@@ -165,5 +165,5 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       name='gpt', factory=lambda rngs: GPT(cfg, rngs), vocab_size=vocab_size,
       embed_dim=cfg.embed_dim, num_layers=cfg.num_layers,
       row_parallel_per_layer=('heads', 'mlp'), flops_per_token=flops_per_token,
-      context_parallel=True, matmul_precision=cfg.matmul.name,
+      context_parallel=True,
       quantized_params=(matmul_params - vocab_size * D) if cfg.matmul.quantized else 0)

@@ -308,8 +308,7 @@ def build(model_config, vocab_size: int) -> ModelSpec:
           ('heads',)),
       flops_per_token=flops_per_token, split_where_divisible=('kv_heads',),
       context_parallel=True, experts=_experts_spec(cfg.moe),
-      quantized_params=quantized_params if cfg.matmul.quantized else 0,
-      matmul_precision=cfg.matmul.name)
+      quantized_params=quantized_params if cfg.matmul.quantized else 0)
 
 
 def _experts_spec(moe: MoeConfig | None) -> ExpertsSpec | None:

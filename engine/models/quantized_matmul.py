@@ -12,9 +12,9 @@ layouts):
            pass's dy @ w^T and x^T @ dy) quantized to int8, symmetric, with a scale per channel
            and per block of `model.matmul_block` elements along the contraction, taken from the
            block's absolute maximum (which maps to 127; values round half to even); int8 x int8
-           products accumulate in int32 and the scales multiply the per-block sums. MaxText's int8 training (Qwix, its
-           recommendation for TPU v5e / v6e, whose int8 peak is twice the bfloat16 one)
-           quantizes the same three matmuls.
+           products accumulate in int32 and the scales multiply the per-block sums. MaxText's
+           int8 training (Qwix, its recommendation for TPU v5e / v6e, whose int8 peak is twice
+           the bfloat16 one) quantizes the same three matmuls.
   fp8      the same with float8_e4m3fn operands forward and float8_e5m2 gradients (their wider
            exponent range) in the backward pass, scaled each step from the blocks' current
            maxima (absmax to the format's largest value, 448 / 57344): "current scaling", no
@@ -24,8 +24,9 @@ Why blocks along the contraction rather than one scale per whole channel: a scal
 whole contraction needs its maximum over every device that holds part of it (a tensor-parallel
 row split, the tokens of a data-parallel weight gradient), so per-channel numerics would change
 with the mesh. With blocks that divide each device's slice every device computes the scales a
-single device would, so both modes on every mesh equal the one-device run
-(engine/validation/model.py refuses a block that does not divide them). Parameters, gradients
+single device would, so both modes on every mesh equal the one-device run (up to the rounding
+ties float32 summation order decides)
+(engine/validation/precision.py refuses a block that does not divide them). Parameters, gradients
 and optimizer state stay in float32: a checkpoint never holds a quantized value.
 """
 

@@ -73,11 +73,10 @@ class ModelSpec:
   layer_groups: int = 1
   # The mixture of experts of every layer, or None for a dense model.
   experts: ExpertsSpec | None = None
-  # The weights of the dense projections model.matmul_precision quantizes (all layers; not the
-  # head, the embedding, a router or routed experts), and that precision: engine.plan times
-  # their 6 FLOPs per weight and token at the chip's int8 / fp8 peak.
+  # The weights model.matmul_precision quantizes, all layers (0 unquantized; not the head, the
+  # embedding, a router or a dropless dispatch's experts): engine.plan times their 6 FLOPs per
+  # weight and token at the chip's int8 / fp8 peak.
   quantized_params: int = 0
-  matmul_precision: str = 'default'
 
   def create(self, rngs: nnx.Rngs) -> nnx.Module:
     """The model, unplaced. The engine places parameters itself (a jit with out_shardings from

@@ -65,7 +65,7 @@ class ManualOps(LocalOps):
     a reduce-scatter, then moves the gradient in that dtype); or each in int8 / fp8 with its
     scales (parallelism.gather_dtype: engine/parallel/quantized_gather.py)."""
     splits = [flat_gather.split_dims(self.rules, axes) for axes in logical_axes]
-    if self.gather_dtype != 'default':  # 1-byte values and their scales on the wire.
+    if self.gather_dtype != 'default':  # 1-byte values on the wire, one weight at a time.
       return [quantized_gather.gather(v, s, self.gather_dtype, self.compute_dtype,
                                       self.reduce_dtype) if s else v
               for v, s in zip(values, splits)]
