@@ -259,7 +259,7 @@ def test_reports_mark_lower_bounds():
   theory = {('all-reduce', ('data',)): 5 * 512}
   (row,) = comparison.communication_table(runs, theory)
   assert row['auto'] == {'executions': 5, 'bytes': 5 * 512, 'ratio': 1.0, 'unexpected': False,
-                         'lower_bound': False}
+                         'lower_bound': False, 'dtype_bytes': {'f32': 5 * 512}}
   assert row['manual']['executions'] == 1 and row['manual']['lower_bound']
 
   report = {'mesh': {'data': 8}, 'modes': ['auto', 'manual'], 'steps': 1, 'warmup': 0,
@@ -269,8 +269,8 @@ def test_reports_mark_lower_bounds():
             'memory': {'auto': {}, 'manual': {}}, 'communication': [row]}
   text = compare_report.markdown(report)
   cells = next(line for line in text.splitlines() if line.startswith('| all-reduce'))
-  assert cells == ("| all-reduce | data | 2.5 | 5 | 2.5 | 1.00 | >= 1 (a loop's trip count "
-                   "unknown) | >= 0.5 | **>= 0.20** |")
+  assert cells == ("| all-reduce | data | 2.5 | 5 | 2.5 | f32 100 % | 1.00 | >= 1 (a loop's "
+                   "trip count unknown) | >= 0.5 | f32 100 % | **>= 0.20** |")
   assert '**Lower bounds** (manual: all-reduce over data).' in text
 
   rows = [{'collectives': [{'kind': k, 'axes': list(a), **r} for (k, a), r in
@@ -300,7 +300,7 @@ def test_plan_report_marks_lower_bounds():
             'hbm_bytes_per_device': 2**30, 'candidates': candidates}
   text = plan_report.markdown(result, 'experiments/tiny.py')
   rows = [line for line in text.splitlines() if line.startswith('| all-reduce')]
-  assert rows == ['| all-reduce | data | 5 | 0.0 | 0.0 | 1.00 |',
-                  "| all-reduce | data | >= 1 (a loop's trip count unknown) | >= 0.0 | 0.0 | "
-                  '**>= 0.20** |']
+  assert rows == ['| all-reduce | data | 5 | 0.0 | f32 100 % | 0.0 | 1.00 |',
+                  "| all-reduce | data | >= 1 (a loop's trip count unknown) | >= 0.0 | f32 100 % | "
+                  '0.0 | **>= 0.20** |']
   assert text.count('**Lower bounds**') == 1
