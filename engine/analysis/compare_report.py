@@ -156,6 +156,10 @@ def element_types(entry: dict) -> str:
                    sorted(by_type.items(), key=lambda kv: -kv[1])) if total else '-'
 
 
+_SCHEDULE_NAMES = {'gpipe': 'GPipe', 'circular': 'circular', '1f1b': '1F1B',
+                   'interleaved_1f1b': 'interleaved 1F1B', 'zb_h1': 'zero-bubble (ZB-H1)'}
+
+
 def _schedule_note(report: dict) -> list[str]:
   """How micro-batches shape the communication: the pipeline's bubble, or the gradient syncs
   per step that a ratio near the micro-batch count betrays."""
@@ -163,13 +167,17 @@ def _schedule_note(report: dict) -> list[str]:
   stages = report['mesh'].get('stage', 1)
   if stages > 1:
     repeats = report.get('pipeline_repeats', 1)
-    schedule = 'GPipe' if repeats == 1 else f'circular ({repeats} layer groups per stage)'
-    return [f'Pipeline: {stages} stages fed {microbatches} micro-batches on the {schedule} '
-            'schedule; each stage idles (stages - 1) / (repeats x microbatches + stages - 1) = '
-            f'**{bubble_fraction(stages, microbatches, repeats):.3f}** of the step (the bubble '
-            'the schedule implies; `python -m engine.analysis.bubble` measures it from step '
-            'times at several micro-batch counts). Micro-batches feed the pipeline here, not '
-            'gradient accumulation.', '']
+    # Reports written before the key existed ran GPipe or circular.
+    schedule = report.get('pipeline_schedule') or ('gpipe' if repeats == 1 else 'circular')
+    name = _SCHEDULE_NAMES[schedule] + (
+        f' ({repeats} layer groups per stage)' if repeats > 1 else '')
+    return [f'Pipeline: {stages} stages fed {microbatches} micro-batches on the {name} '
+            'schedule; each stage idles '
+            f'**{bubble_fraction(stages, microbatches, repeats, schedule):.3f}** of the step '
+            '(the bubble the schedule implies: engine.parallel.pipeline.bubble_fraction; '
+            '`python -m engine.analysis.bubble` measures it from step times at several '
+            'micro-batch counts). Micro-batches feed the pipeline here, not gradient '
+            'accumulation.', '']
   if microbatches > 1:
     return [f'{microbatches} micro-batches per optimizer step. The theory synchronises each '
             'gradient once per step, as manual mode does (under FSDP it gathers every weight once '

@@ -21,6 +21,7 @@ from engine.workdir import run_dir as workdir_lib
 from engine.analysis import benchmark, collectives, comm_theory, compare_report, verdicts
 from engine.analysis.reference import ReferenceRun
 from engine.assemble import assemble
+from engine.parallel.pipeline import schedule_of
 from engine.runtime.progress import phase
 
 
@@ -148,7 +149,8 @@ def compare(config, workdir: str, modes: list[str], steps: int, warmup: int = 2,
       'mesh': dict(train_setup.mesh.shape), 'modes': modes, 'steps': warmup + steps,
       'timed_steps': steps, 'warmup': warmup, 'atol': atol, 'tokens_per_step': tokens,
       'microbatches': config.train.microbatches,
-      'pipeline_repeats': config.train.pipeline_repeats, 'dtype': config.model.dtype,
+      'pipeline_repeats': config.train.pipeline_repeats,
+      'pipeline_schedule': schedule_of(config.train), 'dtype': config.model.dtype,
       'losses': {run.mode: run.losses for run in runs},
       'speed': {run.mode: {
           'compile_s': run.compile_seconds, 'median_ms': run.median_ms(),

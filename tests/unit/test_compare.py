@@ -9,6 +9,7 @@ import pytest
 from engine import parallel
 from engine.analysis import collectives, comm_theory, compare_report, comparison
 from engine.parallel import manual_ops
+from engine.parallel.pipeline import bubble_fraction
 from engine.assemble import lay_out
 from tests.support.helpers import tiny_config
 
@@ -143,3 +144,18 @@ def test_grouped_query_ring_moves_kv_heads_and_the_report_says_how_much_less():
   assert '(4x less)' in note
   report['attention_heads'] = {'query': 4, 'kv': 4}
   assert compare_report._grouped_query_note(report) == []
+
+
+@pytest.mark.parametrize('schedule, repeats, name', [
+    (None, 1, 'GPipe'), (None, 2, 'circular (2 layer groups per stage)'), ('1f1b', 1, '1F1B'),
+    ('interleaved_1f1b', 2, 'interleaved 1F1B (2 layer groups per stage)'),
+    ('zb_h1', 1, 'zero-bubble (ZB-H1)')])
+def test_the_pipeline_note_names_the_schedule_and_its_bubble(schedule, repeats, name):
+  """A report names the schedule the run used and that schedule's bubble (a report written
+  before the schedule was recorded: GPipe or circular, as those runs were)."""
+  report = {'mesh': {'stage': 4}, 'microbatches': 8, 'pipeline_repeats': repeats}
+  if schedule:
+    report['pipeline_schedule'] = schedule
+  note = ' '.join(compare_report._schedule_note(report))
+  bubble = bubble_fraction(4, 8, repeats, schedule or '')
+  assert f'on the {name} schedule' in note and f'**{bubble:.3f}**' in note
