@@ -257,6 +257,8 @@ def moe_config(model_config) -> MoeConfig | None:
       shared_expert_dim=model_config.moe_shared_expert, dispatch=model_config.moe_dispatch,
       capacity_factor=model_config.moe_capacity_factor,
       aux_loss_coef=model_config.moe_aux_loss_coef, z_loss_coef=model_config.moe_z_loss_coef,
+      groups=model_config.moe_groups, topk_groups=model_config.moe_topk_groups,
+      routed_scale=model_config.moe_routed_scale,
       matmul=quantized_matmul.from_config(model_config))
 
 

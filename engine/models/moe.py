@@ -54,6 +54,10 @@ class MoeConfig:
   capacity_factor: float = 1.0
   aux_loss_coef: float = 0.0
   z_loss_coef: float = 0.0
+  # sigmoid_topk: expert groups, how many of the best a token picks from, the weights' scale.
+  groups: int = 1
+  topk_groups: int = 1
+  routed_scale: float = 1.0
   # The shared expert's projections and a capacity dispatch's experts (the router and the
   # dropless dispatch's experts: the compute dtype).
   matmul: MatmulPrecision = quantized_matmul.DEFAULT
@@ -72,9 +76,17 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return jnp.stack(values, -1), jnp.stack(indices, -1)
 
 
-def route(logits_TE: jax.Array, k: int, router: str):
+def route(logits_TE: jax.Array, k: int, router: str, groups: int = 1, topk_groups: int = 1,
+          routed_scale: float = 1.0):
   """(weights [..., K], experts [..., K] int32, probabilities [..., E]) of float32 router logits
-  [..., E]."""
+  [..., E]. sigmoid_topk's probabilities (for the balance loss) are its scores normalised."""
+  if router == 'sigmoid_topk':
+    scores_TE = jax.nn.sigmoid(logits_TE)
+    _, experts_TK = top_k(_in_best_groups(scores_TE, groups, topk_groups), k)
+    top_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+    weights_TK = top_TK / top_TK.sum(-1, keepdims=True) * routed_scale
+    return (weights_TK, experts_TK.astype(jnp.int32),
+            scores_TE / scores_TE.sum(-1, keepdims=True))
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
   if router == 'softmax_topk':
     top_TK, experts_TK = top_k(probs_TE, k)
@@ -83,6 +95,19 @@ def route(logits_TE: jax.Array, k: int, router: str):
     top_TK, experts_TK = top_k(logits_TE, k)
     weights_TK = jax.nn.softmax(top_TK, axis=-1)
   return weights_TK, experts_TK.astype(jnp.int32), probs_TE
+
+
+def _in_best_groups(scores_TE: jax.Array, groups: int, best: int) -> jax.Array:
+  """The scores of the experts in each token's `best` groups, -inf elsewhere: a group scores the
+  sum of its two best experts' scores (DeepSeek-V3's group-limited routing)."""
+  if groups == 1:
+    return scores_TE
+  *lead, E = scores_TE.shape
+  grouped = scores_TE.reshape(*lead, groups, E // groups)
+  group_scores = top_k(grouped, min(2, E // groups))[0].sum(-1)  # [..., groups]
+  _, chosen = top_k(group_scores, best)
+  keep = jax.nn.one_hot(chosen, groups, dtype=bool).any(-2)  # [..., groups]
+  return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(scores_TE.shape)
 
 
 def router_losses(logits_TE, probs_TE, experts_TK, ops):
@@ -125,7 +150,8 @@ class MoeMlp(nnx.Module):
     logits_BLE = ops.constrain(dense(x_BLD, self.w_router_DE[...],
                                      preferred_element_type=jnp.float32).astype(jnp.float32),
                                ('batch', 'length', None))
-    weights_BLK, experts_BLK, probs_BLE = route(logits_BLE, cfg.experts_per_token, cfg.router)
+    weights_BLK, experts_BLK, probs_BLE = route(logits_BLE, cfg.experts_per_token, cfg.router,
+                                                cfg.groups, cfg.topk_groups, cfg.routed_scale)
     logits_TE, probs_TE = logits_BLE.reshape(B * L, -1), probs_BLE.reshape(B * L, -1)
     weights_TK, experts_TK = weights_BLK.reshape(B * L, -1), experts_BLK.reshape(B * L, -1)
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')

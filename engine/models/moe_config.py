@@ -9,8 +9,10 @@ import math
 from engine.models.config_keys import ConfigKey, ModelConfigError
 
 # softmax_topk: softmax over all experts, keep the top k, renormalise them (Mixtral, Qwen-MoE
-# with norm_topk_prob). topk_softmax: the top k logits, softmax over those k.
-ROUTERS = ('softmax_topk', 'topk_softmax')
+# with norm_topk_prob). topk_softmax: the top k logits, softmax over those k. sigmoid_topk:
+# DeepSeek-V3's sigmoid scores, the top k within the moe_topk_groups best of moe_groups expert
+# groups, renormalised and scaled by moe_routed_scale.
+ROUTERS = ('softmax_topk', 'topk_softmax', 'sigmoid_topk')
 DISPATCHES = ('dropless', 'capacity')
 
 CONFIG_KEYS = (
@@ -20,7 +22,14 @@ CONFIG_KEYS = (
     ConfigKey('experts_per_token', 2, 'Llama MoE: experts each token is routed to (top-k).'),
     ConfigKey('moe_router', 'softmax_topk', 'Llama MoE: softmax_topk (softmax over all experts, '
               'the top k renormalised: Mixtral, Qwen-MoE) | topk_softmax (the top k logits, '
-              'softmax over those k).'),
+              'softmax over those k) | sigmoid_topk (DeepSeek-V3: sigmoid scores, the top k of '
+              'the best moe_topk_groups groups, renormalised, times moe_routed_scale).'),
+    ConfigKey('moe_groups', 1, 'Llama MoE, sigmoid_topk: the experts in this many equal groups, '
+              "each scored by its two best experts' scores (DeepSeek-V3's n_group)."),
+    ConfigKey('moe_topk_groups', 1, 'Llama MoE, sigmoid_topk: a token picks its experts from '
+              "this many best groups (DeepSeek-V3's topk_group)."),
+    ConfigKey('moe_routed_scale', 1.0, "Llama MoE, sigmoid_topk: the routed experts' weights "
+              "are multiplied by this (DeepSeek-V3's routed_scaling_factor)."),
     ConfigKey('moe_mlp_dim', 0, "Llama MoE: each expert's hidden size; 0: mlp_dim."),
     ConfigKey('moe_shared_expert', 0, 'Llama MoE: hidden size of a shared SwiGLU expert every '
               'token also goes through; 0: none.'),
@@ -54,6 +63,7 @@ def check(model, mesh: dict[str, int]) -> None:
   for key, choices in (('moe_router', ROUTERS), ('moe_dispatch', DISPATCHES)):
     if model[key] not in choices:
       raise ModelConfigError(f'model.{key}={model[key]!r} is unknown; choose one of {choices}.')
+  _check_groups(model)
   factor = model.moe_capacity_factor
   if not (math.isfinite(factor) and factor > 0):
     raise ModelConfigError(f'model.moe_capacity_factor={factor} must be a positive number; each '
@@ -62,3 +72,27 @@ def check(model, mesh: dict[str, int]) -> None:
   for key in ('moe_mlp_dim', 'moe_shared_expert', 'moe_aux_loss_coef', 'moe_z_loss_coef'):
     if not (math.isfinite(model[key]) and model[key] >= 0):
       raise ModelConfigError(f'model.{key}={model[key]} must be a number >= 0; give 0 or more.')
+
+
+def _check_groups(model) -> None:
+  """sigmoid_topk's expert groups: equal, enough for k experts; other routers use none."""
+  groups, best = model.moe_groups, model.moe_topk_groups
+  if model.moe_router != 'sigmoid_topk':
+    if (groups, best, model.moe_routed_scale) != (1, 1, 1.0):
+      raise ModelConfigError(
+          f'model.moe_groups, moe_topk_groups and moe_routed_scale are sigmoid_topk\'s; '
+          f'model.moe_router={model.moe_router!r} would ignore them: set '
+          "--config.model.moe_router=sigmoid_topk, or leave them at 1, 1 and 1.0.")
+    return
+  if groups < 1 or model.num_experts % groups:
+    raise ModelConfigError(f'model.moe_groups={groups} must divide model.num_experts='
+                           f'{model.num_experts} into equal groups.')
+  per_group = model.num_experts // groups
+  if not 1 <= best <= groups or best * per_group < model.experts_per_token:
+    raise ModelConfigError(
+        f'model.moe_topk_groups={best} must lie in [1, model.moe_groups={groups}] and its groups '
+        f'hold at least model.experts_per_token={model.experts_per_token} experts ({per_group} '
+        'per group).')
+  if not (math.isfinite(model.moe_routed_scale) and model.moe_routed_scale > 0):
+    raise ModelConfigError(f'model.moe_routed_scale={model.moe_routed_scale} must be a positive '
+                           'number (DeepSeek-V3: 2.5).')

@@ -37,6 +37,25 @@ def _silu(x):
   return x / (1 + np.exp(-x))
 
 
+# sigmoid_topk's setting here: two groups of two experts, a token picks from the best one, and
+# the weights are scaled (DeepSeek-V3's form, small).
+GROUPS, BEST, SCALE = 2, 1, 2.5
+
+
+def _numpy_sigmoid_route(logits_TE, k, groups, best):
+  """Experts [T, k] of DeepSeek-V3's group-limited routing, token by token: a group scores its
+  two best sigmoid scores' sum; the top k experts of the `best` best groups."""
+  scores = 1 / (1 + np.exp(-logits_TE))
+  chosen = []
+  for s in scores:
+    by_group = s.reshape(groups, -1)
+    group_scores = np.sort(by_group, axis=1)[:, ::-1][:, :2].sum(1)
+    keep = np.argsort(-group_scores, kind='stable')[:best]
+    eligible = np.where(np.isin(np.arange(s.size) // by_group.shape[1], keep), s, -np.inf)
+    chosen.append(np.argsort(-eligible, kind='stable')[:k])
+  return scores, np.array(chosen)
+
+
 def _numpy_layer(x_TD, p, router, slots, length):
   """(y [T, D], balance loss, z-loss, dropped count): token by token, choice by choice; each
   expert takes at most `slots` assignments of each sequence of `length` tokens."""
@@ -45,12 +64,17 @@ def _numpy_layer(x_TD, p, router, slots, length):
   probs /= probs.sum(-1, keepdims=True)
   used, dropped, y = np.zeros(E, int), 0, np.zeros_like(x_TD)
   chosen_TK = np.argsort(-logits, axis=-1, kind='stable')[:, :K]
+  if router == 'sigmoid_topk':
+    scores, chosen_TK = _numpy_sigmoid_route(logits, K, GROUPS, BEST)
+    probs = scores / scores.sum(-1, keepdims=True)
   for t, x in enumerate(x_TD):
     if t % length == 0:
       used[:] = 0  # A new sequence: every expert's slots are free again.
     chosen = chosen_TK[t]
     if router == 'softmax_topk':
       weights = probs[t, chosen] / probs[t, chosen].sum()
+    elif router == 'sigmoid_topk':
+      weights = SCALE * scores[t, chosen] / scores[t, chosen].sum()
     else:
       weights = np.exp(logits[t, chosen] - logits[t, chosen].max())
       weights /= weights.sum()
@@ -68,13 +92,31 @@ def _numpy_layer(x_TD, p, router, slots, length):
   return y, balance, np.mean(lse ** 2), dropped
 
 
+def test_sigmoid_routing_picks_within_the_best_groups_as_numpy_does():
+  """DeepSeek-V3's routing on 8 experts in 4 groups, 3 experts from the best 2 groups, against
+  the NumPy loop; and the group limit matters here (plain top 3 differs for some tokens, so a
+  router that ignored the groups would fail)."""
+  logits = np.asarray(jax.random.normal(jax.random.key(3), (64, 8)))
+  weights, experts, probs = moe.route(jnp.asarray(logits), 3, 'sigmoid_topk', 4, 2, 2.5)
+  scores, expected = _numpy_sigmoid_route(logits, 3, 4, 2)
+  np.testing.assert_array_equal(np.asarray(experts), expected)
+  chosen_scores = np.take_along_axis(scores, expected, axis=1)
+  np.testing.assert_allclose(np.asarray(weights), 2.5 * chosen_scores /
+                             chosen_scores.sum(1, keepdims=True), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(probs), scores / scores.sum(1, keepdims=True), rtol=1e-6)
+  plain = np.argsort(-scores, axis=1, kind='stable')[:, :3]
+  assert (np.sort(plain, 1) != np.sort(expected, 1)).any(axis=1).sum() >= 5
+
+
 @pytest.mark.parametrize('router', moe.ROUTERS)
 def test_layer_matches_a_numpy_loop(router):
   x_BLD = np.asarray(jax.random.normal(jax.random.key(1), (3, 4, D)))
   T = x_BLD.shape[0] * x_BLD.shape[1]
   for dispatch, factor in (('dropless', 1.0), ('capacity', 0.5), ('capacity', 4.0)):
+    groups = dict(groups=GROUPS, topk_groups=BEST, routed_scale=SCALE) if (
+        router == 'sigmoid_topk') else {}
     cfg = moe.MoeConfig(E, F, K, router, S, dispatch, factor, aux_loss_coef=0.1,
-                        z_loss_coef=0.01)
+                        z_loss_coef=0.01, **groups)
     with nnx.use_eager_sharding(False):
       layer = moe.MoeMlp(D, cfg, 0.5, nnx.Rngs(0))
     params = {k: np.asarray(v) for k, v in nnx.to_pure_dict(nnx.state(layer)).items()}
@@ -148,6 +190,20 @@ def test_model_matches_single_device(dispatch, references):
     config = layout_config(mesh, dispatch, mode)
     run = engine_run(config, mode, 2)
     assert_same_run(run, references[dispatch, config.model.moe_aux_loss_coef > 0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode', ['auto', 'manual'])
+def test_sigmoid_group_routing_matches_single_device(mode):
+  """DeepSeek-V3's routing (two groups, the best one, scaled weights) on expert 2 x fsdp 2 x
+  tensor 2 and expert 4 x data 2: the same run as one device."""
+  def sigmoid(config):
+    config.model.moe_router, config.model.moe_groups = 'sigmoid_topk', GROUPS
+    config.model.moe_topk_groups, config.model.moe_routed_scale = BEST, SCALE
+    return config
+  reference = single_device_run(sigmoid(moe_config()), 2)
+  for mesh in EXPERT_MESHES[:2]:
+    assert_same_run(engine_run(sigmoid(moe_config(mesh, mode=mode)), mode, 2), reference)
 
 
 @pytest.mark.slow

@@ -429,7 +429,19 @@ BAD_INPUTS = [
      'model.experts_per_token=0 must lie in [1, model.num_experts=4]; route each token to at '
      'least one and at most every expert.'),
     ([TINY, RUN, *MOE, '--config.model.moe_router=top1'], 2, "model.moe_router='top1' is "
-     "unknown; choose one of ('softmax_topk', 'topk_softmax')."),
+     "unknown; choose one of ('softmax_topk', 'topk_softmax', 'sigmoid_topk')."),
+    ([TINY, RUN, *MOE, '--config.model.moe_groups=2'], 2, "model.moe_groups, moe_topk_groups "
+     "and moe_routed_scale are sigmoid_topk's; model.moe_router='softmax_topk' would ignore them: "
+     'set --config.model.moe_router=sigmoid_topk, or leave them at 1, 1 and 1.0.'),
+    ([TINY, RUN, *MOE, '--config.model.moe_router=sigmoid_topk', '--config.model.moe_groups=3'],
+     2, 'model.moe_groups=3 must divide model.num_experts=4 into equal groups.'),
+    ([TINY, RUN, *MOE, '--config.model.moe_router=sigmoid_topk', '--config.model.moe_groups=4',
+      '--config.model.experts_per_token=2'], 2, 'model.moe_topk_groups=1 must lie in [1, '
+     'model.moe_groups=4] and its groups hold at least model.experts_per_token=2 experts (1 per '
+     'group).'),
+    ([TINY, RUN, *MOE, '--config.model.moe_router=sigmoid_topk',
+      '--config.model.moe_routed_scale=0'], 2, 'model.moe_routed_scale=0.0 must be a positive '
+     'number (DeepSeek-V3: 2.5).'),
     ([TINY, RUN, *MOE, '--config.model.moe_dispatch=dense'], 2, "model.moe_dispatch='dense' "
      "is unknown; choose one of ('dropless', 'capacity')."),
     ([TINY, RUN, *MOE, '--config.model.moe_capacity_factor=0'], 2,
