@@ -1,8 +1,8 @@
 """int8 and fp8 projections (model.matmul_precision) in both modes on the suite's meshes (data,
 fsdp, tensor, their mix, context, a 1F1B and a zero-bubble pipeline, experts) against the
-single-device
-run of the same quantization, whose projections tests/unit/test_quantized_matmul.py holds to
-NumPy's account; and that the quantization changes the run, so the comparison can tell."""
+single-device run of the same quantization, whose projections tests/unit/test_quantized_matmul.py
+holds to NumPy's account; and that the quantization changes the run, so the comparison can
+tell."""
 
 import numpy as np
 import pytest
