@@ -26,7 +26,7 @@ from engine import data, parallel
 from engine.train import profiling
 from engine.assemble import compile_train_step
 from engine import chips
-from engine.analysis import collectives
+from engine.analysis import collectives, compare_report
 from engine.config import MESH_AXES, with_values
 from engine.errors import ConfigError
 from engine.runtime.progress import Progress, phase
@@ -198,11 +198,12 @@ def measurements(run: ModeRun, tokens_per_step: int, model_flops_per_step: float
 
 
 def _collectives_cell(rows: list[dict]) -> str:
-  """One line per (kind, axes); '>= ' where a loop's unknown trip count makes it a lower bound
-  (engine.analysis.collectives)."""
+  """One line per (kind, axes), with the element types it moved; '>= ' where a loop's unknown
+  trip count makes it a lower bound (engine.analysis.collectives)."""
   bound = lambda r: '>= ' if r.get('ops_in_unknown_loops') else ''
+  types = lambda r: f' ({t})' if (t := compare_report.element_types(r)) != '-' else ''
   return '<br>'.join(f'{r["kind"]} {",".join(r["axes"]) or "-"}: {bound(r)}{r["executions"]}x, '
-                     f'{bound(r)}{r["bytes"] / 2**20:.1f} MiB' for r in rows) or 'none'
+                     f'{bound(r)}{r["bytes"] / 2**20:.1f} MiB{types(r)}' for r in rows) or 'none'
 
 
 def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:

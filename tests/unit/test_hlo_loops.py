@@ -275,9 +275,10 @@ def test_reports_mark_lower_bounds():
 
   rows = [{'collectives': [{'kind': k, 'axes': list(a), **r} for (k, a), r in
                            collectives.summarize(run.collectives).items()]} for run in runs]
-  assert benchmark._collectives_cell(rows[0]['collectives']) == 'all-reduce data: 5x, 0.0 MiB'
+  assert benchmark._collectives_cell(rows[0]['collectives']) == (
+      'all-reduce data: 5x, 0.0 MiB (f32 100 %)')
   assert benchmark._collectives_cell(rows[1]['collectives']) == (
-      'all-reduce data: >= 1x, >= 0.0 MiB')
+      'all-reduce data: >= 1x, >= 0.0 MiB (f32 100 %)')
 
 
 def test_plan_report_marks_lower_bounds():
