@@ -4,6 +4,7 @@ imports them.
   reference.py       the single-device computation every layout must reproduce
   collectives.py     counts the collectives of a compiled step by kind and mesh axes
   hlo_loops.py       reads the trip counts of compiled loops that do not record them (TPU)
+  hlo_matmuls.py     the matrix products of a compiled program, by operand types
   comm_theory.py     the bytes a layout should move, from the model's spec and the rules
   verdicts.py        which collectives move bytes off their theory, and the known reasons why
   benchmark.py       step time, FLOP/s, memory and collectives of modes x meshes, interleaved

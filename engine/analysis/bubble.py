@@ -31,11 +31,8 @@ from engine import parallel
 from engine.analysis import benchmark
 from engine.assemble import assemble
 from engine.cli.command_line import run_command
-from engine.parallel.pipeline import bubble_fraction, schedule_of
+from engine.parallel.pipeline import SCHEDULE_NAMES, bubble_fraction, schedule_of
 from engine.errors import ConfigError
-
-SCHEDULE_NAMES = {'gpipe': 'GPipe', 'circular': 'circular', '1f1b': '1F1B',
-                  'interleaved_1f1b': 'interleaved 1F1B', 'zb_h1': 'zero-bubble H1'}
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file (a mesh with '
                                           'mesh.stage > 1).', lock_config=False)

@@ -82,6 +82,7 @@ import numpy as np
 
 from engine.models.moe_dispatch import capacity
 from engine.models.ops import LAYERS
+from engine.parallel import flat_gather
 from engine.parallel.pipeline import SELF_DIFFERENTIATING
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
@@ -245,7 +246,7 @@ def _gathered_bytes(setup: TrainSetup, p) -> int:
 
 def _scale_bytes(setup: TrainSetup, p) -> int:
   """A quantized gather's float32 scales: one per position outside the split dimensions."""
-  split = [dim for dim, name in enumerate(p.logical_axes) if setup.rules.gather_axes(name)]
+  split = {dim for dim, _ in flat_gather.split_dims(setup.rules, p.logical_axes)}
   return 4 * math.prod(size for dim, size in enumerate(p.shard_shape) if dim not in split)
 
 

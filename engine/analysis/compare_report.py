@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from engine.analysis import verdicts  # noqa: E402
-from engine.parallel.pipeline import bubble_fraction  # noqa: E402
+from engine.parallel.pipeline import SCHEDULE_NAMES, bubble_fraction  # noqa: E402
 
 PLOTS = ('loss.png', 'step_time.png', 'communication.png')
 
@@ -156,10 +156,6 @@ def element_types(entry: dict) -> str:
                    sorted(by_type.items(), key=lambda kv: -kv[1])) if total else '-'
 
 
-_SCHEDULE_NAMES = {'gpipe': 'GPipe', 'circular': 'circular', '1f1b': '1F1B',
-                   'interleaved_1f1b': 'interleaved 1F1B', 'zb_h1': 'zero-bubble (ZB-H1)'}
-
-
 def _schedule_note(report: dict) -> list[str]:
   """How micro-batches shape the communication: the pipeline's bubble, or the gradient syncs
   per step that a ratio near the micro-batch count betrays."""
@@ -169,7 +165,7 @@ def _schedule_note(report: dict) -> list[str]:
     repeats = report.get('pipeline_repeats', 1)
     # Reports written before the key existed ran GPipe or circular.
     schedule = report.get('pipeline_schedule') or ('gpipe' if repeats == 1 else 'circular')
-    name = _SCHEDULE_NAMES[schedule] + (
+    name = SCHEDULE_NAMES[schedule] + (
         f' ({repeats} layer groups per stage)' if repeats > 1 else '')
     return [f'Pipeline: {stages} stages fed {microbatches} micro-batches on the {name} '
             'schedule; each stage idles '

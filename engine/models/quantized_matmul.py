@@ -36,6 +36,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+# Qwix's functional core of quantized training (what its QtProvider calls for each intercepted
+# dot_general); the engine calls it directly on its own projections (BUILD.md: why).
+from qwix._src.core import dot_general_qt
 
 from engine.models.varying_axes import vary_alike
 
@@ -74,9 +77,6 @@ def from_config(model_config) -> MatmulPrecision:
 
 
 def _qt_config(precision: MatmulPrecision):
-  # Qwix's functional core of quantized training (what its QtProvider calls for each
-  # intercepted dot_general); the engine calls it directly on its own projections.
-  from qwix._src.core import dot_general_qt  # pylint: disable=g-import-not-at-top
   operands, gradients = _QTYPES[precision.name]
   block = precision.block
   calibration = {f'{which}_calibration_method': _CALIBRATION[precision.name] for which in (
@@ -104,7 +104,6 @@ def batched_matmul(x_ENK: jax.Array, w_EKF: jax.Array, precision: MatmulPrecisio
 
 
 def _dot_general(x, w, dimension_numbers, precision: MatmulPrecision) -> jax.Array:
-  from qwix._src.core import dot_general_qt  # pylint: disable=g-import-not-at-top
   # Typed alike under shard_map, as jnp.dot would cast them: a custom gradient comes back typed
   # like its input.
   x, w = vary_alike(x, w)

@@ -53,6 +53,9 @@ from engine.sharding import logical_axes_of
 # train.pipeline_schedule: '' picks GPipe, or the circular schedule when train.pipeline_repeats
 # > 1; each named one says which it is.
 SCHEDULES = ('gpipe', 'circular', '1f1b', 'interleaved_1f1b', 'zb_h1')
+# How reports name them.
+SCHEDULE_NAMES = {'gpipe': 'GPipe', 'circular': 'circular', '1f1b': '1F1B',
+                  'interleaved_1f1b': 'interleaved 1F1B', 'zb_h1': 'zero-bubble (ZB-H1)'}
 # The schedules that take each stage's gradients themselves (engine/parallel/pipeline_1f1b.py)
 # rather than leaving the backward pass to JAX's transpose of the forward loop.
 SELF_DIFFERENTIATING = ('1f1b', 'interleaved_1f1b', 'zb_h1')

@@ -19,7 +19,7 @@ gets:
     (DCN bandwidth for axes split across slices). The step takes at least the largest of the
     three (perfect overlap) and at most their sum (compute or memory, then communication): both
     are printed, and the MFU the slower one implies; a mixture of experts' compute also counts
-    the expert rows its dispatch pads (expert_padding_flops), and its row the all-to-all bytes
+    the expert rows its dispatch pads (engine/plan/step_flops.py), and its row the all-to-all bytes
     per step and device (the experts' exchange), the theory's and the compiled program's;
   - the config (JSON) and the command line that trains it.
 Candidates are ranked by the slower estimate, those that fit first.
@@ -27,7 +27,6 @@ Candidates are ranked by the slower estimate, those that fit first.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import math
@@ -55,10 +54,10 @@ from engine.analysis.comparison import communication_table  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.hf import load as hf  # noqa: E402
-from engine.models.moe_dispatch import capacity  # noqa: E402
-from engine.parallel.pipeline import (SELF_DIFFERENTIATING, bubble_fraction,  # noqa: E402
-                                      schedule_of)
+from engine.analysis.hlo_matmuls import matmul_types  # noqa: E402
 from engine.plan import peak_memory  # noqa: E402
+from engine.plan.step_flops import (executed_flops, expert_padding_flops, head_copies,  # noqa: E402
+                                    head_flops, quantized_flops)
 from engine.runtime.progress import phase  # noqa: E402
 from engine.train.metrics import log_memory  # noqa: E402
 
@@ -181,82 +180,6 @@ def _out_of_memory(error: Exception) -> dict | None:
   return {'needed_bytes': None, 'hbm_bytes': None}
 
 
-def executed_flops(model_flops: float, config, train_setup=None) -> float:
-  """The FLOPs a step executes for the model's `model_flops` (6N + attention). The layers:
-  full remat runs every forward pass twice (8N), and so do the 1F1B schedules, whose backward
-  tick runs the stage's forward pass again (with full remat too: XLA's count of the unrolled
-  step shows no third), and a pipeline's stages also compute in the bubble (the schedule's
-  bubble_fraction of the step). The head
-  (head_flops, of the given `train_setup`) runs once for the whole batch, outside remat and the
-  bubble, but on every stage of a pipeline unless 1F1B splits it over them
-  (train.pipeline_head)."""
-  head = head_flops(train_setup, config) if train_setup is not None else 0.0
-  return (model_flops - head) * _layer_work(config) + head * head_copies(train_setup, config)
-
-
-def _layer_work(config) -> float:
-  """Executed FLOPs of the layers per FLOP of the model's count: full remat and the 1F1B
-  schedules run the forward pass twice, and a pipeline's stages also compute in the bubble
-  (the work spread over the whole step, idle ticks included)."""
-  forward_passes = 2 if (config.model.remat == 'full' or config.train.get(
-      'pipeline_schedule', '') in SELF_DIFFERENTIATING) else 1
-  work = (4 + 2 * forward_passes) / 6
-  if config.mesh.stage > 1:
-    work /= 1 - bubble_fraction(config.mesh.stage, config.train.microbatches,
-                                config.train.pipeline_repeats, schedule_of(config.train))
-  return work
-
-
-def quantized_flops(train_setup, config) -> float:
-  """The executed FLOPs of the projections model.matmul_precision quantizes (6 per weight and
-  token, scaled as the layers are): what runs at the chip's int8 / fp8 peak."""
-  tokens = config.data.global_batch_size * config.data.seq_len
-  return 6.0 * train_setup.model.quantized_params * tokens * _layer_work(config)
-
-
-def head_flops(train_setup, config) -> float:
-  """The output head's FLOPs per step in the model's count (6 x embed x vocab per token)."""
-  model = train_setup.model
-  return 6.0 * model.embed_dim * model.vocab_size * (config.data.global_batch_size *
-                                                      config.data.seq_len)
-
-
-def head_copies(train_setup, config) -> int:
-  """How many times a step computes the head: once, or with pipeline stages once per stage
-  unless 1F1B splits it over them."""
-  stages = config.mesh.stage
-  if train_setup is None or stages == 1:
-    return 1
-  mesh_shape = dict(train_setup.mesh.shape)
-  local_batch = config.data.global_batch_size // math.prod(
-      mesh_shape[a] for a in train_setup.rules.mesh_axes('batch', activation=True))
-  return 1 if comm_theory.head_split(train_setup, local_batch, config.data.seq_len) else stages
-
-
-def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> float:
-  """Training FLOPs a mixture of experts multiplies beyond its k assignments per token (the
-  model's FLOPs count those): the capacity dispatch's E x C slots per sequence (more than L x k
-  when the factor pads, fewer when it drops); on an expert axis of n devices, auto mode's
-  dropless dispatch, the capacity one with C = L (E / k times the useful expert FLOPs), and
-  manual mode's, whose grouped matmuls run over the n exchanged blocks of min(k, E / n) rows per
-  token, padding rows included (XLA:TPU's cost analysis counts them too). Dropless on one
-  device multiplies only the rows routed: none."""
-  experts = train_setup.model.experts
-  if experts is None:
-    return 0.0
-  E, K = experts.num_experts, experts.experts_per_token
-  if experts.capacity_factor:
-    slots = E * capacity(seq_len, K, E, experts.capacity_factor) / (seq_len * K)
-  elif (n := math.prod(train_setup.mesh.shape[a] for a in train_setup.rules.mesh_axes(
-      'experts', activation=True))) > 1:
-    slots = E / K if mode == 'auto' else n * min(K, E // n) / K
-  else:
-    return 0.0
-  # Each token's k experts multiply k / E of the routed weights, 6 FLOPs per weight.
-  routed = sum(math.prod(p.shape) for p in train_setup.parameters() if 'experts' in p.logical_axes)
-  return 6.0 * routed * K / E * tokens * (slots - 1)
-
-
 def _compile(run, what: str, breakdown_row: dict | None):
   """(the compiled train step or None, compile seconds, the compile's exception or None); with
   `breakdown_row`, the compiler also writes its memory reports, and the row gets their
@@ -308,21 +231,6 @@ def plan_candidate(config: ml_collections.ConfigDict, mode: str, devices,
                        'temp_size_in_bytes': oom['needed_bytes']},
             'hbm_bytes': hardware.hbm_bytes, 'error': str(error).splitlines()[0][:300]}
   return _compiled_row(row, run, compiled, compile_s, hardware)
-
-
-# `%fusion.1 = s8[256,512]{1,0:T(8,128)(4,1)} fusion(...)`: an instruction's name and type.
-_DEFINITION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[', re.MULTILINE)
-# `%convolution.1 = s32[256,256]{...} convolution(%fusion.1, %fusion.2), ...`
-_MATMUL = re.compile(r'\s(?:dot|convolution)\(%?([\w.\-]+), %?([\w.\-]+)\)')
-
-
-def matmul_types(hlo_text: str) -> dict[str, int]:
-  """How many matmuls (dots, and the convolutions XLA:TPU writes them as) of the compiled
-  program take each pair of operand types, e.g. {'s8 x s8': 12, 'bf16 x bf16': 40}."""
-  types = dict(_DEFINITION.findall(hlo_text))
-  found = collections.Counter(f'{types.get(a, "?")} x {types.get(b, "?")}'
-                              for a, b in _MATMUL.findall(hlo_text))
-  return dict(sorted(found.items()))
 
 
 def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware) -> dict:

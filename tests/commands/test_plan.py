@@ -10,6 +10,7 @@ import pytest
 
 from engine.plan import planner as plan_lib
 from engine.plan import report as plan_report
+from engine.plan import step_flops
 from engine.analysis import comm_theory
 from engine.errors import ConfigError
 from engine.main import run as run_main
@@ -190,7 +191,7 @@ def test_executed_flops_match_the_compiled_unrolled_step(remat):
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   model_flops = train_setup.model.flops_per_token(128) * 8 * 128
-  per_device = plan_lib.executed_flops(model_flops, config, train_setup) / 8
+  per_device = step_flops.executed_flops(model_flops, config, train_setup) / 8
   assert cost['flops'] == pytest.approx(per_device, rel=0.08)
 
 
@@ -213,8 +214,8 @@ def test_executed_flops_count_1f1b_recompute_and_the_heads_it_runs(schedule, hea
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   model_flops = train_setup.model.flops_per_token(64) * 32 * 64
-  assert plan_lib.head_copies(train_setup, config) == (1 if head == 'split' else 4)
-  per_device = plan_lib.executed_flops(model_flops, config, train_setup) / 8
+  assert step_flops.head_copies(train_setup, config) == (1 if head == 'split' else 4)
+  per_device = step_flops.executed_flops(model_flops, config, train_setup) / 8
   assert cost['flops'] == pytest.approx(per_device, rel=0.08)
 
 
@@ -275,7 +276,7 @@ def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
   for row in result['candidates']:
     assert row['status'] == 'fits' and row['all_to_all_bytes']['theory'] == theory
     assert row['expert_padding_flops_per_step'] == pytest.approx(3 * useful)
-    executed = plan_lib.executed_flops(
+    executed = step_flops.executed_flops(
         row['model_flops_per_step'] + row['expert_padding_flops_per_step'], config, setup) / 8
     assert row['roofline']['compiled_flops_per_device'] == pytest.approx(executed, rel=0.05)
   manual = next(r for r in result['candidates'] if r['mode'] == 'manual')
@@ -299,7 +300,7 @@ def test_int8_projections_compile_to_int8_matmuls_timed_at_the_int8_peak():
   assert row['matmul_types'].get('s8 x s8', 0) == 6 * 3
   assert row['matmul_types'].get('bf16 x bf16', 0) > 0
   estimate = row['roofline']
-  quantized = plan_lib.quantized_flops(lay_out(config, 1024), config) / 8
+  quantized = step_flops.quantized_flops(lay_out(config, 1024), config) / 8
   assert 0 < quantized < estimate['flops_per_device']
   peak = 459e12  # v5p bfloat16; int8: 918.
   assert estimate['compute_s'] == pytest.approx(
