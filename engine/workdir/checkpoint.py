@@ -317,6 +317,17 @@ def _read_only_manager(directory: epath.Path) -> ocp.CheckpointManager:
       options=ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0))
 
 
+def latest_complete_step(directory: str | epath.Path) -> int | None:
+  """The newest complete checkpoint in `directory`, read without touching it: unlike a
+  Checkpointer, this leaves the temporary directories of unfinished saves alone, so it may look
+  at a workdir that a run is about to resume (or is writing) in the same process."""
+  manager = _read_only_manager(workdir_lib.resolve(directory))
+  try:
+    return manager.latest_step()
+  finally:
+    manager.close()
+
+
 def restore_params(workdir: str, abstract_params):
   """The parameters of the latest checkpoint in another run's `workdir` (not its optimizer
   state), restored straight into the shardings that `abstract_params` carry: any mesh, either

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.workdir.checkpoint import Checkpointer
+from engine.workdir.checkpoint import latest_complete_step
 from engine.train.loop import train
 from tests.support import multihost_experiment
 from tests.support.helpers import ATOL, single_device_run
@@ -132,7 +132,7 @@ def test_killing_a_process_stops_the_launcher_and_keeps_checkpoints(tmp_path):
   assert stop_seconds < 30, stop_seconds  # Measured: well under a second.
   print(f'launcher exited {stop_seconds:.2f} s after the kill')
   # The last complete checkpoint is intact: a new run resumes from it.
-  latest = Checkpointer(str(checkpoints), 2, 3).latest_step()
+  latest = latest_complete_step(str(checkpoints))
   assert latest >= 4
   resumed = train(multihost_experiment.get_config(f'steps={latest + 1}'), str(tmp_path))
   assert sorted(resumed.train_losses) == [latest + 1]
@@ -220,7 +220,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits_0(processes, reference, 
   print(f'{processes} process(es) exited {time.monotonic() - signalled:.2f} s after SIGTERM')
   assert run.returncode == 0, output[-4000:]
   assert 'Rerun the same command to resume' in output, output[-4000:]  # Process 0 logs it.
-  stopped = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3).latest_step()
+  stopped = latest_complete_step(str(tmp_path / 'checkpoints'))
   assert sorted(_logged_losses(tmp_path)) == list(range(1, stopped + 1))
   summary = json.loads((tmp_path / 'summary.json').read_text())
   assert (summary['status'], summary['final_step']) == ('preempted', stopped), summary

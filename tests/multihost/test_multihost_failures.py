@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from engine.workdir.checkpoint import Checkpointer
+from engine.workdir.checkpoint import latest_complete_step
 
 from engine.errors import is_disk_full
 from engine.train.loop import train
@@ -131,7 +131,7 @@ def test_a_full_disk_during_a_2_process_save_stops_both_with_one_error_each(tmp_
     # `--workdir=DIR: the file system is full ...`.
     assert 'newest complete checkpoint is step 2' in error or '--workdir=' in error, error
   # The checkpoint of step 2 is intact and a rerun resumes from it.
-  assert Checkpointer(str(keep / 'checkpoints'), 2, 3).latest_step() == 2
+  assert latest_complete_step(str(keep / 'checkpoints')) == 2
   resumed = train(multihost_experiment.get_config('steps=3'), str(keep))
   assert sorted(resumed.train_losses) == [3]
 

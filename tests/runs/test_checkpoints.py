@@ -15,7 +15,8 @@ from etils import epath
 from etils.epath import testing as epath_testing
 
 from engine.workdir import run_dir as workdir_lib
-from engine.workdir.checkpoint import CHECKSUMS_FILE, Checkpointer, file_checksums, find_damage
+from engine.workdir.checkpoint import (CHECKSUMS_FILE, file_checksums, find_damage,
+                                       latest_complete_step)
 from engine.errors import CheckpointError
 from engine.train.metrics import JsonLines
 from engine.train.loop import train
@@ -157,9 +158,7 @@ def test_kill_9_loses_only_the_steps_after_the_last_checkpoint(tmp_path):
     time.sleep(0.05)
   run.send_signal(signal.SIGKILL)
   run.wait()
-  complete = Checkpointer(checkpoints, 1, 3)
-  latest = complete.latest_step()
-  complete.close()
+  latest = latest_complete_step(checkpoints)
   assert find_damage(epath.Path(checkpoints / str(latest))) is None
   # The rerun resumes from it, removes any half-written one, and redoes the lost steps exactly
   # as an uninterrupted run does them.

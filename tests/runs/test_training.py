@@ -12,7 +12,7 @@ import pytest
 
 from engine import data, parallel
 from engine.analysis.reference import ReferenceRun
-from engine.workdir.checkpoint import Checkpointer
+from engine.workdir.checkpoint import Checkpointer, latest_complete_step
 from engine.assemble import assemble, lay_out
 from engine.train.finiteness import NonFiniteError
 from engine.train.loop import train
@@ -94,9 +94,7 @@ def test_a_step_that_is_not_finite_stops_the_run_and_is_never_saved(
   with pytest.raises(NonFiniteError, match=rf'Step {nan_step}: the train loss is nan.*'
                      rf'of step {last_good}, is untouched'):
     train(_resumable_config((2, 2, 2), 6), str(tmp_path))
-  checkpointer = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3)
-  assert checkpointer.latest_step() == last_good
-  checkpointer.close()
+  assert latest_complete_step(str(tmp_path / 'checkpoints')) == last_good
   assert not [p for p in os.listdir(tmp_path / 'checkpoints') if 'tmp' in p]
 
 
@@ -172,9 +170,7 @@ def test_skip_nonfinite_steps_skips_exactly_the_poisoned_steps(monkeypatch, tmp_
   assert result.skipped_steps == [2, 4, 5]
   # Checkpoints 2 and 4 (skipped steps leave a finite state, which is saved); step 6 stopped
   # the run before anything of it was saved.
-  checkpointer = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3)
-  assert checkpointer.latest_step() == 4
-  checkpointer.close()
+  assert latest_complete_step(str(tmp_path / 'checkpoints')) == 4
   lines = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   losses = {l['step']: l['train/loss'] for l in lines if 'train/loss' in l}
   assert sorted(losses) == [1, 2, 3, 4, 5]

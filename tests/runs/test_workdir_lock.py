@@ -13,7 +13,7 @@ import pytest
 
 from engine import main
 from engine.workdir import lock as run_lock
-from engine.workdir.checkpoint import Checkpointer
+from engine.workdir.checkpoint import latest_complete_step
 from engine.train.loop import train
 from experiments import tiny
 from launch.local import free_port, process_env
@@ -73,7 +73,7 @@ def test_a_second_run_is_refused_and_the_first_finishes(tmp_path):
   first.send_signal(signal.SIGTERM)  # Checkpoints the current step and exits 0.
   _, err = first.communicate(timeout=120)
   assert first.returncode == 0, err[-4000:]
-  stopped = Checkpointer(str(tmp_path / 'checkpoints'), 2, 3).latest_step()
+  stopped = latest_complete_step(str(tmp_path / 'checkpoints'))
   assert _metrics_steps(tmp_path) == list(range(1, stopped + 1))  # None lost.
   assert not (tmp_path / run_lock.LOCK_FILE).exists()  # Released.
 
@@ -86,7 +86,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_and_the_run_resumes(tmp_path, ca
   killed.kill()
   killed.communicate()
   assert json.loads((tmp_path / run_lock.LOCK_FILE).read_text())['pid'] == killed.pid
-  latest = Checkpointer(str(checkpoints), 2, 3).latest_step()
+  latest = latest_complete_step(str(checkpoints))
   config = tiny.get_config()
   config.model.num_layers, config.data.seq_len = 1, 16
   config.train.update(num_steps=latest + 1, log_every=1, checkpoint_every=2, eval_every=100000)
