@@ -15,7 +15,8 @@ import jax
 import optax
 from flax import nnx
 
-from engine.models.spec import ModelSpec, logits_and_aux_loss
+from engine.models import expert_balance
+from engine.models.spec import ModelSpec, logits_aux_loss_and_stats
 from engine.optimizer import make_optimizer
 
 
@@ -24,6 +25,7 @@ class ReferenceRun:
 
   def __init__(self, model: ModelSpec, optim_config, num_steps: int, seed: int, device=None):
     self.device = device or jax.devices()[0]
+    self.bias_rate = model.experts.bias_rate if model.experts else 0.0
     with jax.default_device(self.device):
       self.graphdef, params = nnx.split(model.create(nnx.Rngs(params=jax.random.key(seed))))
       self.params = nnx.to_pure_dict(params)
@@ -34,20 +36,31 @@ class ReferenceRun:
     self._gradients = jax.jit(jax.value_and_grad(self._loss))
 
   def _loss(self, params, tokens_BL1):
-    logits_BLV, aux_loss = logits_and_aux_loss(nnx.merge(self.graphdef, params),
-                                               tokens_BL1[:, :-1])
+    return self._loss_and_stats(params, tokens_BL1)[0]
+
+  def _loss_and_stats(self, params, tokens_BL1):
+    logits_BLV, aux_loss, stats = logits_aux_loss_and_stats(nnx.merge(self.graphdef, params),
+                                                            tokens_BL1[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits_BLV.astype('float32'), tokens_BL1[:, 1:]).mean() + aux_loss
+        logits_BLV.astype('float32'), tokens_BL1[:, 1:]).mean() + aux_loss, stats
 
   def gradients(self, tokens_BL1):
     """(loss, gradients) of the current parameters on a host batch, without stepping."""
     return self._gradients(self.params, jax.device_put(tokens_BL1, self.device))
 
   def _train_step(self, params, opt_state, tokens_BL1):
-    loss, grads = jax.value_and_grad(self._loss)(params, tokens_BL1)
+    (loss, stats), grads = jax.value_and_grad(self._loss_and_stats, has_aux=True)(params,
+                                                                                 tokens_BL1)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
-    return optax.apply_updates(params, updates), opt_state, metrics, grads
+    new_params = optax.apply_updates(params, updates)
+    if self.bias_rate:  # aux_free: each layer's router bias moves by this whole batch's load.
+      def balance(path, new, old):
+        if path[-1].key != expert_balance.ROUTER_BIAS:
+          return new
+        return expert_balance.updated_bias(old, stats['load'], self.bias_rate)
+      new_params = jax.tree_util.tree_map_with_path(balance, new_params, params)
+    return new_params, opt_state, metrics, grads
 
   def step(self, tokens_BL1) -> dict[str, float]:
     """One optimizer step on a host batch; returns the loss (before the update) and the

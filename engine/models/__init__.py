@@ -27,6 +27,7 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   moe.py             the mixture-of-experts layer: router, top-k, experts, auxiliary losses
   moe_dispatch.py    its dispatches on one device: dropless (ragged_dot), capacity
   moe_config.py      its keys (model.num_experts, model.moe_*) and their checks
+  expert_balance.py  auxiliary-loss-free balancing: the router bias and its update from the load
   hf_format.py       HFTensor, HFFormat: how a family describes its Hugging Face checkpoints
   llama_hf.py        the Llama family's formats (Llama 2 / 3.x, Mistral, Qwen2, Qwen3)
   llama_moe_hf.py    its mixtures of experts' formats (Mixtral, Qwen3-MoE)

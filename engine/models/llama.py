@@ -258,7 +258,8 @@ def moe_config(model_config) -> MoeConfig | None:
       capacity_factor=model_config.moe_capacity_factor,
       aux_loss_coef=model_config.moe_aux_loss_coef, z_loss_coef=model_config.moe_z_loss_coef,
       groups=model_config.moe_groups, topk_groups=model_config.moe_topk_groups,
-      routed_scale=model_config.moe_routed_scale,
+      routed_scale=model_config.moe_routed_scale, balance=model_config.moe_balance,
+      bias_rate=model_config.moe_bias_rate,
       matmul=quantized_matmul.from_config(model_config))
 
 
@@ -318,4 +319,5 @@ def _experts_spec(moe: MoeConfig | None) -> ExpertsSpec | None:
     return None
   return ExpertsSpec(moe.num_experts, moe.experts_per_token,
                      moe.capacity_factor if moe.dispatch == 'capacity' else 0.0,
-                     bool(moe.shared_expert_dim))
+                     bool(moe.shared_expert_dim),
+                     moe.bias_rate if moe.balance == 'aux_free' else 0.0)

@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models import moe_config, quantized_matmul
+from engine.models import expert_balance, moe_config, quantized_matmul
 from engine.models.layers import dense, param
 from engine.models.moe_dispatch import ExpertFFN, capacity
 from engine.models.quantized_matmul import MatmulPrecision
 
 # The choices of model.moe_router and model.moe_dispatch, declared with the keys.
-ROUTERS, DISPATCHES = moe_config.ROUTERS, moe_config.DISPATCHES
+ROUTERS, DISPATCHES, BALANCES = moe_config.ROUTERS, moe_config.DISPATCHES, moe_config.BALANCES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,9 @@ class MoeConfig:
   groups: int = 1
   topk_groups: int = 1
   routed_scale: float = 1.0
+  # aux_free: a per-expert bias on the scores that choose the experts (expert_balance.py).
+  balance: str = 'aux_loss'  # BALANCES
+  bias_rate: float = 0.001
   # The shared expert's projections and a capacity dispatch's experts (the router and the
   # dropless dispatch's experts: the compute dtype).
   matmul: MatmulPrecision = quantized_matmul.DEFAULT
@@ -77,22 +80,28 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def route(logits_TE: jax.Array, k: int, router: str, groups: int = 1, topk_groups: int = 1,
-          routed_scale: float = 1.0):
+          routed_scale: float = 1.0, bias_E: jax.Array | None = None):
   """(weights [..., K], experts [..., K] int32, probabilities [..., E]) of float32 router logits
-  [..., E]. sigmoid_topk's probabilities (for the balance loss) are its scores normalised."""
+  [..., E]. sigmoid_topk's probabilities (for the balance loss) are its scores normalised.
+
+  `bias_E` (aux_free balancing) is added to the scores the experts are chosen by (sigmoid_topk's
+  scores, softmax_topk's probabilities, topk_softmax's logits), its groups' scores included;
+  the weights are those of the unbiased scores, so no gradient reaches the bias."""
+  chosen_by = lambda scores_TE: scores_TE if bias_E is None else scores_TE + bias_E
   if router == 'sigmoid_topk':
     scores_TE = jax.nn.sigmoid(logits_TE)
-    _, experts_TK = top_k(_in_best_groups(scores_TE, groups, topk_groups), k)
+    _, experts_TK = top_k(_in_best_groups(chosen_by(scores_TE), groups, topk_groups), k)
     top_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
     weights_TK = top_TK / top_TK.sum(-1, keepdims=True) * routed_scale
     return (weights_TK, experts_TK.astype(jnp.int32),
             scores_TE / scores_TE.sum(-1, keepdims=True))
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+  scores_TE = probs_TE if router == 'softmax_topk' else logits_TE
+  _, experts_TK = top_k(chosen_by(scores_TE), k)
+  top_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
   if router == 'softmax_topk':
-    top_TK, experts_TK = top_k(probs_TE, k)
     weights_TK = top_TK / top_TK.sum(-1, keepdims=True)
   else:
-    top_TK, experts_TK = top_k(logits_TE, k)
     weights_TK = jax.nn.softmax(top_TK, axis=-1)
   return weights_TK, experts_TK.astype(jnp.int32), probs_TE
 
@@ -132,6 +141,8 @@ class MoeMlp(nnx.Module):
     # The router's expert dimension is unnamed: every device scores every expert, even where the
     # experts themselves are split over the `expert` mesh axis.
     self.w_router_DE = param(rngs, (D, E), ('embed', None), init_std)
+    if cfg.balance == 'aux_free':  # Moved by the train step, not the optimizer (no gradient).
+      setattr(self, expert_balance.ROUTER_BIAS, param(rngs, (E,), (None,), 0))
     self.w_gate_EDF = param(rngs, (E, D, F), ('experts', 'embed', 'mlp'), init_std)
     self.w_up_EDF = param(rngs, (E, D, F), ('experts', 'embed', 'mlp'), init_std)
     self.w_down_EFD = param(rngs, (E, F, D), ('experts', 'mlp', 'embed'), init_std)
@@ -150,8 +161,13 @@ class MoeMlp(nnx.Module):
     logits_BLE = ops.constrain(dense(x_BLD, self.w_router_DE[...],
                                      preferred_element_type=jnp.float32).astype(jnp.float32),
                                ('batch', 'length', None))
+    bias_E = None
+    if cfg.balance == 'aux_free':
+      bias_E = jax.lax.stop_gradient(
+          getattr(self, expert_balance.ROUTER_BIAS)[...].astype(jnp.float32))
     weights_BLK, experts_BLK, probs_BLE = route(logits_BLE, cfg.experts_per_token, cfg.router,
-                                                cfg.groups, cfg.topk_groups, cfg.routed_scale)
+                                                cfg.groups, cfg.topk_groups, cfg.routed_scale,
+                                                bias_E)
     logits_TE, probs_TE = logits_BLE.reshape(B * L, -1), probs_BLE.reshape(B * L, -1)
     weights_TK, experts_TK = weights_BLK.reshape(B * L, -1), experts_BLK.reshape(B * L, -1)
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')

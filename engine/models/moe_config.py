@@ -14,6 +14,10 @@ from engine.models.config_keys import ConfigKey, ModelConfigError
 # groups, renormalised and scaled by moe_routed_scale.
 ROUTERS = ('softmax_topk', 'topk_softmax', 'sigmoid_topk')
 DISPATCHES = ('dropless', 'capacity')
+# aux_loss: Switch's load-balancing loss (moe_aux_loss_coef) alone. aux_free: DeepSeek-V3's
+# auxiliary-loss-free balancing besides it: a per-expert bias added to the router's scores for
+# choosing the experts only, moved by moe_bias_rate after each step toward balance.
+BALANCES = ('aux_loss', 'aux_free')
 
 CONFIG_KEYS = (
     ConfigKey('num_experts', 0, "Llama: a mixture of experts in place of each block's MLP "
@@ -39,6 +43,13 @@ CONFIG_KEYS = (
     ConfigKey('moe_capacity_factor', 1.25, 'Llama MoE, capacity dispatch: see moe_dispatch.'),
     ConfigKey('moe_aux_loss_coef', 0.01, "Llama MoE: weight of Switch's load-balancing loss "
               '(experts * sum_e f_e * P_e), per layer.'),
+    ConfigKey('moe_balance', 'aux_loss', "Llama MoE: aux_loss (Switch's loss, "
+              'moe_aux_loss_coef) | aux_free (DeepSeek-V3: also a per-expert router bias that '
+              'only chooses the experts, never weighs them, moved after every step by '
+              'moe_bias_rate toward the mean load: up for an underloaded expert, down for an '
+              'overloaded one; set moe_aux_loss_coef=0 for the bias alone).'),
+    ConfigKey('moe_bias_rate', 0.001, "Llama MoE, aux_free: each step's change of the router "
+              "bias (DeepSeek-V3's gamma)."),
     ConfigKey('moe_z_loss_coef', 0.0, 'Llama MoE: weight of the router z-loss, '
               'mean(logsumexp(router logits)^2), per layer.'),
 )
@@ -60,7 +71,8 @@ def check(model, mesh: dict[str, int]) -> None:
         f"model.num_experts={model.num_experts} does not split over mesh.expert={mesh['expert']} "
         'devices; make mesh.expert a divisor of it (each device holds num_experts / expert '
         'experts).')
-  for key, choices in (('moe_router', ROUTERS), ('moe_dispatch', DISPATCHES)):
+  for key, choices in (('moe_router', ROUTERS), ('moe_dispatch', DISPATCHES),
+                       ('moe_balance', BALANCES)):
     if model[key] not in choices:
       raise ModelConfigError(f'model.{key}={model[key]!r} is unknown; choose one of {choices}.')
   _check_groups(model)
@@ -69,6 +81,10 @@ def check(model, mesh: dict[str, int]) -> None:
     raise ModelConfigError(f'model.moe_capacity_factor={factor} must be a positive number; each '
                            'expert takes ceil(length * k / experts * factor) assignments of each '
                            'sequence (e.g. 1.25).')
+  rate = model.moe_bias_rate
+  if model.moe_balance == 'aux_free' and not (math.isfinite(rate) and rate > 0):
+    raise ModelConfigError(f'model.moe_bias_rate={rate} must be a positive number under '
+                           "moe_balance='aux_free' (DeepSeek-V3: 0.001).")
   for key in ('moe_mlp_dim', 'moe_shared_expert', 'moe_aux_loss_coef', 'moe_z_loss_coef'):
     if not (math.isfinite(model[key]) and model[key] >= 0):
       raise ModelConfigError(f'model.{key}={model[key]} must be a number >= 0; give 0 or more.')

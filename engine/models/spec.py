@@ -45,6 +45,7 @@ class ExpertsSpec:
   experts_per_token: int
   capacity_factor: float  # Slots per expert and sequence: ceil(L * k / E * factor); 0: dropless.
   shared_expert: bool  # A dense shared expert beside the routed ones.
+  bias_rate: float = 0.0  # aux_free balancing: the router bias' step (expert_balance.py); 0: none.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,11 +35,15 @@ The collectives come from the same rules that give auto mode its shardings:
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from engine.models import expert_balance
 from engine.parallel import manual_ops, pipeline, pipeline_1f1b, stage_lanes
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
@@ -194,6 +198,33 @@ class _Gradients:
     return jnp.sqrt(sum(jax.tree.leaves(squares)))
 
 
+class _BiasBlocks(expert_balance.WholeBias):
+  """The router biases as manual mode holds them: a block on each device (a pipeline splits the
+  layers over the stages)."""
+
+  def __init__(self, setup: TrainSetup, ops: manual_ops.ManualOps):
+    self.specs, self.ops = setup.param_specs, ops
+
+  def _splits(self, path, ndim):
+    spec = functools.reduce(lambda tree, key: tree[key.key], path, self.specs)
+    return [spec_axes(P(axes)) if axes else () for axes in (*spec, *[None] * (ndim - len(spec)))]
+
+  def block(self, whole, path, local):
+    splits = self._splits(path, local.ndim)
+    counts = [math.prod(self.ops.mesh_shape[a] for a in axes) for axes in splits]
+    block = whole.reshape([n * size for n, size in zip(counts, local.shape)])
+    for dim, (axes, size) in enumerate(zip(splits, local.shape)):
+      if axes:
+        start = self.ops.shard_index(axes) * size
+        block = jax.lax.dynamic_slice_in_dim(block, start, size, dim)
+    return block
+
+  def extremes(self, local, path):
+    axes = sum(self._splits(path, local.ndim), ())
+    low, high = local.min(), local.max()
+    return (jax.lax.pmin(low, axes), jax.lax.pmax(high, axes)) if axes else (low, high)
+
+
 def _shard_mapped(setup: TrainSetup, fn, in_specs, out_specs, donate=False):
   """fn on local shards inside shard_map, jitted with the matching global shardings."""
   return jax.jit(jax.shard_map(fn, mesh=setup.mesh, in_specs=in_specs, out_specs=out_specs),
@@ -210,7 +241,8 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients.with_stats(state['params'], tokens_BL1)
-    return apply_update(setup, state, loss, grads, gradients.global_norm(grads), stats)
+    return apply_update(setup, state, loss, grads, gradients.global_norm(grads), stats,
+                        _BiasBlocks(setup, gradients.ops))
 
   def eval_step(params, tokens_BL1):
     return gradients.batch_mean(next_token_loss(params, setup.graphdef, tokens_BL1,

@@ -115,7 +115,7 @@ class ManualOps(LocalOps):
     axes = self.rules.mesh_axes(logical, activation=True)
     return jax.lax.pcast(x, axes, to='varying') if axes else x
 
-  def _shard_index(self, axes) -> jax.Array:
+  def shard_index(self, axes) -> jax.Array:
     """Row-major position of this device among the shards split over `axes`."""
     index = 0
     for axis in axes:
@@ -133,7 +133,7 @@ class ManualOps(LocalOps):
     # Replicated (too few to split) under split query heads: only the kv heads those read.
     group = num_heads // kv_BLNK.shape[2]  # Query heads per kv head.
     local_heads = num_heads // math.prod(self.mesh_shape[a] for a in head_axes)
-    first = self._shard_index(head_axes) * local_heads  # This device's first query head.
+    first = self.shard_index(head_axes) * local_heads  # This device's first query head.
     if local_heads % group == 0 or group % local_heads == 0:  # Whole groups, or part of one.
       return jax.lax.dynamic_slice_in_dim(kv_BLNK, first // group,
                                           max(local_heads // group, 1), axis=2)
@@ -148,7 +148,7 @@ class ManualOps(LocalOps):
   def _vocab_shard(self, local_vocab: int):
     """(axes, first id of this device's vocabulary shard) for a vocab split over `tensor`."""
     axes = self.rules.mesh_axes('vocab', activation=True)
-    return axes, self._shard_index(axes) * local_vocab
+    return axes, self.shard_index(axes) * local_vocab
 
   def inputs_and_targets(self, tokens_BL1):
     if self.context_axis is None:

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from engine.models import expert_balance
 from engine.models.documents import segments_and_positions
 from engine.models.ops import LAYERS
 from engine.models.spec import logits_aux_loss_and_stats
@@ -147,7 +148,8 @@ def model_metrics(stats: dict) -> dict:
   experts; moe/load_cv: the coefficient of variation (standard deviation over the experts /
   mean) of each layer's load, averaged over layers; moe/dropped_fraction: assignments the
   capacity dropped; moe/balance_loss, moe/z_loss: the router losses before their coefficients
-  (these three averaged over layers)."""
+  (these three averaged over layers). aux_free balancing adds moe/bias_min and moe/bias_max
+  (expert_balance.bias_metrics)."""
   if 'load' not in stats:
     return {}
   load_LE = stats['load'] * stats['load'].shape[-1]  # Each layer's mean is 1.
@@ -185,21 +187,30 @@ def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbat
   return jax.tree.map(lambda x: x / microbatches, total)
 
 
-def apply_update(setup: TrainSetup, state, loss, grads, grad_norm, stats=None):
-  """The end of every train step: clip to the global norm, apply the optimizer, count the step.
+def apply_update(setup: TrainSetup, state, loss, grads, grad_norm, stats=None,
+                 bias_layout=expert_balance.WholeBias()):
+  """The end of every train step: clip to the global norm, apply the optimizer, move a mixture
+  of experts' router bias (aux_free balancing), count the step.
 
   `grads` are the mean-loss gradients laid out like the parameters and `grad_norm` their global
-  norm, however the mode computed them; `stats` the model's statistics (model_metrics)."""
+  norm, however the mode computed them; `stats` the model's statistics (model_metrics);
+  `bias_layout` how this step holds the router biases (manual mode: a block on each device)."""
   optimizer = setup.optimizer
   grads = clip_by_global_norm(grads, grad_norm, optimizer.clip_norm)
   updates, opt_state = optimizer.tx.update(grads, state['opt_state'], state['params'])
   params = optax.apply_updates(state['params'], updates)
+  experts, bias_metrics = setup.model.experts, {}
+  if experts is not None and experts.bias_rate and stats:
+    params = expert_balance.with_balanced_bias(params, state['params'], stats['load'],
+                                               experts.bias_rate, bias_layout)
+    bias_metrics = expert_balance.bias_metrics(state['params'], bias_layout)
   if setup.options.skip_nonfinite:  # Loss and norm are global: every device agrees.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     params, opt_state = keep(params, state['params']), keep(opt_state, state['opt_state'])
   metrics = {'loss': loss, 'grad_norm': grad_norm,
-             'learning_rate': optimizer.schedule(state['step']), **model_metrics(stats or {})}
+             'learning_rate': optimizer.schedule(state['step']), **model_metrics(stats or {}),
+             **bias_metrics}
   return {'step': state['step'] + 1, 'params': params, 'opt_state': opt_state}, metrics
 
 

@@ -204,11 +204,14 @@ class JsonLines:
 def router_health(scalars: dict[str, float]) -> str:
   """The log line's part for a mixture of experts (engine.parallel.steps.model_metrics): the
   least and most loaded expert and the coefficient of variation of the load (as multiples of
-  the mean load: all 1.0 when balanced), and the assignments dropped; '' for a dense model."""
+  the mean load: all 1.0 when balanced), the assignments dropped, and under aux_free balancing
+  the router bias' range; '' for a dense model."""
   if 'moe/load_min' not in scalars:
     return ''
+  bias = (f' bias {scalars["moe/bias_min"]:+.3f}..{scalars["moe/bias_max"]:+.3f}'
+          if 'moe/bias_min' in scalars else '')
   return (f' | load {scalars["moe/load_min"]:.2f}-{scalars["moe/load_max"]:.2f} '
-          f'cv {scalars["moe/load_cv"]:.2f} dropped {scalars["moe/dropped_fraction"]:.1%}')
+          f'cv {scalars["moe/load_cv"]:.2f} dropped {scalars["moe/dropped_fraction"]:.1%}{bias}')
 
 
 def perplexity_of(loss: float) -> float:

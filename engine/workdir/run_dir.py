@@ -29,6 +29,8 @@ ADDED_KEYS = {
     'optim.schedule': 'cosine',
     'optim.decay_fraction': 0.2,
     'model.matmul_precision': 'default',
+    'model.moe_balance': 'aux_loss',
+    'model.moe_bias_rate': 0.001,
     'model.moe_groups': 1,
     'model.moe_routed_scale': 1.0,
     'model.moe_topk_groups': 1,

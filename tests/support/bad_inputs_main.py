@@ -442,6 +442,11 @@ BAD_INPUTS = [
     ([TINY, RUN, *MOE, '--config.model.moe_router=sigmoid_topk',
       '--config.model.moe_routed_scale=0'], 2, 'model.moe_routed_scale=0.0 must be a positive '
      'number (DeepSeek-V3: 2.5).'),
+    ([TINY, RUN, *MOE, '--config.model.moe_balance=switch'], 2, "model.moe_balance='switch' "
+     "is unknown; choose one of ('aux_loss', 'aux_free')."),
+    ([TINY, RUN, *MOE, '--config.model.moe_balance=aux_free', '--config.model.moe_bias_rate=0'],
+     2, "model.moe_bias_rate=0.0 must be a positive number under moe_balance='aux_free' "
+     '(DeepSeek-V3: 0.001).'),
     ([TINY, RUN, *MOE, '--config.model.moe_dispatch=dense'], 2, "model.moe_dispatch='dense' "
      "is unknown; choose one of ('dropless', 'capacity')."),
     ([TINY, RUN, *MOE, '--config.model.moe_capacity_factor=0'], 2,

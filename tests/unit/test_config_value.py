@@ -101,7 +101,7 @@ def test_commands_change_copies():
 
 # Keys older runs' config.json lack, named here so that a row dropped from ADDED_KEYS fails.
 OLDER_RUNS_LACK = ('mesh.expert', 'mesh.dcn_data', 'model.sliding_window', 'optim.schedule',
-                   'parallelism.fsdp_gather', 'train.pipeline_repeats')
+                   'parallelism.fsdp_gather', 'train.pipeline_repeats', 'model.moe_balance')
 
 
 def _old_config_json(tmp_path, **kept):

@@ -94,6 +94,8 @@ def test_a_run_exports_as_the_architecture_that_computes_it():
                                            'shared expert)')
   model.moe_shared_expert, model.qkv_bias = 0, True
   assert 'q/k/v biases' in models.unwritable(models.hf_format_for(model), model)
+  model.qkv_bias, model.moe_balance = False, 'aux_free'
+  assert 'no router bias' in models.unwritable(models.hf_format_for(model), model)
 
 
 @pytest.mark.slow
