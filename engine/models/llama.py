@@ -16,50 +16,19 @@ device's query heads read, ops.kv_for_query_heads), K head_dim, F mlp hidden, V 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from engine.models import quantized_matmul
+from engine.models.latent_attention import LatentAttention, LatentConfig
 from engine.models.layers import apply_layers, dense, param, stack_layers
+from engine.models.llama_layers import RMSNorm, Rope, rotary
 from engine.models.moe import MoeConfig, MoeMlp
 from engine.models.ops import LocalOps
 from engine.models.quantized_matmul import MatmulPrecision
 from engine.models.spec import ExpertsSpec, ModelSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class Rope:
-  """Rotary frequencies (model.rope_*): Hugging Face's `default`, `linear` and `llama3` types."""
-  base: float = 10_000.0
-  type: str = 'default'  # llama_config.ROPE_TYPES
-  factor: float = 1.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_len: int = 8192
-
-  def inverse_frequencies(self, head_dim: int) -> jax.Array:
-    """[head_dim / 2] float32: base^(-2i / head_dim), rescaled by the type (as
-    transformers' modeling_rope_utils computes them)."""
-    half = head_dim // 2
-    inverse = self.base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if self.type == 'linear':
-      return inverse / self.factor
-    if self.type == 'llama3':
-      # Wavelengths above original_max_len / low_freq_factor are slowed by `factor`, those below
-      # original_max_len / high_freq_factor kept, and the band between interpolated.
-      wavelength = 2 * math.pi / inverse
-      low = self.original_max_len / self.low_freq_factor
-      high = self.original_max_len / self.high_freq_factor
-      scaled = jnp.where(wavelength > low, inverse / self.factor, inverse)
-      smooth = ((self.original_max_len / wavelength - self.low_freq_factor) /
-                (self.high_freq_factor - self.low_freq_factor))
-      smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-      medium = (wavelength >= high) & (wavelength <= low)
-      return jnp.where(medium, smoothed, scaled)
-    return inverse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,31 +51,7 @@ class LlamaConfig:
   init_std: float = 0.02
   moe: MoeConfig | None = None  # A mixture of experts in place of each block's MLP.
   matmul: MatmulPrecision = quantized_matmul.DEFAULT  # The projections' (not the head's).
-
-
-class RMSNorm(nnx.Module):
-
-  def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
-    self.scale = param(rngs, (dim,), ('norm',), None)
-    self.eps = eps
-
-  def __call__(self, x_BLD):
-    x = x_BLD.astype(jnp.float32)  # Statistics in float32 whatever the compute dtype.
-    y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
-
-
-def rotary(x_BLHK: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
-  """Rotary position embedding, rotate-half form: dimension i pairs with i + K/2. `positions`
-  is [L] (every row alike) or [B, L] (generation: each row at its own position)."""
-  half = x_BLHK.shape[-1] // 2
-  inverse_frequency = rope.inverse_frequencies(x_BLHK.shape[-1])
-  angles = positions.astype(jnp.float32)[..., None] * inverse_frequency
-  angles_K = jnp.concatenate([angles, angles], axis=-1)  # [(B,) L, K]
-  x = x_BLHK.astype(jnp.float32)
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  cos, sin = jnp.cos(angles_K)[..., None, :], jnp.sin(angles_K)[..., None, :]
-  return (x * cos + rotated * sin).astype(x_BLHK.dtype)
+  latent: LatentConfig | None = None  # Multi-head latent attention in place of the attention.
 
 
 class Block(nnx.Module):
@@ -115,9 +60,23 @@ class Block(nnx.Module):
   by `ops.finish_contraction`."""
 
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
-    D, H, N, K, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    D, H, K, F = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
     self.cfg = cfg
     self.attn_norm = RMSNorm(D, cfg.norm_eps, rngs)
+    self.mlp_norm = RMSNorm(D, cfg.norm_eps, rngs)
+    if cfg.latent:
+      self.mla = LatentAttention(D, H, K, cfg.latent, cfg.norm_eps, cfg.init_std, rngs)
+    else:
+      self._init_attention(cfg, rngs)
+    if cfg.moe:
+      self.moe = MoeMlp(D, cfg.moe, cfg.init_std, rngs)
+      return
+    self.w_gate_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
+    self.w_up_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
+    self.w_down_FD = param(rngs, (F, D), ('mlp', 'embed'), cfg.init_std)
+
+  def _init_attention(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    D, H, N, K = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.w_q_DHK = param(rngs, (D, H, K), ('embed', 'heads', 'head_dim'), cfg.init_std)
     self.w_k_DNK = param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
     self.w_v_DNK = param(rngs, (D, N, K), ('embed', 'kv_heads', 'head_dim'), cfg.init_std)
@@ -129,16 +88,11 @@ class Block(nnx.Module):
       self.q_norm = RMSNorm(K, cfg.norm_eps, rngs)
       self.k_norm = RMSNorm(K, cfg.norm_eps, rngs)
     self.w_o_HKD = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), cfg.init_std)
-    self.mlp_norm = RMSNorm(D, cfg.norm_eps, rngs)
-    if cfg.moe:
-      self.moe = MoeMlp(D, cfg.moe, cfg.init_std, rngs)
-      return
-    self.w_gate_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
-    self.w_up_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
-    self.w_down_FD = param(rngs, (F, D), ('mlp', 'embed'), cfg.init_std)
 
   def attention(self, x_BLD, ops):
     cfg = self.cfg
+    if cfg.latent:
+      return self.mla(x_BLD, ops, cfg.rope, cfg.matmul, cfg.attention_scale_on, cfg.attention)
     heads = ('batch', 'length', 'heads', 'head_dim')
     positions_L = ops.positions(x_BLD.shape[1])
     x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
@@ -282,25 +236,25 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       attention=model_config.attention, qkv_bias=model_config.qkv_bias,
       qk_norm=model_config.qk_norm, scan_layers=model_config.scan_layers,
       init_std=model_config.init_std, moe=moe_config(model_config),
-      matmul=quantized_matmul.from_config(model_config))
-  D, F, K = cfg.embed_dim, cfg.mlp_dim, cfg.head_dim
-  HK, NK = cfg.num_heads * K, cfg.num_kv_heads * K
+      matmul=quantized_matmul.from_config(model_config), latent=latent_config(model_config))
+  D, F = cfg.embed_dim, cfg.mlp_dim
+  attention_params, score_width = _attention_sizes(cfg)
   if cfg.moe:  # What one token multiplies: the router, k experts and the shared expert.
     moe = cfg.moe
     F = (moe.experts_per_token * moe.mlp_dim + moe.shared_expert_dim +
          moe.num_experts / 3)
-  matmul_params = cfg.num_layers * (2 * D * HK + 2 * D * NK + 3 * D * F) + vocab_size * D
+  matmul_params = cfg.num_layers * (attention_params + 3 * D * F) + vocab_size * D
   # What matmul_precision quantizes: the attention and MLP projections, a shared expert's, and
   # the k experts a token meets under the capacity dispatch.
   projected = 3 * D * cfg.mlp_dim
   if cfg.moe:
     projected = 3 * D * (cfg.moe.shared_expert_dim + (
         cfg.moe.experts_per_token * cfg.moe.mlp_dim if cfg.moe.dispatch == 'capacity' else 0))
-  quantized_params = cfg.num_layers * (2 * D * HK + 2 * D * NK + projected)
+  quantized_params = cfg.num_layers * (attention_params + projected)
 
   def flops_per_token(seq_len: int) -> float:
     # As GPT's: 6 per weight, and attention's scores and weighted sum over seq_len positions.
-    return 6.0 * matmul_params + 12.0 * cfg.num_layers * seq_len * HK
+    return 6.0 * matmul_params + 6.0 * cfg.num_layers * seq_len * score_width
 
   return ModelSpec(
       name='llama', factory=lambda rngs: Llama(cfg, rngs), vocab_size=vocab_size,
@@ -312,6 +266,29 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       flops_per_token=flops_per_token, split_where_divisible=('kv_heads',),
       context_parallel=True, experts=_experts_spec(cfg.moe),
       quantized_params=quantized_params if cfg.matmul.quantized else 0)
+
+
+def latent_config(model_config) -> LatentConfig | None:
+  """Multi-head latent attention of the model.mla_* keys; None for the Llama attention."""
+  if not model_config.get('mla_kv_rank', 0):
+    return None
+  head_dim = (model_config.head_dim if model_config.head_dim > 0 else
+              model_config.embed_dim // model_config.num_heads)
+  return LatentConfig(model_config.mla_kv_rank, model_config.mla_q_rank,
+                      model_config.mla_rope_dim, model_config.mla_value_dim or head_dim,
+                      model_config.mla_rope_interleave)
+
+
+def _attention_sizes(cfg: LlamaConfig) -> tuple[int, int]:
+  """(the attention's projection weights per layer, the widths a query's scores and weighted
+  sum multiply per position: H (K_qk + K_v))."""
+  D, H, K = cfg.embed_dim, cfg.num_heads, cfg.head_dim
+  latent = cfg.latent
+  if latent is None:
+    return 2 * D * H * K + 2 * D * cfg.num_kv_heads * K, 2 * H * K
+  R, V, C, Q = latent.rope_dim, latent.value_dim, latent.kv_rank, latent.q_rank
+  queries = D * Q + Q * H * (K + R) if Q else D * H * (K + R)
+  return queries + D * (C + R) + C * H * (K + V) + H * V * D, H * (K + R + V)
 
 
 def _experts_spec(moe: MoeConfig | None) -> ExpertsSpec | None:

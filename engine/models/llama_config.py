@@ -28,6 +28,19 @@ CONFIG_KEYS = (
     ConfigKey('sliding_window', 0, 'Llama: attend only to this many most recent positions '
               '(Mistral); 0: all. The engine computes full causal attention, so a window shorter '
               'than the sequence is refused.', exclusive=True),
+    ConfigKey('mla_kv_rank', 0, "Llama: multi-head latent attention (DeepSeek-V2 / V3, "
+              'engine/models/latent_attention.py): keys and values from a latent of this size '
+              "per position (DeepSeek's kv_lora_rank); 0: the Llama attention.", exclusive=True),
+    ConfigKey('mla_q_rank', 0, "Llama MLA: the queries' own latent size (q_lora_rank); 0: "
+              'queries projected from the input directly.', exclusive=True),
+    ConfigKey('mla_rope_dim', 64, "Llama MLA: each query's rotary part and the one rotary key "
+              "shared by the heads (qk_rope_head_dim); head_dim is the rest (qk_nope_head_dim).",
+              exclusive=True),
+    ConfigKey('mla_value_dim', 0, "Llama MLA: each head's value size (v_head_dim); 0: "
+              'head_dim.', exclusive=True),
+    ConfigKey('mla_rope_interleave', True, "Llama MLA: rotary pairs dimensions 2i and 2i + 1 "
+              "(DeepSeek's checkpoints, rope_interleave) rather than i and i + R / 2.",
+              exclusive=True),
     *moe_config.CONFIG_KEYS,
     ConfigKey('hf_architecture', '', 'Llama: the Hugging Face architecture the model was loaded '
               "from and is exported as ('' : the family's own, LlamaForCausalLM); set by "
@@ -60,4 +73,29 @@ def check(model, mesh: dict[str, int]) -> None:
     raise ModelConfigError(
         f'{what} = {head_dim} is odd; rotary embeddings rotate pairs of dimensions, so choose '
         'an even head size.')
+  _check_latent_attention(model, mesh)
   moe_config.check(model, mesh)
+
+
+def _check_latent_attention(model, mesh: dict[str, int]) -> None:
+  """MLA's sizes, and what it does not combine with (the Llama attention's own options, the
+  kernels and the ring attention written for equal key and value heads)."""
+  for key in ('mla_kv_rank', 'mla_q_rank', 'mla_value_dim'):
+    if model[key] < 0:
+      raise ModelConfigError(f'model.{key}={model[key]} must be >= 0 (0: see the key\'s help).')
+  if not model.mla_kv_rank:
+    return
+  if model.mla_rope_dim <= 0 or model.mla_rope_dim % 2:
+    raise ModelConfigError(f'model.mla_rope_dim={model.mla_rope_dim} must be a positive even '
+                           'number (rotary embeddings turn pairs of dimensions; DeepSeek-V3: 64).')
+  refused = [(model.qkv_bias, 'model.qkv_bias=True'), (model.qk_norm, 'model.qk_norm=True'),
+             (model.attention != 'einsum', f'model.attention={model.attention!r}'),
+             (model.attention_scale != -1, f'model.attention_scale={model.attention_scale}'),
+             (mesh.get('context', 1) > 1, f"mesh.context={mesh.get('context')}")]
+  for given, what in refused:
+    if given:
+      raise ModelConfigError(
+          f'model.mla_kv_rank={model.mla_kv_rank} (multi-head latent attention) with {what}: '
+          'latent attention runs the einsum attention on whole sequences, scaled by 1 / '
+          'sqrt(head_dim + mla_rope_dim), without q/k/v biases or q/k norms; drop that setting '
+          'or set model.mla_kv_rank=0.')

@@ -1,0 +1,83 @@
+"""Multi-head latent attention (DeepSeek-V2 / V3), the Llama block's attention when
+model.mla_kv_rank > 0.
+
+Keys and values come from one low-rank latent per position: x -> [latent C | rotary key R]
+(`w_kv_a`), the latent RMS-normalised and projected up to every head's key part K and value V
+(`w_kv_b`). Each head's key is [its key part | the one rotary key, shared by the heads]; each
+query is [K | R] with rotary positions on its last R dimensions, projected from x directly or
+through a normalised low-rank latent of its own (model.mla_q_rank). Attention scales the logits
+by 1 / sqrt(K + R) and the output projection reads the heads' V values.
+
+Heads split over `tensor` as in the Llama block (the up-projections and the output projection
+are column- and row-parallel in `heads`); the latent projections are whole on every device
+(DeepSeek's layout too), their gradients summed over the heads' devices by the casts of
+shard_map's varying types. Rotary positions pair dimensions as DeepSeek's checkpoints do
+(`rope_interleave`; llama_layers.rotary).
+
+Shape suffixes: B batch, L length, D embed, H heads, K key part, R rotary part, V value, C kv
+latent, Q query latent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from engine.models import quantized_matmul
+from engine.models.layers import dense, param
+from engine.models.llama_layers import RMSNorm, Rope, rotary
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentConfig:
+  kv_rank: int  # C
+  q_rank: int  # Q; 0: queries projected from x directly.
+  rope_dim: int  # R
+  value_dim: int  # V
+  rope_interleave: bool = True
+
+
+class LatentAttention(nnx.Module):
+
+  def __init__(self, embed_dim: int, num_heads: int, head_dim: int, cfg: LatentConfig,
+               norm_eps: float, init_std: float, rngs: nnx.Rngs):
+    D, H, K, R, V, C = (embed_dim, num_heads, head_dim, cfg.rope_dim, cfg.value_dim,
+                        cfg.kv_rank)
+    self.cfg = cfg
+    if cfg.q_rank:
+      self.w_q_a_DQ = param(rngs, (D, cfg.q_rank), ('embed', None), init_std)
+      self.q_a_norm = RMSNorm(cfg.q_rank, norm_eps, rngs)
+      self.w_q_b_QHK = param(rngs, (cfg.q_rank, H, K + R), (None, 'heads', 'head_dim'), init_std)
+    else:
+      self.w_q_DHK = param(rngs, (D, H, K + R), ('embed', 'heads', 'head_dim'), init_std)
+    self.w_kv_a_DC = param(rngs, (D, C + R), ('embed', None), init_std)
+    self.kv_a_norm = RMSNorm(C, norm_eps, rngs)
+    self.w_kv_b_CHK = param(rngs, (C, H, K + V), (None, 'heads', 'head_dim'), init_std)
+    self.w_o_HVD = param(rngs, (H, V, D), ('heads', 'head_dim', 'embed'), init_std)
+
+  def __call__(self, x_BLD, ops, rope: Rope, precision: quantized_matmul.MatmulPrecision,
+               scale_on: str, implementation: str):
+    cfg, R = self.cfg, self.cfg.rope_dim
+    positions_L = ops.positions(x_BLD.shape[1])
+    turn = lambda x: rotary(x, positions_L, rope, cfg.rope_interleave)
+    x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q and kv projections.
+    project = lambda x, w: dense(x, w, precision=precision)
+    if cfg.q_rank:
+      q_BLHK = project(self.q_a_norm(project(x_BLD, self.w_q_a_DQ[...])), self.w_q_b_QHK[...])
+    else:
+      q_BLHK = project(x_BLD, self.w_q_DHK[...])
+    q_BLHK = jnp.concatenate([q_BLHK[..., :-R], turn(q_BLHK[..., -R:])], axis=-1)
+    latent_BLC = project(x_BLD, self.w_kv_a_DC[...])
+    key_rope_BL1R = turn(latent_BLC[..., None, cfg.kv_rank:])  # One rotary key for every head.
+    kv_BLHK = project(self.kv_a_norm(latent_BLC[..., :cfg.kv_rank]), self.w_kv_b_CHK[...])
+    K = kv_BLHK.shape[-1] - cfg.value_dim
+    k_BLHK = jnp.concatenate(
+        [kv_BLHK[..., :K], jnp.broadcast_to(key_rope_BL1R, (*kv_BLHK.shape[:3], R))], axis=-1)
+    heads = ('batch', 'length', 'heads', 'head_dim')
+    q_BLHK, k_BLHK = ops.constrain(q_BLHK, heads), ops.constrain(k_BLHK, heads)
+    v_BLHV = ops.constrain(kv_BLHK[..., K:], heads)
+    out_BLHV = ops.attention(q_BLHK, k_BLHK, v_BLHV, scale_on, implementation, None)
+    y_BLD = dense(out_BLHV, self.w_o_HVD[...], in_dims=2, precision=precision)
+    return ops.finish_contraction(y_BLD, 'heads')
