@@ -20,7 +20,8 @@ from engine.analysis.hf_compare import (LOGITS_RTOL, LOSS_RTOL, ROWS, SEED, SEQ_
                                         engine_config, make_tokens, mesh_devices, not_checked)
 from engine.errors import ConfigError
 
-FAMILIES = ('llama2', 'llama3', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe')
+FAMILIES = ('llama2', 'llama3', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe',
+            'deepseek_v3')
 FORMATS = ('v5', 'legacy')
 REFERENCE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hf_reference.py')
 

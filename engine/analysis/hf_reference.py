@@ -24,6 +24,11 @@ initialises to one and zero, so that a norm or a bias the engine dropped would s
   mixtral  MixtralForCausalLM, 4 experts of hidden 128, 2 per token (per-expert tensors on disk)
   qwen3_moe  Qwen3MoeForCausalLM, 4 experts of hidden 32 (moe_intermediate_size), 2 per token,
            norm_topk_prob, q / k norms, head_dim 32
+  deepseek_v3  DeepseekV3ForCausalLM: latent attention (kv latent 16, query latent 24, key part
+           16 + rotary 8, values 12, interleaved rotary pairs; rms_norm_eps 1e-5 against the
+           latent norms' 1e-6), 8 experts of hidden 32 in 4 groups, 2 per token from the best
+           2 groups, scale 2.5, one shared expert, every layer sparse; the router's correction
+           bias random N(0, 0.1^2) (transformers starts it at zero), so a bias left out shows
 
 Config formats: `v5` is what transformers 5's save_pretrained writes (`rope_parameters`);
 `legacy` is the same checkpoint with config.json rewritten in the older format: a top-level
@@ -59,8 +64,8 @@ import sys
 import numpy as np
 import torch
 import transformers
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig,
-                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, MistralConfig,
+                          MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from transformers_output import captured_warnings  # A sibling file: this runs as a script.
 
@@ -93,6 +98,12 @@ FAMILIES = {
                                         norm_topk_prob=True, use_sliding_window=False,
                                         rope_parameters={'rope_type': 'default',
                                                          'rope_theta': 1000000.0}),
+    'deepseek_v3': lambda: DeepseekV3Config(
+        **dict(COMMON, num_key_value_heads=4), kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0,
+        norm_topk_prob=True, rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0}),
 }
 FORMATS = ('v5', 'legacy')
 
@@ -101,7 +112,7 @@ def randomize(model, seed):
   """Every parameter random and large enough to matter: matrices N(0, 1 / fan_in) (the
   embedding N(0, 1), the fused experts' [E, out, in] too; routers N(0, 1), so that no two
   experts come near a tie), RMSNorm scales (q / k norms included) uniform in [0.5, 1.5],
-  biases N(0, 0.5^2)."""
+  biases N(0, 0.5^2); DeepSeek's router bias N(0, 0.1^2)."""
   generator = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -113,6 +124,9 @@ def randomize(model, seed):
         p.copy_(0.5 + torch.rand(p.shape, generator=generator))
       else:
         p.copy_(0.5 * torch.randn(p.shape, generator=generator))
+    for name, b in model.named_buffers():
+      if name.endswith('e_score_correction_bias'):  # A buffer: DeepSeek's router bias.
+        b.copy_(0.1 * torch.randn(b.shape, generator=generator))
 
 
 def legacy_config(config: dict) -> dict:

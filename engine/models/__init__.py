@@ -31,6 +31,9 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   hf_format.py       HFTensor, HFFormat: how a family describes its Hugging Face checkpoints
   llama_hf.py        the Llama family's formats (Llama 2 / 3.x, Mistral, Qwen2, Qwen3)
   llama_moe_hf.py    its mixtures of experts' formats (Mixtral, Qwen3-MoE)
+  latent_attention.py  multi-head latent attention (DeepSeek-V2 / V3)
+  llama_layers.py    RMSNorm and rotary positions, shared by both attentions
+  deepseek_hf.py     DeepSeek-V3's format (latent attention, sigmoid-routed experts)
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ MODEL_CHECKS = {'llama': llama_config.check}
 
 def _registries() -> dict[str, object]:
   # pylint: disable-next=g-import-not-at-top
-  from engine.models import gpt, hf_format, llama, llama_hf, llama_moe_hf, spec
+  from engine.models import deepseek_hf, gpt, hf_format, llama, llama_hf, llama_moe_hf, spec
   return {
       'MODELS': {'gpt': gpt.build, 'llama': llama.build},
       # Hugging Face architecture -> its format; the first of a model's is what it exports by
       # default.
-      'HF_FORMATS': {fmt.architecture: fmt for fmt in llama_hf.FORMATS + llama_moe_hf.FORMATS},
+      'HF_FORMATS': {fmt.architecture: fmt for fmt in (llama_hf.FORMATS + llama_moe_hf.FORMATS +
+                                                        deepseek_hf.FORMATS)},
       'HFFormat': hf_format.HFFormat, 'ModelSpec': spec.ModelSpec}
 
 
@@ -98,14 +102,16 @@ def hf_format_of_architectures(architectures) -> HFFormat | None:
 
 def hf_format_for(model_config) -> HFFormat | None:
   """The format a model exports as: the architecture it was loaded from (model.hf_architecture),
-  else the first of its family's (dense, or mixture-of-experts formats as the model is) that
-  writes it (`HFFormat.unwritable`), else the first of them; None for a model with no Hugging
-  Face format."""
+  else the first of its family's formats of its kind (dense or mixture of experts, with or
+  without latent attention) that writes it (`HFFormat.unwritable`), else the first of them; None
+  for a model with no Hugging Face format."""
   formats = __getattr__('HF_FORMATS')
   if model_config.get('hf_architecture'):
     return formats.get(model_config.hf_architecture)
   moe = bool(model_config.get('num_experts', 0))
-  own = [fmt for fmt in formats.values() if fmt.model == model_config.name and fmt.moe == moe]
+  latent = bool(model_config.get('mla_kv_rank', 0))
+  own = [fmt for fmt in formats.values()
+         if fmt.model == model_config.name and (fmt.moe, fmt.latent) == (moe, latent)]
   return next((fmt for fmt in own if not unwritable(fmt, model_config)), own[0] if own else None)
 
 

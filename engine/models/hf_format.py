@@ -62,6 +62,7 @@ class HFFormat:
   # (the engine's `model` config, vocabulary size) -> config.json.
   to_hf_config: Callable[[object, int], dict]
   moe: bool = False  # Its models are mixtures of experts (model.num_experts > 0).
+  latent: bool = False  # Its models attend through a latent (model.mla_kv_rank > 0).
   # (the engine's `model` config) -> '' if this architecture writes the model exactly, else what
   # it cannot write (engine.export refuses it); None: every model of `model`.
   unwritable: Callable[[object], str] | None = None

@@ -30,6 +30,10 @@ from engine.models.layers import dense, param
 from engine.models.llama_layers import RMSNorm, Rope, rotary
 
 
+# DeepSeek's latent norms keep their own epsilon whatever the model's norm_eps (rms_norm_eps).
+LATENT_NORM_EPS = 1e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class LatentConfig:
   kv_rank: int  # C
@@ -42,18 +46,18 @@ class LatentConfig:
 class LatentAttention(nnx.Module):
 
   def __init__(self, embed_dim: int, num_heads: int, head_dim: int, cfg: LatentConfig,
-               norm_eps: float, init_std: float, rngs: nnx.Rngs):
+               init_std: float, rngs: nnx.Rngs):
     D, H, K, R, V, C = (embed_dim, num_heads, head_dim, cfg.rope_dim, cfg.value_dim,
                         cfg.kv_rank)
     self.cfg = cfg
     if cfg.q_rank:
       self.w_q_a_DQ = param(rngs, (D, cfg.q_rank), ('embed', None), init_std)
-      self.q_a_norm = RMSNorm(cfg.q_rank, norm_eps, rngs)
+      self.q_a_norm = RMSNorm(cfg.q_rank, LATENT_NORM_EPS, rngs)
       self.w_q_b_QHK = param(rngs, (cfg.q_rank, H, K + R), (None, 'heads', 'head_dim'), init_std)
     else:
       self.w_q_DHK = param(rngs, (D, H, K + R), ('embed', 'heads', 'head_dim'), init_std)
     self.w_kv_a_DC = param(rngs, (D, C + R), ('embed', None), init_std)
-    self.kv_a_norm = RMSNorm(C, norm_eps, rngs)
+    self.kv_a_norm = RMSNorm(C, LATENT_NORM_EPS, rngs)
     self.w_kv_b_CHK = param(rngs, (C, H, K + V), (None, 'heads', 'head_dim'), init_std)
     self.w_o_HVD = param(rngs, (H, V, D), ('heads', 'head_dim', 'embed'), init_std)
 

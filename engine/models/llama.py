@@ -65,7 +65,7 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(D, cfg.norm_eps, rngs)
     self.mlp_norm = RMSNorm(D, cfg.norm_eps, rngs)
     if cfg.latent:
-      self.mla = LatentAttention(D, H, K, cfg.latent, cfg.norm_eps, cfg.init_std, rngs)
+      self.mla = LatentAttention(D, H, K, cfg.latent, cfg.init_std, rngs)
     else:
       self._init_attention(cfg, rngs)
     if cfg.moe:

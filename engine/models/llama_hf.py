@@ -161,14 +161,20 @@ def to_hf_config(architecture: str, model_type: str):
   return to_hf_config
 
 
-FORMATS = (
-    HFFormat('LlamaForCausalLM', 'llama', TENSORS, _llama,
-             to_hf_config('LlamaForCausalLM', 'llama')),
-    HFFormat('MistralForCausalLM', 'llama', TENSORS,
-             lambda hf, where: _llama(hf, where, 'MistralForCausalLM'),
-             to_hf_config('MistralForCausalLM', 'mistral')),
-    HFFormat('Qwen2ForCausalLM', 'llama', TENSORS, _qwen2,
-             to_hf_config('Qwen2ForCausalLM', 'qwen2')),
-    HFFormat('Qwen3ForCausalLM', 'llama', TENSORS, _qwen3,
-             to_hf_config('Qwen3ForCausalLM', 'qwen3')),
-)
+def _no_latent_attention(architecture: str):
+  def why(model) -> str:
+    """What of the model `architecture` cannot write ('' if nothing)."""
+    if model.get('mla_kv_rank', 0):
+      return f'model.mla_kv_rank={model.mla_kv_rank} ({architecture} has no latent attention)'
+    return ''
+  return why
+
+
+FORMATS = tuple(
+    HFFormat(architecture, 'llama', TENSORS, read, to_hf_config(architecture, model_type),
+             unwritable=_no_latent_attention(architecture))
+    for architecture, model_type, read in (
+        ('LlamaForCausalLM', 'llama', _llama),
+        ('MistralForCausalLM', 'mistral', lambda hf, where: _llama(hf, where, 'MistralForCausalLM')),
+        ('Qwen2ForCausalLM', 'qwen2', _qwen2),
+        ('Qwen3ForCausalLM', 'qwen3', _qwen3)))

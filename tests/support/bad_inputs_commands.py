@@ -295,7 +295,7 @@ COMMAND_ROWS = {
          'it (No such file or directory); pass a Python that has torch and transformers >= 5.'),
         ([HF_CHECK, '--families=gpt9'], 2,
          "--families: 'gpt9' is unknown; choose from llama2,llama3,mistral,qwen2,qwen3,mixtral,"
-         'qwen3_moe.'),
+         'qwen3_moe,deepseek_v3.'),
         ([HF_CHECK, '--formats=x'], 2, "--formats: 'x' is unknown; choose from v5,legacy."),
         ([HF_CHECK, '--mesh=2x'], 2, f'--mesh=2x: {MESH_FORMAT}'),
     ],

@@ -196,7 +196,7 @@ def test_the_command_reports_bad_flags_in_one_line():
   assert done.returncode == 2
   lines = [l for l in done.stderr.splitlines() if l.strip()]
   assert lines == ["error: --families: 'gemma' is unknown; choose from llama2,llama3,mistral,"
-                   "qwen2,qwen3,mixtral,qwen3_moe."], done.stderr
+                   "qwen2,qwen3,mixtral,qwen3_moe,deepseek_v3."], done.stderr
 
 
 def test_the_reference_loss_is_optax_cross_entropy(checkpoint):
