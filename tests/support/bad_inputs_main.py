@@ -442,6 +442,21 @@ BAD_INPUTS = [
     ([TINY, RUN, *MOE, '--config.model.moe_router=sigmoid_topk',
       '--config.model.moe_routed_scale=0'], 2, 'model.moe_routed_scale=0.0 must be a positive '
      'number (DeepSeek-V3: 2.5).'),
+    ([TINY, RUN, LLAMA, '--config.model.mla_kv_rank=16', '--config.model.mla_rope_dim=3'], 2,
+     'model.mla_rope_dim=3 must be a positive even number (rotary embeddings turn pairs of '
+     'dimensions; DeepSeek-V3: 64).'),
+    ([TINY, RUN, LLAMA, '--config.model.mla_kv_rank=16',
+      '--config.model.attention=dot_product_attention'], 2,
+     "model.mla_kv_rank=16 (multi-head latent attention) with "
+     "model.attention='dot_product_attention': latent "
+     'attention runs the einsum attention on whole sequences, scaled by 1 / sqrt(head_dim + '
+     'mla_rope_dim), without q/k/v biases or q/k norms; drop that setting or set '
+     'model.mla_kv_rank=0.'),
+    ([TINY, RUN, LLAMA, '--config.model.mla_kv_rank=16', '--config.mesh.context=2',
+      '--config.parallelism.mode=manual'], 2,
+     'model.mla_kv_rank=16 (multi-head latent attention) with mesh.context=2: latent attention '
+     'runs the einsum attention on whole sequences, scaled by 1 / sqrt(head_dim + mla_rope_dim), '
+     'without q/k/v biases or q/k norms; drop that setting or set model.mla_kv_rank=0.'),
     ([TINY, RUN, *MOE, '--config.model.moe_balance=switch'], 2, "model.moe_balance='switch' "
      "is unknown; choose one of ('aux_loss', 'aux_free')."),
     ([TINY, RUN, *MOE, '--config.model.moe_balance=aux_free', '--config.model.moe_bias_rate=0'],
