@@ -39,7 +39,7 @@ from engine.assemble import Run, assemble_finished_run
 from engine.workdir.checkpoint import restore_params
 from engine.data.prompts import bos_ids, encode_prompt, encode_prompts
 from engine.models.layers import LAYERS
-from engine.parallel.decode import build_decode_steps, cache_axes
+from engine.parallel.decode import build_decode_steps, cache_axes, cache_names
 from engine.state import TrainSetup
 from engine.errors import ConfigError
 
@@ -85,25 +85,42 @@ class Generator:
     # The model's vocabulary is the tokenizer's rounded up: ids past the tokenizer's never come.
     self.tokenizer_vocab = tokenizer_vocab
     self.max_prompt_len, self.slots = max_prompt_len, max_prompt_len + max_new_tokens
-    # (kv heads, head_dim): the cache's last dimensions, from any stacked parameter that has
-    # both (a key or value projection; GPT: the query or output projection), by logical name.
-    heads_axis = cache_axes(setup)[3]
-    self.heads_shape = next(
-        (p.shape[p.logical_axes.index(heads_axis)], p.shape[p.logical_axes.index('head_dim')])
-        for p in setup.parameters()
-        if LAYERS in p.logical_axes and {heads_axis, 'head_dim'} <= set(p.logical_axes))
+    self.names = cache_names(setup)
+    if setup.model.latent_cache:  # (latent, rotary key) per position.
+      self.shapes = tuple((size,) for size in setup.model.latent_cache)
+    else:
+      # (kv heads, head_dim): the cache's last dimensions, from any stacked parameter that has
+      # both (a key or value projection; GPT: the query or output projection), by logical name.
+      heads_axis = cache_axes(setup)[3]
+      heads_shape = next(
+          (p.shape[p.logical_axes.index(heads_axis)], p.shape[p.logical_axes.index('head_dim')])
+          for p in setup.parameters()
+          if LAYERS in p.logical_axes and {heads_axis, 'head_dim'} <= set(p.logical_axes))
+      self.shapes = (heads_shape, heads_shape)
     steps = build_decode_steps(setup, self._empty_cache, self._pick)
     self.prefill, self.decode = steps.prefill, steps.decode
 
   def _empty_cache(self, batch: int) -> dict:
-    shape = (self.setup.model.num_layers, batch, self.slots) + self.heads_shape
+    lead = (self.setup.model.num_layers, batch, self.slots)
     dtype = jnp.dtype(self.setup.options.compute_dtype)
-    return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}
+    return {name: jnp.zeros(lead + shape, dtype) for name, shape in zip(self.names, self.shapes)}
 
   def cache_bytes(self, batch: int) -> int:
     """The key / value cache's bytes for `batch` rows (keys and values, all devices)."""
     cache = jax.eval_shape(lambda: self._empty_cache(batch))
     return sum(a.size * a.dtype.itemsize for a in cache.values())
+
+  def _log_cache(self, rows: int) -> None:
+    size = (self.setup.model.num_layers, rows, self.slots)
+    mib = self.cache_bytes(rows) / 2**20
+    if self.setup.model.latent_cache:
+      logging.info('Latent cache: %d layers x %d rows x %d slots x (%d latent + %d rotary key): '
+                   '%.2f MiB.', *size, *self.setup.model.latent_cache, mib)
+      return
+    heads = self.setup.attention_heads()['query']
+    logging.info('Key/value cache: %d layers x %d rows x %d slots x %d kv heads x %d head_dim, '
+                 'keys and values: %.2f MiB (%d query heads: %gx less than a head each).',
+                 *size, *self.shapes[0], mib, heads, heads / self.shapes[0][0])
 
   def _pick(self, logits_BV, key):
     return sample(self._known(logits_BV), key, self.sampling)
@@ -133,11 +150,7 @@ class Generator:
     for row, prompt in enumerate(prompts):
       tokens[row, :len(prompt)] = prompt
     key = jax.random.key(seed)
-    heads = self.setup.attention_heads()['query']
-    logging.info('Key/value cache: %d layers x %d rows x %d slots x %d kv heads x %d head_dim, '
-                 'keys and values: %.2f MiB (%d query heads: %gx less than a head each).',
-                 self.setup.model.num_layers, len(prompts), self.slots, *self.heads_shape,
-                 self.cache_bytes(len(prompts)) / 2**20, heads, heads / self.heads_shape[0])
+    self._log_cache(len(prompts))
     cache, next_B = self.prefill(params, tokens, lengths, jax.random.fold_in(key, 0))
     out, done = [], np.zeros(len(prompts), bool)
     for step in range(max_new_tokens):

@@ -14,8 +14,11 @@ are column- and row-parallel in `heads`); the latent projections are whole on ev
 shard_map's varying types. Rotary positions pair dimensions as DeepSeek's checkpoints do
 (`rope_interleave`; llama_layers.rotary).
 
-Shape suffixes: B batch, L length, D embed, H heads, K key part, R rotary part, V value, C kv
-latent, Q query latent.
+Generation caches each position's normalised latent and rotary key (ops.latent_history), C + R
+numbers per layer and position instead of the keys' and values' H (K + R + V).
+
+Shape suffixes: B batch, L length (S: the positions the queries see), D embed, H heads, K key
+part, R rotary part, V value, C kv latent, Q query latent.
 """
 
 from __future__ import annotations
@@ -73,15 +76,19 @@ class LatentAttention(nnx.Module):
     else:
       q_BLHK = project(x_BLD, self.w_q_DHK[...])
     q_BLHK = jnp.concatenate([q_BLHK[..., :-R], turn(q_BLHK[..., -R:])], axis=-1)
-    latent_BLC = project(x_BLD, self.w_kv_a_DC[...])
-    key_rope_BL1R = turn(latent_BLC[..., None, cfg.kv_rank:])  # One rotary key for every head.
-    kv_BLHK = project(self.kv_a_norm(latent_BLC[..., :cfg.kv_rank]), self.w_kv_b_CHK[...])
-    K = kv_BLHK.shape[-1] - cfg.value_dim
-    k_BLHK = jnp.concatenate(
-        [kv_BLHK[..., :K], jnp.broadcast_to(key_rope_BL1R, (*kv_BLHK.shape[:3], R))], axis=-1)
+    compressed_BLC = project(x_BLD, self.w_kv_a_DC[...])
+    key_rope_BLR = turn(compressed_BLC[..., None, cfg.kv_rank:])[..., 0, :]
+    # The keys and values of every position the queries see (generation: from its cache).
+    latent_BLC = self.kv_a_norm(compressed_BLC[..., :cfg.kv_rank])
+    latent_BSC, key_rope_BSR = ops.latent_history(latent_BLC, key_rope_BLR)
+    kv_BSHK = project(latent_BSC, self.w_kv_b_CHK[...])
+    K = kv_BSHK.shape[-1] - cfg.value_dim
+    k_BSHK = jnp.concatenate(  # One rotary key for every head.
+        [kv_BSHK[..., :K], jnp.broadcast_to(key_rope_BSR[..., None, :], (*kv_BSHK.shape[:3], R))],
+        axis=-1)
     heads = ('batch', 'length', 'heads', 'head_dim')
-    q_BLHK, k_BLHK = ops.constrain(q_BLHK, heads), ops.constrain(k_BLHK, heads)
-    v_BLHV = ops.constrain(kv_BLHK[..., K:], heads)
-    out_BLHV = ops.attention(q_BLHK, k_BLHK, v_BLHV, scale_on, implementation, None)
+    q_BLHK, k_BSHK = ops.constrain(q_BLHK, heads), ops.constrain(k_BSHK, heads)
+    v_BSHV = ops.constrain(kv_BSHK[..., K:], heads)
+    out_BLHV = ops.attention(q_BLHK, k_BSHK, v_BSHV, scale_on, implementation, None)
     y_BLD = dense(out_BLHV, self.w_o_HVD[...], in_dims=2, precision=precision)
     return ops.finish_contraction(y_BLD, 'heads')

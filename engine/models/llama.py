@@ -265,7 +265,8 @@ def build(model_config, vocab_size: int) -> ModelSpec:
           ('heads',)),
       flops_per_token=flops_per_token, split_where_divisible=('kv_heads',),
       context_parallel=True, experts=_experts_spec(cfg.moe),
-      quantized_params=quantized_params if cfg.matmul.quantized else 0)
+      quantized_params=quantized_params if cfg.matmul.quantized else 0,
+      latent_cache=(cfg.latent.kv_rank, cfg.latent.rope_dim) if cfg.latent else None)
 
 
 def latent_config(model_config) -> LatentConfig | None:

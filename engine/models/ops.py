@@ -127,6 +127,12 @@ class LocalOps:
     y_TKD = moe_dispatch.dropless(x_BLD.reshape(B * L, -1), experts_BLK.reshape(B * L, K), ffn)
     return y_TKD.reshape(B, L, K, -1), jnp.zeros((), jnp.float32)
 
+  def latent_history(self, latent_BLC: jax.Array, key_rope_BLR: jax.Array):
+    """Latent attention's keys and values so far, as (normalised latents [B, S, C], rotary keys
+    [B, S, R]) over the S positions this step's queries may see: in training this sequence's own
+    (S = L); generation's layout returns its cache's slots after writing these to it."""
+    return latent_BLC, key_rope_BLR
+
   def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     return jnp.take(table_VD, tokens_BL, axis=0)
 

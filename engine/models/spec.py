@@ -78,6 +78,9 @@ class ModelSpec:
   # embedding, a router or a dropless dispatch's experts): engine.plan times their 6 FLOPs per
   # weight and token at the chip's int8 / fp8 peak.
   quantized_params: int = 0
+  # Latent attention (DeepSeek): what generation caches per layer and position instead of keys
+  # and values, (latent size, rotary key size); None: keys and values per key / value head.
+  latent_cache: tuple[int, int] | None = None
 
   def create(self, rngs: nnx.Rngs) -> nnx.Module:
     """The model, unplaced. The engine places parameters itself (a jit with out_shardings from

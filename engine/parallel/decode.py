@@ -2,7 +2,8 @@
 key/value cache, and the compiled prefill and decode steps on the setup's mesh.
 
 The cache is [layers, batch, slots, kv heads, head_dim] for keys and for values, laid out by the
-run's rules like the activations (heads over `tensor` shard it too). Row b's prompt fills slots
+run's rules like the activations (heads over `tensor` shard it too); latent attention caches each
+position's latent and rotary key instead ([layers, batch, slots, C] and [..., R]). Row b's prompt fills slots
 [0, n_b); each new token writes its keys and values to the slot of its position and attends to
 the slots up to it. engine.generate.sampling sizes the cache, picks the tokens and drives the
 steps.
@@ -28,10 +29,21 @@ from engine.state import TrainSetup
 CACHE_AXES = (None, 'batch', None, 'kv_heads', 'head_dim')
 
 
+# Latent attention's cache: [layers, batch, slots, latent] and [layers, batch, slots, rotary].
+LATENT_CACHE_AXES = (None, 'batch', None, None)
+
+
 def cache_axes(setup: TrainSetup) -> tuple:
   """CACHE_AXES, with 'heads' for a model whose parameters name no 'kv_heads'."""
+  if setup.model.latent_cache:
+    return LATENT_CACHE_AXES
   grouped = any('kv_heads' in p.logical_axes for p in setup.parameters())
   return CACHE_AXES if grouped else CACHE_AXES[:3] + ('heads', 'head_dim')
+
+
+def cache_names(setup: TrainSetup) -> tuple[str, str]:
+  """The cache's two arrays: keys and values, or latent attention's latents and rotary keys."""
+  return ('latent', 'rope') if setup.model.latent_cache else ('k', 'v')
 
 
 class DecodeOps(AutoOps):
@@ -65,15 +77,26 @@ class DecodeOps(AutoOps):
         self._layer += 1
     return x
 
+  def _written(self, new: dict) -> list:
+    """Writes each of `new` [B, L, ...] to its cache at this layer and the rows' positions;
+    returns this layer's whole caches [B, S, ...] in the compute dtype."""
+    rows = jnp.arange(self.positions_BL.shape[0])[:, None]
+    for name, value in new.items():
+      cache = self.cache[name].at[self._layer, rows, self.positions_BL].set(
+          value.astype(self.cache[name].dtype))
+      self.cache[name] = self.constrain(cache, self.cache_axes)
+    return [self.cache[name][self._layer].astype(value.dtype) for name, value in new.items()]
+
+  def latent_history(self, latent_BLC, key_rope_BLR):
+    return self._written({'latent': latent_BLC, 'rope': key_rope_BLR})
+
   def attention(self, q_BLHK, k_BLNK, v_BLNK, scale_on='queries', implementation='einsum',
                 scale=None):
     del implementation
-    rows = jnp.arange(q_BLHK.shape[0])[:, None]
-    for name, new in (('k', k_BLNK), ('v', v_BLNK)):
-      cache = self.cache[name].at[self._layer, rows, self.positions_BL].set(
-          new.astype(self.cache[name].dtype))
-      self.cache[name] = self.constrain(cache, self.cache_axes)
-    keys_BSNK, values_BSNK = self.cache['k'][self._layer], self.cache['v'][self._layer]
+    if 'k' in self.cache:
+      keys_BSNK, values_BSNK = self._written({'k': k_BLNK, 'v': v_BLNK})
+    else:  # Latent attention's keys and values, from its cache: every slot already.
+      keys_BSNK, values_BSNK = k_BLNK, v_BLNK
     q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
     logits_BHQS = grouped_logits(q_BLHK, keys_BSNK.astype(q_BLHK.dtype)) * scale
     slots_S = jnp.arange(keys_BSNK.shape[1])
@@ -85,7 +108,8 @@ class DecodeOps(AutoOps):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSteps:
-  """The jitted steps of one setup (the key/value cache as {'k', 'v'}, laid out by cache_axes).
+  """The jitted steps of one setup (the cache as {'k', 'v'}, or latent attention's {'latent',
+  'rope'}, laid out by cache_axes).
 
   prefill(params, tokens_BP, lengths_B, key) -> (cache, next_B): every prompt position at once
     into a new cache (right-padded prompts of lengths_B tokens); each row's next token picked
@@ -122,7 +146,7 @@ def build_decode_steps(setup: TrainSetup, empty_cache: Callable, pick: Callable)
   rows = NamedSharding(mesh, spec(('batch', None), activation=True))
   row = NamedSharding(mesh, spec(('batch',), activation=True))
   cache = NamedSharding(mesh, spec(cache_axes(setup), activation=True))
-  kv = {'k': cache, 'v': cache}
+  kv = dict.fromkeys(cache_names(setup), cache)
   return DecodeSteps(
       prefill=jax.jit(prefill, in_shardings=(params, rows, row, None), out_shardings=(kv, row)),
       decode=jax.jit(decode, in_shardings=(params, kv, row, row, None), out_shardings=(kv, row),

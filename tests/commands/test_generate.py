@@ -92,6 +92,36 @@ def test_sharded_generation_matches_one_device(model_and_params, mesh):
   assert train_setup.attention_heads() == {'query': 4, 'kv': heads}  # and its cut, 4 / heads.
 
 
+def _latent_setup(mesh=(1, 1, 1)):
+  config = tiny_config(mesh=mesh)
+  config.model.name, config.model.max_len = 'llama', 32
+  config.model.update(mla_kv_rank=12, mla_q_rank=10, mla_rope_dim=4, head_dim=8, mla_value_dim=6)
+  return lay_out(config, 256, jax.devices()[:int(np.prod(mesh))])
+
+
+@pytest.mark.slow
+def test_latent_attention_caches_its_latents_and_decodes_as_recomputing():
+  """DeepSeek's latent attention caches each position's latent and rotary key (12 + 4 numbers
+  per layer, not 4 heads x (8 + 4 + 6)); its cached greedy decoding equals recomputing, on one
+  device and on data 2 x tensor 2 (heads split, the cache whole over tensor)."""
+  one_device = _latent_setup()
+  params = one_device.init(0)[0]['params']
+  generator = Generator(one_device, 16, NEW)
+  outputs = generator.generate(params, PROMPTS, NEW)
+  for prompt, out in zip(PROMPTS, outputs):
+    assert list(out) == _recomputed(one_device, params, prompt, NEW)
+  sharded_setup = _latent_setup((2, 1, 2))
+  sharded = jax.device_put(params, sharded_setup.state_shardings()['params'])
+  sharded_generator = Generator(sharded_setup, 16, NEW)
+  for got, want in zip(sharded_generator.generate(sharded, PROMPTS, NEW), outputs):
+    np.testing.assert_array_equal(got, want)
+  cache, _ = sharded_generator.prefill(sharded, np.zeros((4, 16), np.int32),
+                                       np.ones(4, np.int32), jax.random.key(0))
+  assert (cache.keys(), cache['latent'].shape, cache['rope'].shape) == (
+      {'latent', 'rope'}, (2, 4, 16 + NEW, 12), (2, 4, 16 + NEW, 4))
+  assert sharded_generator.cache_bytes(4) == cache['latent'].nbytes + cache['rope'].nbytes
+
+
 def test_sampling_is_seeded_restricted_and_stops_at_end_of_text(model_and_params):
   _, train_setup, params = model_and_params
   greedy = Generator(train_setup, 16, NEW).generate(params, PROMPTS, NEW)
