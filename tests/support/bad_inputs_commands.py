@@ -309,7 +309,8 @@ COMMAND_ROWS = {
          'bpe,bpe_bos,sentencepiece_bpe,sentencepiece_unigram.'),
         ([TOKENIZER_CHECK, '--architectures=GPT2LMHeadModel'], 2, "--architectures: "
          "'GPT2LMHeadModel' is unknown; choose from LlamaForCausalLM,MistralForCausalLM,"
-         'Qwen2ForCausalLM,Qwen3ForCausalLM,MixtralForCausalLM,Qwen3MoeForCausalLM.'),
+         'Qwen2ForCausalLM,Qwen3ForCausalLM,MixtralForCausalLM,Qwen3MoeForCausalLM,'
+         'DeepseekV3ForCausalLM.'),
     ],
     'engine.data.prepare': [
         ([], 2, '--input is required: Text file, directory, or "embedded"; repeatable.'),
