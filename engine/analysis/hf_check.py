@@ -1,8 +1,9 @@
 """The engine's Hugging Face Llama-family support checked against transformers itself.
 
   python -m engine.analysis.hf_check --torch_python=/path/to/python-with-torch \
-      [--families=llama2,llama3,mistral,qwen2,qwen3,mixtral,qwen3_moe,deepseek_v3] [--formats=v5,legacy] \
-      [--modes=auto,manual] [--mesh=2x2x2] [--out=/tmp/hf_check] [--dir=KEEP_FILES_HERE]
+      [--families=llama2,llama3,mistral,qwen2,qwen3,mixtral,qwen3_moe,deepseek_v3] \
+      [--formats=v5,legacy] [--modes=auto,manual] [--mesh=2x2x2] [--out=/tmp/hf_check] \
+      [--dir=KEEP_FILES_HERE]
 
 For every family and config format, a child process run by --torch_python (a Python with torch
 and transformers >= 5; engine/analysis/hf_reference.py, so this process never imports torch)

@@ -175,6 +175,7 @@ FORMATS = tuple(
              unwritable=_no_latent_attention(architecture))
     for architecture, model_type, read in (
         ('LlamaForCausalLM', 'llama', _llama),
-        ('MistralForCausalLM', 'mistral', lambda hf, where: _llama(hf, where, 'MistralForCausalLM')),
+        ('MistralForCausalLM', 'mistral',
+         lambda hf, where: _llama(hf, where, 'MistralForCausalLM')),
         ('Qwen2ForCausalLM', 'qwen2', _qwen2),
         ('Qwen3ForCausalLM', 'qwen3', _qwen3)))

@@ -3,10 +3,10 @@ key/value cache, and the compiled prefill and decode steps on the setup's mesh.
 
 The cache is [layers, batch, slots, kv heads, head_dim] for keys and for values, laid out by the
 run's rules like the activations (heads over `tensor` shard it too); latent attention caches each
-position's latent and rotary key instead ([layers, batch, slots, C] and [..., R]). Row b's prompt fills slots
-[0, n_b); each new token writes its keys and values to the slot of its position and attends to
-the slots up to it. engine.generate.sampling sizes the cache, picks the tokens and drives the
-steps.
+position's latent and rotary key instead ([layers, batch, slots, C] and [..., R]). Row b's
+prompt fills slots [0, n_b); each new token writes its keys and values to the slot of its
+position and attends to the slots up to it. engine.generate.sampling sizes the cache, picks the
+tokens and drives the steps.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Auxiliary-loss-free expert balancing (model.moe_balance='aux_free', engine/models/expert_balance.py).
+"""Auxiliary-loss-free expert balancing (model.moe_balance='aux_free',
+engine/models/expert_balance.py).
 
 The router's choice with the bias and its update from the load are checked against NumPy; the
 model then equals its single-device run (losses, gradients, every parameter and so the bias after

@@ -49,7 +49,8 @@ def _checkpoint(directory, config: dict, seed=0) -> dict:
         a + 'q_b_proj.weight': w(H * (NOPE + ROPE), Q_RANK),
         a + 'kv_a_proj_with_mqa.weight': w(KV_RANK + ROPE, D),
         a + 'kv_a_layernorm.weight': 1 + w(KV_RANK),
-        a + 'kv_b_proj.weight': w(H * (NOPE + VALUE), KV_RANK), a + 'o_proj.weight': w(D, H * VALUE),
+        a + 'kv_b_proj.weight': w(H * (NOPE + VALUE), KV_RANK),
+        a + 'o_proj.weight': w(D, H * VALUE),
         m + 'gate.weight': 10 * w(E, D), m + 'gate.e_score_correction_bias': w(E),
         **{m + f'shared_experts.{n}.weight': w(*s) for n, s in (
             ('gate_proj', (EXPERT, D)), ('up_proj', (EXPERT, D)), ('down_proj', (D, EXPERT)))}})
