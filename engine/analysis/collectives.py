@@ -15,7 +15,9 @@ counts them per row (`ops_in_unknown_loops`), the reports mark those rows as low
 one warning per count names the loops. Bytes are per device and per execution: the size of the
 collective's result (of an async `-start`, the result part of its (operand, result, context...)
 tuple). Collectives between TPU slices, which XLA:TPU compiles to Megascale `send`s over the
-data-centre network, are listed under the axis `dcn`.
+data-centre network, are listed under the axis `dcn`. A ragged all-to-all (the dropless
+experts' exchange on TPU and GPU) counts as an all-to-all of its whole result buffer: the most it
+moves, since the rows it sends depend on the routing.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
                 'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
                 'c64': 8, 'c128': 16}
+_RAGGED = 'ragged-all-to-all'
 _INSTRUCTION = re.compile(
-    r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (' + '|'.join(KINDS) + r'|while|call|conditional|send)'
-    r'(-start)?\((.*)$')
+    r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (' + '|'.join((_RAGGED, *KINDS)) +
+    r'|while|call|conditional|send)(-start)?\((.*)$')
 # Between TPU slices XLA:TPU sends through the data-centre network (Megascale) instead: a `send`
 # whose attributes name the collective. Such traffic is listed under this pseudo mesh axis.
 DCN = 'dcn'
@@ -185,7 +188,8 @@ def _collective(instruction: tuple, mesh_shape: dict[str, int], executions: int,
   else:
     if is_start and op in ('all-gather', 'collective-permute', 'all-to-all'):
       shapes = _results(type_text, shapes)
-    kind, axes = op, group_axes(replica_groups(rest), mesh_shape)
+    kind, axes = ('all-to-all' if op == _RAGGED else op), group_axes(replica_groups(rest),
+                                                                     mesh_shape)
   return Collective(
       kind=kind, axes=axes, shapes=tuple(s for s, _, _ in shapes),
       buffer_bytes=tuple(b for _, b, _ in shapes), dtypes=tuple(d for _, _, d in shapes),

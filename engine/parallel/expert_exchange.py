@@ -9,11 +9,14 @@ the results back to where the tokens live; the layer then weighs and sums them a
   expert: one all_to_all gives each device its E / n experts' slots from all n devices' sequences,
   one more returns the outputs. Drops are decided per sequence, so they match one device's.
 - dropless: the assignments sorted by expert are packed into n fixed-size blocks, block j for
-  device j (all_to_all needs equal blocks: T * min(K, E / n) rows each, the most one device's
-  tokens can send one device), with each row's local expert id beside it; the receiver sorts
-  the rows by expert, runs its grouped matmuls, and the reverse trip retraces the same slots.
-  The padding rows are zeros and stay zero. `ragged_all_to_all` would send only the rows in use,
-  but XLA:CPU cannot run it; the padded exchange is exact everywhere.
+  device j (T * min(K, E / n) rows each, the most one device's tokens can send one device), with
+  each row's local expert id beside it; the receiver sorts the rows by expert, runs its grouped
+  matmuls (the unused rows in no group), and the reverse trip retraces the same slots. On TPU
+  and GPU the blocks travel by `jax.lax.ragged_all_to_all`, which sends only each block's rows
+  in use (their counts go first, by an all_to_all of n integers) into the same slots of the
+  receiver's buffer; XLA:CPU cannot run it, so there the whole blocks travel by all_to_all, the
+  unused rows as zeros. Both leave the receiver the same buffer: the unused rows zero, their
+  expert id "none" (`exchange_kind` names the one a layout uses).
 
 The transpose of an all_to_all is the reverse all_to_all, so an expert's weight gradient sums
 the contributions of every device's tokens on the device that holds it; the gradient average
@@ -43,9 +46,40 @@ def capacity_exchange(axis: str):
   return exchange
 
 
+RAGGED, PADDED = 'ragged_all_to_all', 'all_to_all'
+
+
+def exchange_kind(platform: str) -> str:
+  """How the dropless dispatch moves its blocks on devices of `platform`."""
+  return PADDED if platform == 'cpu' else RAGGED
+
+
+def _padded_swap(axis: str, n: int, R: int):
+  """Block j of every device to device j, whole: [n R, ...] -> [n R, ...]."""
+  def swap(v):
+    return jax.lax.all_to_all(v.reshape(n, R, *v.shape[1:]), axis, 0, 0,
+                              tiled=True).reshape(v.shape)
+  return swap
+
+
+def _ragged_swap(axis: str, n: int, R: int, sent_n: jax.Array):
+  """The padded swap's result, sending only the first sent_n[j] rows of each block j (the rest
+  of the receiver's block keeps `empty`): (swap(v, empty), the swap back of the same rows)."""
+  got_n = jax.lax.all_to_all(sent_n, axis, 0, 0, tiled=True)  # Rows each device sends here.
+  starts = jnp.arange(n, dtype=jnp.int32) * R
+  here = jnp.full((n,), jax.lax.axis_index(axis) * R, jnp.int32)  # Our block in every buffer.
+
+  def move(v, empty, send, receive):
+    return jax.lax.ragged_all_to_all(v, jnp.full_like(v, empty), starts, send, here, receive,
+                                     axis_name=axis)
+  return (lambda v, empty: move(v, empty, sent_n, got_n),
+          lambda v: move(v, 0, got_n, sent_n))
+
+
 def dropless(x_TD: jax.Array, experts_TK: jax.Array, ffn: moe_dispatch.ExpertFFN,
-             num_experts: int, axis: str, n: int) -> jax.Array:
-  """[T, K, D]: every assignment's expert output, computed on the device holding the expert."""
+             num_experts: int, axis: str, n: int, kind: str = PADDED) -> jax.Array:
+  """[T, K, D]: every assignment's expert output, computed on the device holding the expert;
+  `kind`: how the blocks travel (exchange_kind)."""
   T, K = experts_TK.shape
   E_here = num_experts // n
   R = T * min(K, E_here)
@@ -53,17 +87,21 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, ffn: moe_dispatch.ExpertFFN
   order_A = jnp.argsort(experts_A, stable=True)
   expert_A = experts_A[order_A]
   device_A = expert_A // E_here
-  sent_n = jnp.bincount(device_A, length=n)
+  sent_n = jnp.bincount(device_A, length=n).astype(jnp.int32)
   # Sorted by expert, hence by device: row a is row (a - first row for its device) of its block.
   row_A = device_A * R + jnp.arange(T * K) - (jnp.cumsum(sent_n) - sent_n)[device_A]
   send_xD = jnp.zeros((n * R, x_TD.shape[1]), x_TD.dtype).at[row_A].set(x_TD[order_A // K])
   send_expert = jnp.full((n * R,), E_here, jnp.int32).at[row_A].set(expert_A % E_here)
-  swap = lambda v: jax.lax.all_to_all(v.reshape(n, R, *v.shape[1:]), axis, 0, 0, tiled=True)
-  got_xD, got_expert = swap(send_xD).reshape(n * R, -1), swap(send_expert).reshape(n * R)
+  if kind == RAGGED:
+    there, back = _ragged_swap(axis, n, R, sent_n)
+  else:
+    padded = _padded_swap(axis, n, R)
+    there, back = (lambda v, empty: padded(v)), padded
+  got_xD, got_expert = there(send_xD, 0), there(send_expert, E_here)
   # Here: rows from every device, each tagged with one of this device's experts (E_here: none).
   by_expert = jnp.argsort(got_expert, stable=True)
   sizes = jnp.bincount(got_expert, length=E_here + 1)[:E_here].astype(jnp.int32)
   y_here = ffn.grouped(got_xD[by_expert], sizes)
   y_here = jnp.where((got_expert[by_expert] < E_here)[:, None], y_here, 0)
-  back_xD = swap(y_here[jnp.argsort(by_expert)]).reshape(n * R, -1)
+  back_xD = back(y_here[jnp.argsort(by_expert)])
   return back_xD[row_A][jnp.argsort(order_A)].reshape(T, K, -1)

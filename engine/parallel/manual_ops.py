@@ -52,6 +52,8 @@ class ManualOps(LocalOps):
     self.gather_dtype = setup.options.gather_dtype
     self.gather = gather
     self.flat_gather = setup.options.flat_gather
+    # How the dropless dispatch's blocks travel: only their rows in use where the devices can.
+    self.expert_exchange = expert_exchange.exchange_kind(setup.mesh.devices.flat[0].platform)
     keep = REMAT_POLICIES[setup.options.remat] or jax.checkpoint_policies.everything_saveable
     # Neither gathered weights nor the cuts and casts that make them (flat_gather), nor the
     # slices a model takes of them (`w_qkv[c]`), are kept for the backward pass, whatever the
@@ -186,7 +188,8 @@ class ManualOps(LocalOps):
                                         expert_exchange.capacity_exchange(axis))
     B, L, K = experts_BLK.shape
     y_TKD = expert_exchange.dropless(x_BLD.reshape(B * L, -1), experts_BLK.reshape(B * L, K),
-                                     ffn, num_experts, axis, self.mesh_shape[axis])
+                                     ffn, num_experts, axis, self.mesh_shape[axis],
+                                     self.expert_exchange)
     return y_TKD.reshape(B, L, K, -1), jnp.zeros((), jnp.float32)
 
   def batch_mean(self, x):

@@ -31,6 +31,7 @@ from engine.workdir import tokenizer as run_tokenizer
 from engine.workdir import run_dir as workdir_lib
 from engine.assemble import Run, assemble
 from engine.optimizer import schedule_end
+from engine.parallel import expert_exchange
 from engine.workdir.checkpoint import Checkpointer, restore_params
 from engine.train.finiteness import FinitenessGuard
 from engine.train.hooks import Checkpoints, Evaluation, Hook, close_all
@@ -182,6 +183,12 @@ def _log_start(run: Run) -> None:
   num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(run.setup.abstract_params))
   logging.info('Model %s: %.3fM parameters, %.3f MFLOP per token (training)', model.name,
                num_params / 1e6, model.flops_per_token(config.data.seq_len) / 1e6)
+  if (model.experts and not model.experts.capacity_factor and
+      run.setup.rules.mesh_axes('experts', activation=True)):
+    how = ('a slot for every position (auto mode: experts / k times the rows in use)'
+           if config.parallelism.mode == 'auto' else 'blocks moved by ' +
+           expert_exchange.exchange_kind(run.setup.mesh.devices.flat[0].platform))
+    logging.info('Experts: the dropless dispatch over mesh.expert takes %s', how)
 
 
 def _final_report(config, checkpointer: Checkpointer, preemption: PreemptionWatch,
