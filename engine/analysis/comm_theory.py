@@ -57,9 +57,13 @@ over its executions in one step. Keys are (kind, mesh axes).
 - Expert parallel (engine/parallel/expert_exchange.py): per layer, the experts' buffer goes to
   the devices holding the experts and back (one all-to-all each way) in every forward pass (two
   under remat) and once each way in the backward pass. The buffer is the capacity dispatch's
-  [E, local batch, C, embed] slots, or manual dropless' n blocks of (local tokens x min(k, E / n))
-  rows, whose int32 local expert ids travel too (forward only). Auto mode's dropless dispatch
-  pads to C = length instead (E / k times the capacity-1 buffer): the theory is manual mode's.
+  [E, local batch, C, embed] slots, or dropless' n blocks of (local tokens x min(k, E / n))
+  rows. On CPU the rows' int32 local expert ids travel too (forward only); on TPU and GPU, whose
+  ragged all-to-alls the collective count takes at their whole buffer, the counts per (device,
+  expert) instead, and in the backward pass the two int32 offset vectors [n] the ragged moves'
+  transposes exchange. Auto mode's dropless dispatch runs the same exchange there (outside
+  pipelines), and pads to C = length elsewhere (E / k times the capacity-1 buffer): the theory
+  is manual mode's.
   With tensor parallelism the experts' down projection all-reduces the routed rows (forward)
   instead of [batch, length, embed], and the backward pass all-reduces the layer's input once.
   The router's batch statistics (the load-balancing loss' two [E] means) are averaged over the
@@ -82,7 +86,7 @@ import numpy as np
 
 from engine.models.moe_dispatch import capacity
 from engine.models.ops import LAYERS
-from engine.parallel import flat_gather
+from engine.parallel import expert_exchange, flat_gather
 from engine.parallel.pipeline import SELF_DIFFERENTIATING
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
@@ -290,9 +294,14 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
   E, K = experts.num_experts, experts.experts_per_token
   expert_axes = _ordered(rules.mesh_axes('experts', activation=True), names)
   n = math.prod(mesh_shape[a] for a in expert_axes)
+  offset_bytes = 0
   if experts.capacity_factor:
     rows = E * local_batch * capacity(seq_len, K, E, experts.capacity_factor)
     id_bytes = 0
+  elif expert_exchange.exchange_kind(setup.mesh.devices.flat[0].platform) == (
+      expert_exchange.RAGGED):
+    rows = n * local_batch * seq_len * min(K, E // n)
+    id_bytes, offset_bytes = E * 4, 2 * n * 4  # Counts [n, E / n]; offsets [n], twice.
   else:
     rows = n * local_batch * seq_len * min(K, E // n)
     id_bytes = rows * 4 if expert_axes else 0
@@ -320,8 +329,8 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
     if head_split(setup, local_batch, seq_len):  # And to the stages that share its head.
       expected[('all-reduce', stage_axes)] += microbatches * load_bytes
   if expert_axes:
-    expected[('all-to-all', expert_axes)] += round(
-        layers * ((2 * forward_passes + 2) * row_bytes + forward_passes * id_bytes))
+    expected[('all-to-all', expert_axes)] += round(layers * (
+        (2 * forward_passes + 2) * row_bytes + forward_passes * id_bytes + offset_bytes))
   tensor_axes = _ordered(rules.mesh_axes('mlp', activation=True), names)
   if tensor_axes:
     activation = local_batch * seq_len * model.embed_dim * activation_bytes

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from engine.models import moe_dispatch
 from engine.models.attention import causal_attention
 from engine.models.ops import LocalOps
-from engine.parallel import pipeline, pipeline_1f1b, stage_lanes
+from engine.parallel import expert_exchange, pipeline, pipeline_1f1b, stage_lanes
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
                                    kept_count, map_params, next_token_loss, window_losses)
@@ -30,6 +30,7 @@ class AutoOps(LocalOps):
     self.compute_dtype = jnp.dtype(setup.options.compute_dtype)
     self.remat_policy = REMAT_POLICIES[setup.options.remat]  # None: no rematerialisation.
     self.microbatches = setup.options.microbatches
+    self.exchanged_dropless = expert_exchange.exchanges_dropless(setup, 'auto')
 
   def constrain(self, x, logical_axes, activation=True):
     spec = self.rules.spec(logical_axes, activation=activation)
@@ -74,10 +75,12 @@ class AutoOps(LocalOps):
   def experts(self, x_BLD, experts_BLK, ffn, num_experts, slots):
     if not self.rules.mesh_axes('experts', activation=True):
       return super().experts(x_BLD, experts_BLK, ffn, num_experts, slots)
+    if slots is None and self.exchanged_dropless:
+      return self._exchanged_dropless(x_BLD, experts_BLK, ffn, num_experts)
     # Grouped matmuls over expert-split weights compile with the experts all-gathered; the slot
     # buffer laid out by expert lets the compiler move the tokens instead (all-to-all). Dropless
-    # is the capacity dispatch with a slot for every position: nothing can drop, at E / K times
-    # the useful expert FLOPs.
+    # is here the capacity dispatch with a slot for every position: nothing can drop, at E / K
+    # times the useful expert FLOPs (XLA:CPU, and pipelines, whose stages run under vmap).
     # Both layouts are pinned: left to itself, the compiler gathers the tokens to the experts.
     by_batch = lambda x_EBCD: self.constrain(x_EBCD, (None, 'batch', None, None))
     by_expert = lambda x_EBCD: self.constrain(x_EBCD, ('experts', 'expert_groups', None, None))
@@ -88,6 +91,32 @@ class AutoOps(LocalOps):
     if slots is None:
       dropped = jnp.zeros((), jnp.float32)
     return y_BLKD, dropped
+
+  def _exchanged_dropless(self, x_BLD, experts_BLK, ffn, num_experts):
+    """Manual mode's dropless exchange (engine/parallel/expert_exchange.py) inside a shard_map:
+    each device routes its own tokens and sends them to their experts' devices by
+    ragged_all_to_all, so only the rows in use are multiplied. The experts' weights come whole
+    along `embed` (the compiler gathers them where FSDP splits them); a hidden dimension split
+    over `tensor` is summed after the down projection, as manual mode's."""
+    (axis,) = self.rules.mesh_axes('experts', activation=True)
+    rows = self.rules.spec(('batch', 'length', None), activation=True)
+    hidden = self.rules.mesh_axes('mlp', activation=True)
+    weights = P(axis, None, hidden or None), P(axis, hidden or None, None)
+    kind = expert_exchange.exchange_kind(self.mesh.devices.flat[0].platform)
+
+    def local(x_BLD, experts_BLK, w_gate_EDF, w_up_EDF, w_down_EFD):
+      finish = (lambda y: jax.lax.psum(y, hidden)) if hidden else (lambda y: y)
+      here = moe_dispatch.ExpertFFN(w_gate_EDF, w_up_EDF, w_down_EFD, finish, ffn.precision)
+      B, L, K = experts_BLK.shape
+      y_TKD = expert_exchange.dropless(x_BLD.reshape(B * L, -1), experts_BLK.reshape(B * L, K),
+                                       here, num_experts, axis, self.mesh.shape[axis], kind)
+      return y_TKD.reshape(B, L, K, -1)
+
+    y_BLKD = jax.shard_map(
+        local, mesh=self.mesh, in_specs=(rows, rows, weights[0], weights[0], weights[1]),
+        out_specs=P(*rows, None))(x_BLD, experts_BLK, ffn.w_gate_EDF, ffn.w_up_EDF,
+                                  ffn.w_down_EFD)
+    return y_BLKD, jnp.zeros((), jnp.float32)
 
   def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
                 scale=None):

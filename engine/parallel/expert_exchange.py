@@ -9,14 +9,14 @@ the results back to where the tokens live; the layer then weighs and sums them a
   expert: one all_to_all gives each device its E / n experts' slots from all n devices' sequences,
   one more returns the outputs. Drops are decided per sequence, so they match one device's.
 - dropless: the assignments sorted by expert are packed into n fixed-size blocks, block j for
-  device j (T * min(K, E / n) rows each, the most one device's tokens can send one device), with
-  each row's local expert id beside it; the receiver sorts the rows by expert, runs its grouped
-  matmuls (the unused rows in no group), and the reverse trip retraces the same slots. On TPU
-  and GPU the blocks travel by `jax.lax.ragged_all_to_all`, which sends only each block's rows
-  in use (their counts go first, by an all_to_all of n integers) into the same slots of the
-  receiver's buffer; XLA:CPU cannot run it, so there the whole blocks travel by all_to_all, the
-  unused rows as zeros. Both leave the receiver the same buffer: the unused rows zero, their
-  expert id "none" (`exchange_kind` names the one a layout uses).
+  device j (T * min(K, E / n) rows each, the most one device's tokens can send one device); the
+  receiver sorts the rows by expert, runs its grouped matmuls (the unused rows in no group), and
+  the reverse trip retraces the same slots. On TPU and GPU the blocks travel by
+  `jax.lax.ragged_all_to_all`, which sends only each block's rows in use into the same slots of
+  the receiver's buffer, after an all_to_all of the counts per (device, expert), from which the
+  receiver knows each row's expert. XLA:CPU cannot run it, so there the whole blocks travel by
+  all_to_all, the unused rows as zeros, each row's local expert id in a block of its own. Both
+  leave the receiver the same rows and experts (`exchange_kind` names the one a layout uses).
 
 The transpose of an all_to_all is the reverse all_to_all, so an expert's weight gradient sums
 the contributions of every device's tokens on the device that holds it; the gradient average
@@ -54,6 +54,16 @@ def exchange_kind(platform: str) -> str:
   return PADDED if platform == 'cpu' else RAGGED
 
 
+def exchanges_dropless(setup, mode: str) -> bool:
+  """Whether a layout's dropless dispatch over `expert` runs the exchange here: always in manual
+  mode; in auto mode (inside a shard_map) where the devices send only the rows in use and no
+  pipeline's vmap surrounds the layers (elsewhere auto mode gives every position a slot)."""
+  if mode == 'manual':
+    return True
+  return (not setup.rules.mesh_axes('layers') and
+          exchange_kind(setup.mesh.devices.flat[0].platform) == RAGGED)
+
+
 def _padded_swap(axis: str, n: int, R: int):
   """Block j of every device to device j, whole: [n R, ...] -> [n R, ...]."""
   def swap(v):
@@ -62,18 +72,24 @@ def _padded_swap(axis: str, n: int, R: int):
   return swap
 
 
-def _ragged_swap(axis: str, n: int, R: int, sent_n: jax.Array):
-  """The padded swap's result, sending only the first sent_n[j] rows of each block j (the rest
-  of the receiver's block keeps `empty`): (swap(v, empty), the swap back of the same rows)."""
-  got_n = jax.lax.all_to_all(sent_n, axis, 0, 0, tiled=True)  # Rows each device sends here.
+def _ragged_moves(axis: str, n: int, R: int, sent_n: jax.Array, got_n: jax.Array):
+  """(there, back): the padded swap's result, sending only the first sent_n[j] rows of each
+  block j (the rest of the receiver's block stays zero), and the way back of the same rows."""
   starts = jnp.arange(n, dtype=jnp.int32) * R
   here = jnp.full((n,), jax.lax.axis_index(axis) * R, jnp.int32)  # Our block in every buffer.
 
-  def move(v, empty, send, receive):
-    return jax.lax.ragged_all_to_all(v, jnp.full_like(v, empty), starts, send, here, receive,
+  def move(v, send, receive):
+    return jax.lax.ragged_all_to_all(v, jnp.zeros_like(v), starts, send, here, receive,
                                      axis_name=axis)
-  return (lambda v, empty: move(v, empty, sent_n, got_n),
-          lambda v: move(v, 0, got_n, sent_n))
+  return lambda v: move(v, sent_n, got_n), lambda v: move(v, got_n, sent_n)
+
+
+def _experts_of_rows(got_nE: jax.Array, R: int) -> jax.Array:
+  """[n R]: the local expert of each row of the received blocks, whose rows come sorted by
+  expert, got_nE[s, e] of them from device s for expert e (E_here: an unused row)."""
+  ends_nE = jnp.cumsum(got_nE, axis=1)
+  rows_R = jnp.arange(R, dtype=jnp.int32)
+  return (rows_R[None, :, None] >= ends_nE[:, None, :]).sum(-1).reshape(-1).astype(jnp.int32)
 
 
 def dropless(x_TD: jax.Array, experts_TK: jax.Array, ffn: moe_dispatch.ExpertFFN,
@@ -91,13 +107,15 @@ def dropless(x_TD: jax.Array, experts_TK: jax.Array, ffn: moe_dispatch.ExpertFFN
   # Sorted by expert, hence by device: row a is row (a - first row for its device) of its block.
   row_A = device_A * R + jnp.arange(T * K) - (jnp.cumsum(sent_n) - sent_n)[device_A]
   send_xD = jnp.zeros((n * R, x_TD.shape[1]), x_TD.dtype).at[row_A].set(x_TD[order_A // K])
-  send_expert = jnp.full((n * R,), E_here, jnp.int32).at[row_A].set(expert_A % E_here)
-  if kind == RAGGED:
-    there, back = _ragged_swap(axis, n, R, sent_n)
+  if kind == RAGGED:  # Counts per (device, expert) go first; each row's expert follows from them.
+    sent_nE = jnp.bincount(expert_A, length=num_experts).reshape(n, E_here).astype(jnp.int32)
+    got_nE = jax.lax.all_to_all(sent_nE, axis, 0, 0, tiled=True)
+    there, back = _ragged_moves(axis, n, R, sent_n, got_nE.sum(1))
+    got_xD, got_expert = there(send_xD), _experts_of_rows(got_nE, R)
   else:
-    padded = _padded_swap(axis, n, R)
-    there, back = (lambda v, empty: padded(v)), padded
-  got_xD, got_expert = there(send_xD, 0), there(send_expert, E_here)
+    there = back = _padded_swap(axis, n, R)
+    send_expert = jnp.full((n * R,), E_here, jnp.int32).at[row_A].set(expert_A % E_here)
+    got_xD, got_expert = there(send_xD), there(send_expert)
   # Here: rows from every device, each tagged with one of this device's experts (E_here: none).
   by_expert = jnp.argsort(got_expert, stable=True)
   sizes = jnp.bincount(got_expert, length=E_here + 1)[:E_here].astype(jnp.int32)

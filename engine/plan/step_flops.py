@@ -12,6 +12,7 @@ import math
 
 from engine.analysis import comm_theory
 from engine.models.moe_dispatch import capacity
+from engine.parallel import expert_exchange
 from engine.parallel.pipeline import SELF_DIFFERENTIATING, bubble_fraction, schedule_of
 
 
@@ -70,11 +71,12 @@ def head_copies(train_setup, config) -> int:
 def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> float:
   """Training FLOPs a mixture of experts multiplies beyond its k assignments per token (the
   model's FLOPs count those): the capacity dispatch's E x C slots per sequence (more than L x k
-  when the factor pads, fewer when it drops); on an expert axis of n devices, auto mode's
-  dropless dispatch, the capacity one with C = L (E / k times the useful expert FLOPs), and
-  manual mode's, whose grouped matmuls run over the n exchanged blocks of min(k, E / n) rows per
-  token, padding rows included (XLA:TPU's cost analysis counts them too). Dropless on one
-  device multiplies only the rows routed: none."""
+  when the factor pads, fewer when it drops); on an expert axis of n devices, the dropless
+  dispatch's exchange (manual mode; auto mode's too where expert_exchange.exchanges_dropless),
+  whose grouped matmuls run over the n exchanged blocks of min(k, E / n) rows per token, the
+  unused rows included (XLA:TPU's cost analysis counts them too), or else auto mode's capacity
+  dispatch with C = L (E / k times the useful expert FLOPs). Dropless on one device multiplies
+  only the rows routed: none."""
   experts = train_setup.model.experts
   if experts is None:
     return 0.0
@@ -83,7 +85,8 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
     slots = E * capacity(seq_len, K, E, experts.capacity_factor) / (seq_len * K)
   elif (n := math.prod(train_setup.mesh.shape[a] for a in train_setup.rules.mesh_axes(
       'experts', activation=True))) > 1:
-    slots = E / K if mode == 'auto' else n * min(K, E // n) / K
+    slots = (n * min(K, E // n) / K if expert_exchange.exchanges_dropless(train_setup, mode)
+             else E / K)
   else:
     return 0.0
   # Each token's k experts multiply k / E of the routed weights, 6 FLOPs per weight.

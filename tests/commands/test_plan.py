@@ -259,18 +259,21 @@ def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
 @pytest.mark.slow
 def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
   """A mixture of experts on expert 8: each row's all-to-all bytes are the theory's
-  (comm_theory), manual mode compiles exactly those, and the compute FLOPs with the padded
-  expert rows (E / k = 4 times the useful expert rows in both modes here) match XLA's count of
-  the unrolled step."""
+  (comm_theory), both modes compile exactly those (the dropless exchange, auto mode's in a
+  shard_map), and the compute FLOPs with the padded expert rows (8 x min(2, 8 / 8) / 2 = 4 times
+  the useful expert rows here) match XLA's count of the unrolled step."""
   config = _config('llama')
   config.model.num_experts, config.model.experts_per_token, config.model.moe_mlp_dim = 8, 2, 1024
   config.model.scan_layers = False  # XLA's cost analysis then counts every layer.
   result = plan_lib.plan(config, TOPOLOGY, 1, ['auto', 'manual'], ['1x1x1x1x1x8'])
-  setup = lay_out(plan_lib.ml_collections.ConfigDict(result['candidates'][0]['config']), 1024)
+  setup = lay_out(plan_lib.ml_collections.ConfigDict(result['candidates'][0]['config']), 1024,
+                  plan_lib.topology_devices(TOPOLOGY))
   theory = comm_theory.expected_bytes(setup, 16, 16)[('all-to-all', ('expert',))]
-  # Manual dropless: 8 blocks of min(2, 8 / 8) rows per local token (32), width 1024, float32,
-  # each way, forward (no remat) and backward, 2 layers; plus the forward's int32 expert ids.
-  assert theory == 2 * (4 * 8 * 32 * 1024 * 4 + 8 * 32 * 4)
+  # Dropless: 8 blocks of min(2, 8 / 8) rows per local token (32), width 1024, float32, each
+  # way, forward (no remat) and backward, 2 layers (ragged all-to-alls, counted at their whole
+  # buffer); plus the forward's int32 counts per expert [8] and the two int32 offset vectors [8]
+  # the backward's ragged moves exchange (on CPU: each row's int32 expert id instead).
+  assert theory == 2 * (4 * 8 * 32 * 1024 * 4 + 8 * 4 + 2 * 8 * 4)
   # Useful routed FLOPs per step: 6 x (2 layers x 2 of 8 experts x 3 x 1024 x 1024) x 256 tokens.
   useful = 6 * 2 * 2 * 3 * 1024 * 1024 * 256
   for row in result['candidates']:
@@ -279,8 +282,10 @@ def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
     executed = step_flops.executed_flops(
         row['model_flops_per_step'] + row['expert_padding_flops_per_step'], config, setup) / 8
     assert row['roofline']['compiled_flops_per_device'] == pytest.approx(executed, rel=0.05)
-  manual = next(r for r in result['candidates'] if r['mode'] == 'manual')
-  assert manual['all_to_all_bytes']['compiled'] == theory
+  compiled = {row['mode']: row['all_to_all_bytes']['compiled'] for row in result['candidates']}
+  # Auto mode's compiled step exchanges one int32 offset vector [8] a layer fewer (2 int32
+  # all-to-alls a layer against manual mode's 3).
+  assert compiled['manual'] == theory and compiled['auto'] == pytest.approx(theory, abs=64)
   assert '| all-to-all MiB (theory / compiled) |' in plan_report.markdown(result, 'x')
 
 

@@ -343,16 +343,23 @@ def test_the_emulated_ragged_exchange_follows_the_primitive():
 
 
 @pytest.mark.slow
-def test_the_ragged_exchange_trains_like_one_device(references, monkeypatch):
-  """Manual dropless with the blocks sent by ragged_all_to_all (TPU's and GPU's exchange; on CPU
-  the test's emulation of the primitive), on expert 4 x data 2 and expert 2 x fsdp 2 x tensor 2:
-  the single-device run. A receiver slot off by one block fails it."""
-  monkeypatch.setattr(manual_ops.expert_exchange, 'exchange_kind',
-                      lambda platform: expert_exchange.RAGGED)
-  monkeypatch.setattr(jax.lax, 'ragged_all_to_all', ragged_exchange.ragged_all_to_all)
+@pytest.mark.parametrize('mode', ['manual', 'auto'])
+def test_the_ragged_exchange_trains_like_one_device(mode, references, monkeypatch):
+  """Dropless with the blocks sent by ragged_all_to_all (TPU's and GPU's exchange, auto mode's
+  inside a shard_map; on CPU the test's emulation of the primitive), on expert 4 x data 2 and
+  expert 2 x fsdp 2 x tensor 2: the single-device run. Receiver slots shifted by a few rows fail
+  it."""
+  monkeypatch.setattr(expert_exchange, 'exchange_kind', lambda platform: expert_exchange.RAGGED)
+  traced = []
+  monkeypatch.setattr(jax.lax, 'ragged_all_to_all',
+                      lambda *a, **kw: traced.append(1) or ragged_exchange.ragged_all_to_all(
+                          *a, **kw))
   for mesh in EXPERT_MESHES[:2]:
-    run = engine_run(layout_config(mesh, 'dropless', 'manual'), 'manual', 2)
+    run = engine_run(layout_config(mesh, 'dropless', mode), mode, 2)
     assert_same_run(run, references['dropless', True])
+  assert traced  # The step went through the ragged exchange.
+  if mode == 'auto':
+    return
   shifted = lambda v, out, i, s, o, r, **kw: ragged_exchange.ragged_all_to_all(
       v, out, i, s, (o + s.shape[0]) % out.shape[0], r, **kw)
   monkeypatch.setattr(jax.lax, 'ragged_all_to_all', shifted)
@@ -362,17 +369,18 @@ def test_the_ragged_exchange_trains_like_one_device(references, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_tpu_step_sends_only_the_rows_in_use():
-  """Compiled for TPU v5p (expert 4 x data 2), manual dropless moves its blocks by
-  ragged-all-to-all, there and back (the gradient too), and no whole block by all-to-all."""
-  config = layout_config(EXPERT_MESHES[0], 'dropless', 'manual')
+@pytest.mark.parametrize('mode', ['manual', 'auto'])
+def test_the_tpu_step_sends_only_the_rows_in_use(mode):
+  """Compiled for TPU v5p (expert 4 x data 2), dropless moves its blocks by ragged-all-to-all,
+  there and back (the gradient too), and no whole block by all-to-all, in both modes."""
+  config = layout_config(EXPERT_MESHES[0], 'dropless', mode)
   setup = lay_out(config, 256, plan_lib.topology_devices('v5p:2x2x2'))
-  hlo = parallel.build_steps('manual', setup).train.lower(
+  hlo = parallel.build_steps(mode, setup).train.lower(
       setup.abstract_state(), setup.abstract_batch(16, 16)).compile().as_text()
-  # The scanned layer's body, once: the rows and their expert ids there, the outputs back, and
-  # in the backward pass the transposes of the two moves of rows.
+  # The scanned layer's body, once: the rows there, the outputs back, and in the backward pass
+  # their transposes (each row's expert follows from the counts, an int32 all-to-all).
   ragged = [line for line in hlo.splitlines() if 'ragged-all-to-all(' in line]
-  assert len(ragged) == 5, ragged
+  assert len(ragged) == 4, ragged
   whole = [line for line in hlo.splitlines() if ' all-to-all(' in line and 's32[' not in
            line.split('all-to-all(')[0]]
   assert not whole, whole[:2]
