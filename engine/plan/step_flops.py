@@ -71,12 +71,13 @@ def head_copies(train_setup, config) -> int:
 def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> float:
   """Training FLOPs a mixture of experts multiplies beyond its k assignments per token (the
   model's FLOPs count those): the capacity dispatch's E x C slots per sequence (more than L x k
-  when the factor pads, fewer when it drops); on an expert axis of n devices, the dropless
-  dispatch's exchange (manual mode; auto mode's too where expert_exchange.exchanges_dropless),
-  whose grouped matmuls run over the n exchanged blocks of min(k, E / n) rows per token, the
-  unused rows included (XLA:TPU's cost analysis counts them too), or else auto mode's capacity
-  dispatch with C = L (E / k times the useful expert FLOPs). Dropless on one device multiplies
-  only the rows routed: none."""
+  when the factor pads, fewer when it drops); on an expert axis of n devices, auto mode's
+  dropless dispatch where it gives every position a slot (C = L: E / k times the useful expert
+  FLOPs), or else the dropless exchange's (expert_exchange.exchanges_dropless): none on TPU and
+  GPU, whose grouped-matmul kernels visit only the groups' rows (the unused rows of the n blocks
+  of min(k, E / n) rows per token cost no FLOPs: engine.bench.grouped_matmul, docs/benchmarks.md;
+  XLA's cost analysis counts them all the same), all those rows on CPU. Dropless on one device
+  multiplies only the rows routed: none."""
   experts = train_setup.model.experts
   if experts is None:
     return 0.0
@@ -85,8 +86,13 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
     slots = E * capacity(seq_len, K, E, experts.capacity_factor) / (seq_len * K)
   elif (n := math.prod(train_setup.mesh.shape[a] for a in train_setup.rules.mesh_axes(
       'experts', activation=True))) > 1:
-    slots = (n * min(K, E // n) / K if expert_exchange.exchanges_dropless(train_setup, mode)
-             else E / K)
+    if not expert_exchange.exchanges_dropless(train_setup, mode):
+      slots = E / K
+    elif expert_exchange.exchange_kind(
+        train_setup.mesh.devices.flat[0].platform) == expert_exchange.RAGGED:
+      return 0.0
+    else:
+      slots = n * min(K, E // n) / K
   else:
     return 0.0
   # Each token's k experts multiply k / E of the routed weights, 6 FLOPs per weight.
