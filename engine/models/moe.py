@@ -14,6 +14,9 @@ move the assignments to them and back:
     C = ceil(length * k / E * capacity_factor) assignments, the first ones in (position,
     choice) order; later ones are dropped (they contribute zero; the residual carries the token).
 
+With model.moe_balance='aux_free' a per-expert bias (engine/models/expert_balance.py) is added
+to the scores that choose the experts, never to the weights.
+
 The layer also returns its auxiliary loss: Switch's load-balancing loss E * sum_e f_e * P_e (f_e
 the fraction of assignments routed to e, P_e the mean router probability of e) and the router
 z-loss mean(logsumexp(logits)^2), each times its coefficient. Both are statistics of the whole
@@ -97,8 +100,11 @@ def route(logits_TE: jax.Array, k: int, router: str, groups: int = 1, topk_group
             scores_TE / scores_TE.sum(-1, keepdims=True))
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
   scores_TE = probs_TE if router == 'softmax_topk' else logits_TE
-  _, experts_TK = top_k(chosen_by(scores_TE), k)
-  top_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+  if bias_E is None:  # The values top_k found: gathering them again from the scores raised the
+    top_TK, experts_TK = top_k(scores_TE, k)  # Mixtral plan's auto fsdp 128 peak by 56 GiB.
+  else:
+    _, experts_TK = top_k(chosen_by(scores_TE), k)
+    top_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
   if router == 'softmax_topk':
     weights_TK = top_TK / top_TK.sum(-1, keepdims=True)
   else:
