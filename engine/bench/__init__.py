@@ -5,4 +5,5 @@
   baseline.py        another checkout's variants in the same interleaved rounds
   baseline_child.py  that checkout's side, a child process run by its path (not imported)
   op_profile.py      each variant's self time per step by op, read from its trace
+  grouped_matmul.py  a grouped matmul's time with part of its rows in groups (its own command)
 """
