@@ -6,7 +6,9 @@ key/value heads shared by groups of query heads; an untied output projection. Bl
 along the `layers` axis and applied with `nnx.scan`, like GPT's, and use the same logical names,
 so every rule preset and both modes work unchanged. Key/value heads carry their own logical name,
 `kv_heads`: the rules split them over `tensor` where they divide and replicate them otherwise
-(`ModelSpec.split_where_divisible`). The keys only this family reads, and their checks, are in
+(`ModelSpec.split_where_divisible`). A block's MLP may be a mixture of experts
+(engine/models/moe.py) and its attention DeepSeek's multi-head latent attention
+(engine/models/latent_attention.py). The keys only this family reads, and their checks, are in
 engine/models/llama_config.py.
 
 Shape suffixes: B batch, L length, D embed, H query heads, N key/value heads (n: those this
