@@ -298,13 +298,11 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
   if experts.capacity_factor:
     rows = E * local_batch * capacity(seq_len, K, E, experts.capacity_factor)
     id_bytes = 0
-  elif expert_exchange.exchange_kind(setup.mesh.devices.flat[0].platform) == (
-      expert_exchange.RAGGED):
-    rows = n * local_batch * seq_len * min(K, E // n)
-    id_bytes, offset_bytes = E * 4, 2 * n * 4  # Counts [n, E / n]; offsets [n], twice.
   else:
     rows = n * local_batch * seq_len * min(K, E // n)
     id_bytes = rows * 4 if expert_axes else 0
+    if expert_axes and expert_exchange.exchange_kind(setup) == expert_exchange.RAGGED:
+      id_bytes, offset_bytes = E * 4, 2 * n * 4  # Counts [n, E / n]; offsets [n], twice.
   forward_passes = 1 if setup.options.remat == 'none' else 2
   stage_axes = rules.mesh_axes(LAYERS)
   stages = _stages(setup)

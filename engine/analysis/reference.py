@@ -55,11 +55,8 @@ class ReferenceRun:
     metrics = {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
     new_params = optax.apply_updates(params, updates)
     if self.bias_rate:  # aux_free: each layer's router bias moves by this whole batch's load.
-      def balance(path, new, old):
-        if path[-1].key != expert_balance.ROUTER_BIAS:
-          return new
-        return expert_balance.updated_bias(old, stats['load'], self.bias_rate)
-      new_params = jax.tree_util.tree_map_with_path(balance, new_params, params)
+      new_params = expert_balance.with_balanced_bias(new_params, params, stats['load'],
+                                                     self.bias_rate)
     return new_params, opt_state, metrics, grads
 
   def step(self, tokens_BL1) -> dict[str, float]:

@@ -161,7 +161,7 @@ def to_hf_config(architecture: str, model_type: str):
   return to_hf_config
 
 
-def _no_latent_attention(architecture: str):
+def no_latent_attention(architecture: str):
   def why(model) -> str:
     """What of the model `architecture` cannot write ('' if nothing)."""
     if model.get('mla_kv_rank', 0):
@@ -172,7 +172,7 @@ def _no_latent_attention(architecture: str):
 
 FORMATS = tuple(
     HFFormat(architecture, 'llama', TENSORS, read, to_hf_config(architecture, model_type),
-             unwritable=_no_latent_attention(architecture))
+             unwritable=no_latent_attention(architecture))
     for architecture, model_type, read in (
         ('LlamaForCausalLM', 'llama', _llama),
         ('MistralForCausalLM', 'mistral',

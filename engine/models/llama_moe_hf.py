@@ -102,8 +102,8 @@ def _to_hf_config(architecture: str, model_type: str):
 def _unwritable(architecture: str, qk_norm: bool):
   def why(model) -> str:
     """What of the model `architecture` cannot write ('' if nothing)."""
-    if model.get('mla_kv_rank', 0):
-      return f'model.mla_kv_rank={model.mla_kv_rank} ({architecture} has no latent attention)'
+    if latent := llama_hf.no_latent_attention(architecture)(model):
+      return latent
     if model.moe_router != 'softmax_topk':
       return (f'model.moe_router={model.moe_router!r} ({architecture} routes softmax_topk: a '
               'softmax over every expert, the top k renormalised)')

@@ -31,6 +31,7 @@ class AutoOps(LocalOps):
     self.remat_policy = REMAT_POLICIES[setup.options.remat]  # None: no rematerialisation.
     self.microbatches = setup.options.microbatches
     self.exchanged_dropless = expert_exchange.exchanges_dropless(setup, 'auto')
+    self.exchange = expert_exchange.exchange_kind(setup)
 
   def constrain(self, x, logical_axes, activation=True):
     spec = self.rules.spec(logical_axes, activation=activation)
@@ -102,14 +103,14 @@ class AutoOps(LocalOps):
     rows = self.rules.spec(('batch', 'length', None), activation=True)
     hidden = self.rules.mesh_axes('mlp', activation=True)
     weights = P(axis, None, hidden or None), P(axis, hidden or None, None)
-    kind = expert_exchange.exchange_kind(self.mesh.devices.flat[0].platform)
 
     def local(x_BLD, experts_BLK, w_gate_EDF, w_up_EDF, w_down_EFD):
       finish = (lambda y: jax.lax.psum(y, hidden)) if hidden else (lambda y: y)
       here = moe_dispatch.ExpertFFN(w_gate_EDF, w_up_EDF, w_down_EFD, finish, ffn.precision)
       B, L, K = experts_BLK.shape
       y_TKD = expert_exchange.dropless(x_BLD.reshape(B * L, -1), experts_BLK.reshape(B * L, K),
-                                       here, num_experts, axis, self.mesh.shape[axis], kind)
+                                       here, num_experts, axis, self.mesh.shape[axis],
+                                       self.exchange)
       return y_TKD.reshape(B, L, K, -1)
 
     y_BLKD = jax.shard_map(

@@ -49,9 +49,9 @@ def capacity_exchange(axis: str):
 RAGGED, PADDED = 'ragged_all_to_all', 'all_to_all'
 
 
-def exchange_kind(platform: str) -> str:
-  """How the dropless dispatch moves its blocks on devices of `platform`."""
-  return PADDED if platform == 'cpu' else RAGGED
+def exchange_kind(setup) -> str:
+  """How the dropless dispatch moves its blocks on the setup's devices."""
+  return PADDED if setup.mesh.devices.flat[0].platform == 'cpu' else RAGGED
 
 
 def exchanges_dropless(setup, mode: str) -> bool:
@@ -60,8 +60,7 @@ def exchanges_dropless(setup, mode: str) -> bool:
   pipeline's vmap surrounds the layers (elsewhere auto mode gives every position a slot)."""
   if mode == 'manual':
     return True
-  return (not setup.rules.mesh_axes('layers') and
-          exchange_kind(setup.mesh.devices.flat[0].platform) == RAGGED)
+  return not setup.rules.mesh_axes('layers') and exchange_kind(setup) == RAGGED
 
 
 def _padded_swap(axis: str, n: int, R: int):

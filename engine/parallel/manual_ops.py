@@ -53,7 +53,7 @@ class ManualOps(LocalOps):
     self.gather = gather
     self.flat_gather = setup.options.flat_gather
     # How the dropless dispatch's blocks travel: only their rows in use where the devices can.
-    self.expert_exchange = expert_exchange.exchange_kind(setup.mesh.devices.flat[0].platform)
+    self.expert_exchange = expert_exchange.exchange_kind(setup)
     keep = REMAT_POLICIES[setup.options.remat] or jax.checkpoint_policies.everything_saveable
     # Neither gathered weights nor the cuts and casts that make them (flat_gather), nor the
     # slices a model takes of them (`w_qkv[c]`), are kept for the backward pass, whatever the

@@ -88,8 +88,7 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
       'experts', activation=True))) > 1:
     if not expert_exchange.exchanges_dropless(train_setup, mode):
       slots = E / K
-    elif expert_exchange.exchange_kind(
-        train_setup.mesh.devices.flat[0].platform) == expert_exchange.RAGGED:
+    elif expert_exchange.exchange_kind(train_setup) == expert_exchange.RAGGED:
       return 0.0
     else:
       slots = n * min(K, E // n) / K

@@ -185,9 +185,9 @@ def _log_start(run: Run) -> None:
                num_params / 1e6, model.flops_per_token(config.data.seq_len) / 1e6)
   if (model.experts and not model.experts.capacity_factor and
       run.setup.rules.mesh_axes('experts', activation=True)):
-    how = ('a slot for every position (auto mode: experts / k times the rows in use)'
-           if config.parallelism.mode == 'auto' else 'blocks moved by ' +
-           expert_exchange.exchange_kind(run.setup.mesh.devices.flat[0].platform))
+    how = ('blocks moved by ' + expert_exchange.exchange_kind(run.setup)
+           if expert_exchange.exchanges_dropless(run.setup, config.parallelism.mode) else
+           'a slot for every position (experts / k times the rows in use)')
     logging.info('Experts: the dropless dispatch over mesh.expert takes %s', how)
 
 

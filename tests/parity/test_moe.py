@@ -353,7 +353,7 @@ def test_the_ragged_exchange_trains_like_one_device(mode, references, monkeypatc
   manual mode on expert 4 x data 2, auto mode on expert 2 x fsdp 2 x tensor 2 (the experts'
   hidden dimension split over tensor inside the shard_map). Receiver slots shifted by a few rows
   fail it."""
-  monkeypatch.setattr(expert_exchange, 'exchange_kind', lambda platform: expert_exchange.RAGGED)
+  monkeypatch.setattr(expert_exchange, 'exchange_kind', lambda setup: expert_exchange.RAGGED)
   traced = []
   monkeypatch.setattr(jax.lax, 'ragged_all_to_all',
                       lambda *a, **kw: traced.append(1) or ragged_exchange.ragged_all_to_all(

@@ -11,7 +11,6 @@ import json
 import jax
 import numpy as np
 import pytest
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from engine import models
@@ -19,10 +18,9 @@ from engine.assemble import lay_out
 from engine.config import default_config
 from engine.errors import ConfigError
 from engine.hf import load as hf
-from engine.hf import save as hf_save
 from tests.parity.test_latent_attention import numpy_rotary
 from tests.unit.test_hf_families import (BASE, SEQ, _engine_config, _engine_logits, _tokens,
-                                         legacy)
+                                         assert_export_writes_back, legacy)
 
 E, KV_RANK, Q_RANK, ROPE, NOPE, VALUE, EXPERT = 8, 16, 24, 8, 16, 12, 32
 DEEPSEEK = dict(BASE, architectures=['DeepseekV3ForCausalLM'], model_type='deepseek_v3',
@@ -132,14 +130,7 @@ def test_deepseek_v3_loads_with_the_reference_logits_and_exports_back(tmp_path, 
   np.testing.assert_allclose(_engine_logits(setup, params, tokens),
                              reference_logits(tensors, hf_config, tokens), atol=2e-4, rtol=1e-4)
   host = {path: np.asarray(v) for path, v in hf.by_path(params).items()}
-  hf_save.save(host, model, 256, str(tmp_path / 'out'))
-  with safe_open(str(tmp_path / 'out' / 'model.safetensors'), framework='numpy') as f:
-    written = {name: f.get_tensor(name) for name in f.keys()}
-  assert written.keys() == tensors.keys()
-  for name, value in tensors.items():
-    np.testing.assert_array_equal(written[name], value, err_msg=name)
-  out = json.loads((tmp_path / 'out' / 'config.json').read_text())
-  assert hf.model_config(out, 'out') == hf.model_config(hf_config, 'in')
+  assert_export_writes_back(host, model, tensors, hf_config, tmp_path / 'out')
 
 
 def test_the_reference_sees_the_bias_and_the_rotary_pairs(tmp_path):

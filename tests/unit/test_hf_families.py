@@ -12,9 +12,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from engine.hf import load as hf
+from engine.hf import save as hf_save
 from engine.assemble import assemble, lay_out
 from engine.errors import ConfigError
 from engine.generate.sampling import Generator
@@ -107,6 +109,22 @@ def _checkpoint(directory, config: dict, seed=0) -> dict:
   save_file(tensors, str(directory / 'model.safetensors'))
   (directory / 'config.json').write_text(json.dumps(config))
   return tensors
+
+
+def assert_export_writes_back(host: dict, model, tensors: dict, hf_config: dict,
+                              directory) -> dict:
+  """Exports the parameters `host` (by path) of `model` to `directory`: exactly `tensors`, by
+  the same names, and a config.json that reads back as `hf_config` does. Returns that
+  config.json."""
+  hf_save.save(host, model, 256, str(directory))
+  with safe_open(str(directory / 'model.safetensors'), framework='numpy') as f:
+    written = {name: f.get_tensor(name) for name in f.keys()}
+  assert written.keys() == tensors.keys()
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(written[name], value, err_msg=name)
+  out = json.loads((directory / 'config.json').read_text())
+  assert hf.model_config(out, 'out') == hf.model_config(hf_config, 'in')
+  return out
 
 
 def _experts(config: dict) -> int:

@@ -10,11 +10,9 @@ import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-from safetensors import safe_open
 
 from engine import models
 from engine.hf import load as hf
-from engine.hf import save as hf_save
 from engine.assemble import lay_out
 from engine.workdir.checkpoint import restore_params
 from engine.config import default_config
@@ -22,7 +20,8 @@ from engine.errors import ConfigError
 from engine.export.exporter import export
 from engine.main import run as run_main
 from tests.unit.test_hf_families import (FAMILIES, MOE_NAMES, _checkpoint, _engine_config,
-                                         _experts, reference_logits)
+                                         _experts, assert_export_writes_back,
+                                         reference_logits)
 
 
 def _split_experts(abstract):
@@ -65,15 +64,7 @@ def test_experts_load_sharded_by_expert_and_export_back(tmp_path, family):
       for path, name in (('w_gate_EDF', gate), ('w_up_EDF', up), ('w_down_EFD', down)):
         np.testing.assert_array_equal(host['blocks/moe/' + path][i, e],
                                       tensors[p + f'experts.{e}.{name}.weight'].T, err_msg=path)
-  # Export -> the same tensors, by the same names, and a config.json that reads back the same.
-  hf_save.save(host, model, 256, str(tmp_path / 'out'))
-  with safe_open(str(tmp_path / 'out' / 'model.safetensors'), framework='numpy') as f:
-    written = {name: f.get_tensor(name) for name in f.keys()}
-  assert written.keys() == tensors.keys()
-  for name, value in tensors.items():
-    np.testing.assert_array_equal(written[name], value, err_msg=name)
-  out = json.loads((tmp_path / 'out' / 'config.json').read_text())
-  assert hf.model_config(out, 'out') == hf.model_config(hf_config, 'in')
+  out = assert_export_writes_back(host, model, tensors, hf_config, tmp_path / 'out')
   assert out['architectures'] == hf_config['architectures'] and _experts(out) == 4
   if family == 'qwen3_moe':
     assert (out['norm_topk_prob'], out['moe_intermediate_size'], out['intermediate_size'],
