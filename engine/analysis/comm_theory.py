@@ -125,12 +125,17 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     row_parallel = _ordered(rules.mesh_axes(contracted, activation=True), names)
     if row_parallel:
       expected[('all-reduce', row_parallel)] += round(passes * layers * activation)
+  for contracted in ('heads', 'mlp') if model.first_layers else ():  # Once, before the stack.
+    row_parallel = _ordered(rules.mesh_axes(contracted, activation=True), names)
+    if row_parallel:
+      expected[('all-reduce', row_parallel)] += round(2 * model.first_layers * activation)
   if context > 1:
     keys_or_values = (local_batch * seq_len * math.prod(_ring_heads(setup))
                       * activation_bytes)
     forward_passes = 1 if setup.options.remat == 'none' else 2
     expected[('collective-permute', _ordered(context_axes, names))] += round(
-        layers * (forward_passes + 1) * (context - 1) * 2 * keys_or_values)
+        (layers * (forward_passes + 1) + 2 * model.first_layers)  # Those not rematerialised.
+        * (context - 1) * 2 * keys_or_values)
   stage_axes = _ordered(rules.mesh_axes(LAYERS), names)
   if stage_axes:
     stages = math.prod(mesh_shape[a] for a in stage_axes)
@@ -257,13 +262,14 @@ def _scale_bytes(setup: TrainSetup, p) -> int:
 def executed_layers(setup: TrainSetup) -> float:
   """Layers one device runs per step, in whole local batches: all of them, or with pipeline
   stages its stage's L / S on every iteration of the schedule, bubbles included (R x M + S - 1
-  iterations of a micro-batch through L / (S x R) layers, R layer groups, M micro-batches)."""
+  iterations of a micro-batch through L / (S x R) layers, R layer groups, M micro-batches): of
+  the stacked layers only, not the model's first_layers."""
   model = setup.model
-  stages = _stages(setup)
+  stages, stacked = _stages(setup), model.num_layers - model.first_layers
   if stages == 1:
-    return model.num_layers
+    return stacked
   items = model.layer_groups * setup.options.microbatches
-  return model.num_layers / stages * (items + stages - 1) / items
+  return stacked / stages * (items + stages - 1) / items
 
 
 def _ring_heads(setup: TrainSetup) -> tuple[int, int]:
@@ -317,7 +323,7 @@ def _add_expert_exchange(setup: TrainSetup, expected, local_batch: int, seq_len:
     expected[('all-reduce', batch_axes)] += round(
         executions * forward_passes * ROUTER_STATISTICS * E * FLOAT32_BYTES)
   if stages > 1:  # Each micro-batch's per-layer loads [L, E] ride the pipeline (forward).
-    load_bytes = model.num_layers * E * FLOAT32_BYTES
+    load_bytes = (model.num_layers - model.first_layers) * E * FLOAT32_BYTES
     stage_axes = _ordered(stage_axes, names)
     microbatches = setup.options.microbatches
     expected[('collective-permute', stage_axes)] += (items + stages - 2) * load_bytes

@@ -27,7 +27,8 @@ initialises to one and zero, so that a norm or a bias the engine dropped would s
   deepseek_v3  DeepseekV3ForCausalLM: latent attention (kv latent 16, query latent 24, key part
            16 + rotary 8, values 12, interleaved rotary pairs; rms_norm_eps 1e-5 against the
            latent norms' 1e-6), 8 experts of hidden 32 in 4 groups, 2 per token from the best
-           2 groups, scale 2.5, one shared expert, every layer sparse; the router's correction
+           2 groups, scale 2.5, one shared expert; 3 layers, the first dense (MLP 128:
+           first_k_dense_replace 1), the other two sparse; the router's correction
            bias random N(0, 0.1^2) (transformers starts it at zero), so a bias left out shows
 
 Config formats: `v5` is what transformers 5's save_pretrained writes (`rope_parameters`);
@@ -99,10 +100,10 @@ FAMILIES = {
                                         rope_parameters={'rope_type': 'default',
                                                          'rope_theta': 1000000.0}),
     'deepseek_v3': lambda: DeepseekV3Config(
-        **dict(COMMON, num_key_value_heads=4), kv_lora_rank=16, q_lora_rank=24,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+        **dict(COMMON, num_key_value_heads=4, num_hidden_layers=3), kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
         num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
         norm_topk_prob=True, rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0}),
 }
 FORMATS = ('v5', 'legacy')

@@ -34,7 +34,8 @@ from engine import config as config_lib
 from engine import models
 from engine.data import manifest_paths as paths
 from engine.errors import ConfigError
-from engine.models.hf_format import LAYER_NDIM, HFFormat, UnsupportedCheckpoint, tensor_name
+from engine.models.hf_format import (LAYER_NDIM, HFFormat, UnsupportedCheckpoint, first_layer,
+                                     tensor_name)
 
 PREFIX = 'hf:'
 
@@ -199,17 +200,19 @@ class _Read:
   # The stacked dimensions ([L], or [R, L / R]; then [E] with '{e}'); () if not stacked.
   lead: tuple[int, ...]
   inner: tuple[int, ...]  # One layer's (one expert's) engine shape.
+  first: int = 0  # Hugging Face's number of its first layer (hf_format.first_layer).
 
   def names(self) -> list[str]:
     if not self.lead:
       return [self.name]
-    return [tensor_name(self.name, self.lead, at) for at in np.ndindex(*self.lead)]
+    return [tensor_name(self.name, self.lead, at, self.first) for at in np.ndindex(*self.lead)]
 
 
 def _reads(fmt: HFFormat, files: _Files, flat: dict, tie: bool) -> list[_Read]:
   """What each parameter of the model reads: its tensor, or the one a tied head is read from
   (when the checkpoint has no head, or its config.json ties it)."""
   reads = []
+  shapes = {path: target.shape for path, target in flat.items()}
   for tensor in fmt.tensors:
     if tensor.path not in flat:
       continue  # A tensor this model does not have (biases, q/k norms).
@@ -218,7 +221,8 @@ def _reads(fmt: HFFormat, files: _Files, flat: dict, tie: bool) -> list[_Read]:
     if tensor.tied_to and (tie or not files.has(name)):
       name, layout = tensor.tied_to, 'linear'
     lead = tuple(target.shape[:target.ndim - LAYER_NDIM[layout]]) if '{i}' in name else ()
-    reads.append(_Read(tensor.path, name, layout, lead, tuple(target.shape[len(lead):])))
+    reads.append(_Read(tensor.path, name, layout, lead, tuple(target.shape[len(lead):]),
+                       first_layer(tensor.path, shapes) if lead else 0))
   return reads
 
 
@@ -258,8 +262,8 @@ def _check_names(fmt: HFFormat, hf_config: dict, files: _Files, reads: list[_Rea
   missing = [n for n in expected if n not in stored]
   extra = sorted(stored - set(expected) - ignored, key=_natural)
   # The layers: how many the model has (config.json), which the files hold.
-  layers = max((math.prod(r.lead[:-1] if '{e}' in r.name else r.lead) for r in reads if r.lead),
-               default=0)
+  layers = max((r.first + math.prod(r.lead[:-1] if '{e}' in r.name else r.lead)
+                for r in reads if r.lead), default=0)
   patterns = [re.compile(re.escape(t.name).replace(re.escape('{i}'), r'(\d+)').replace(
       re.escape('{e}'), r'\d+') + '$') for t in fmt.tensors if '{i}' in t.name]
   layer_of = {n: int(m.group(1)) for n in stored for p in patterns for m in [p.match(n)] if m}
@@ -357,7 +361,8 @@ def load_params(path: str, abstract_params):
         return _read_block(files, name, layout, index, inner).astype(dtype)
       # The stacked dimensions ([L], or [R, L / R] grouped; then [E]): one tensor each.
       ranges = [range(*s.indices(n)) for s, n in zip(index[:len(lead)], lead)]
-      layers = [_read_block(files, tensor_name(name, lead, at), layout, index[len(lead):], inner)
+      layers = [_read_block(files, tensor_name(name, lead, at, read.first), layout,
+                            index[len(lead):], inner)
                 for at in itertools.product(*ranges)]
       return np.stack(layers).reshape(*map(len, ranges), *layers[0].shape).astype(dtype)
 

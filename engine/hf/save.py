@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from engine import models
 from engine.errors import ConfigError
-from engine.models.hf_format import LAYER_NDIM, tensor_name
+from engine.models.hf_format import LAYER_NDIM, first_layer, tensor_name
 
 
 def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
@@ -47,6 +47,7 @@ def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
   (Llama's 1 and 2), which are other tokens of another vocabulary. Returns the tensor names
   written."""
   fmt = models.hf_format_for(model_config)
+  shapes = {path: np.shape(array) for path, array in params.items()}
   tensors = {}
   for tensor in fmt.tensors:
     if tensor.path not in params:
@@ -57,7 +58,8 @@ def save(params: dict[str, np.ndarray], model_config, vocab_size: int, out: str,
       continue
     lead = array.shape[:array.ndim - LAYER_NDIM[tensor.layout]]  # Layers (then experts).
     for at in np.ndindex(*lead):
-      tensors[tensor_name(tensor.name, lead, at)] = np.ascontiguousarray(
+      name = tensor_name(tensor.name, lead, at, first_layer(tensor.path, shapes))
+      tensors[name] = np.ascontiguousarray(
           to_hf(tensor.layout, array[at]))
   tensors = {name: _cast(name, value, dtype) for name, value in tensors.items()}
   os.makedirs(out, exist_ok=True)

@@ -18,9 +18,10 @@ rotary dimensions are interleaved pairs (rope_interleave), which the engine's ro
 they are (model.mla_rope_interleave), so no weight is permuted. An imported model balances with
 the bias (model.moe_balance=aux_free), as DeepSeek-V3 trains.
 
-Refused, naming the key: dense layers among the sparse ones (first_k_dense_replace between 0 and
-the layer count: the engine's stacked layers are alike), yarn rotary scaling, attention biases,
-weights not renormalised (norm_topk_prob=false). The multi-token-prediction layers
+The first first_k_dense_replace layers are dense (model.moe_dense_layers: dense_blocks/, with
+Llama's MLP of intermediate_size), numbered before the stacked ones. Refused, naming the key: every
+layer dense, yarn rotary scaling, attention biases, weights not renormalised
+(norm_topk_prob=false). The multi-token-prediction layers
 (num_nextn_predict_layers) are not in transformers' checkpoints and not read.
 """
 
@@ -52,15 +53,21 @@ TENSORS = tuple(t for t in llama_hf.TENSORS if not t.path.startswith(_LLAMA_ATTE
     HFTensor('blocks/moe/w_shared_up_DS', _MLP + 'shared_experts.up_proj.weight', 'linear'),
     HFTensor('blocks/moe/w_shared_down_SD', _MLP + 'shared_experts.down_proj.weight', 'linear'),
 )
+_DENSE_MLP = ('blocks/w_gate_DF', 'blocks/w_up_DF', 'blocks/w_down_FD')
+# The dense first layers (first_k_dense_replace): the same attention and norms, Llama's MLP.
+TENSORS += tuple(
+    HFTensor('dense_' + t.path, t.name, t.layout)
+    for t in TENSORS + tuple(t for t in llama_hf.TENSORS if t.path in _DENSE_MLP)
+    if t.path.startswith('blocks/') and not t.path.startswith('blocks/moe/'))
 
 
 def _refuse(hf: dict, where: str) -> None:
-  layers, dense = hf['num_hidden_layers'], hf.get('first_k_dense_replace', 0)
-  if dense:
+  layers, dense = hf['num_hidden_layers'], hf.get('first_k_dense_replace') or 0
+  if dense >= layers:
     raise UnsupportedCheckpoint(
-        f'{where}: first_k_dense_replace={dense} makes the first layers dense and the other '
-        f'{layers - dense} mixtures of experts; the engine stacks alike layers: load a checkpoint '
-        'with first_k_dense_replace=0.')
+        f'{where}: first_k_dense_replace={dense} makes all {layers} layers dense; the engine '
+        'computes DeepSeek-V3 with at least one mixture-of-experts layer: load a checkpoint '
+        'with first_k_dense_replace < num_hidden_layers.')
   if not hf.get('norm_topk_prob', True):
     raise UnsupportedCheckpoint(
         f'{where}: norm_topk_prob=false is not supported (the top-k scores used as they are); '
@@ -87,6 +94,7 @@ def _deepseek_v3(hf: dict, where: str) -> dict:
           'moe_routed_scale': float(hf.get('routed_scaling_factor', 1.0)),
           'moe_mlp_dim': expert_dim, 'moe_shared_expert': expert_dim * (hf.get('n_shared_experts')
                                                                          or 0),
+          'moe_dense_layers': hf.get('first_k_dense_replace') or 0,
           'moe_dispatch': 'dropless', 'moe_balance': 'aux_free'}
 
 
@@ -107,7 +115,7 @@ def _to_hf_config(model_config, vocab_size: int) -> dict:
       topk_group=model_config.moe_topk_groups,
       routed_scaling_factor=model_config.moe_routed_scale, moe_intermediate_size=expert_dim,
       n_shared_experts=model_config.moe_shared_expert // expert_dim, norm_topk_prob=True,
-      first_k_dense_replace=0, num_nextn_predict_layers=0)
+      first_k_dense_replace=model_config.moe_dense_layers, num_nextn_predict_layers=0)
   return config
 
 

@@ -13,7 +13,8 @@ split out and stacked layers along leading axes):
   heads_out  [H K, D] -> [D, H, K] (a projection into heads);
   heads_in   [D, H K] -> [H, K, D] (a projection out of heads);
   heads_bias [H K] -> [H, K] (a bias on a projection into heads).
-A stacked parameter's name has '{i}' for its layer; a parameter stacked over experts too (a
+A stacked parameter's name has '{i}' for its layer (counted on from the stacks before its own,
+STACKS); a parameter stacked over experts too (a
 mixture of experts' [L, E, ...] weights, one tensor per layer and expert) also has '{e}', the
 expert: the last of its leading dimensions (`tensor_name`).
 A format lists every tensor any of its models may have; a model that lacks a parameter (no
@@ -68,10 +69,25 @@ class HFFormat:
   unwritable: Callable[[object], str] | None = None
 
 
-def tensor_name(name: str, lead: tuple[int, ...], at: tuple[int, ...]) -> str:
+# Stacks whose layers Hugging Face numbers in one sequence, in this order: a mixture of experts'
+# dense first layers (DeepSeek-V3), then the stacked layers.
+STACKS = ('dense_blocks/', 'blocks/')
+
+
+def first_layer(path: str, shapes: dict[str, tuple[int, ...]]) -> int:
+  """The Hugging Face number of the first layer of the stack `path` belongs to: the depth of the
+  stacks before it (`shapes`: the model's parameter shapes by path)."""
+  stack = next((s for s in STACKS if path.startswith(s)), None)
+  if stack is None:
+    return 0
+  return sum(next((shape[0] for p, shape in shapes.items() if p.startswith(before)), 0)
+             for before in STACKS[:STACKS.index(stack)])
+
+
+def tensor_name(name: str, lead: tuple[int, ...], at: tuple[int, ...], first: int = 0) -> str:
   """The Hugging Face name of the stacked parameter's slice at position `at` of its leading
   dimensions `lead` ([L], or [R, L / R] grouped; then [E] if the name has '{e}'): the layer is
-  the row-major position of the layer dimensions."""
+  `first` (first_layer) plus the row-major position of the layer dimensions."""
   if '{e}' in name:
-    return name.format(i=int(np.ravel_multi_index(at[:-1], lead[:-1])), e=int(at[-1]))
-  return name.format(i=int(np.ravel_multi_index(at, lead)))
+    return name.format(i=first + int(np.ravel_multi_index(at[:-1], lead[:-1])), e=int(at[-1]))
+  return name.format(i=first + int(np.ravel_multi_index(at, lead)))

@@ -28,6 +28,9 @@ from engine.models import dense_taps, quantized_matmul
 LAYERS = 'layers'
 # The axis of a stack's groups (group_layers), ahead of LAYERS.
 REPEATS = 'repeats'
+# The axis of a short stack that runs before the LAYERS stack, outside it (a mixture of experts'
+# dense first layers): no rule splits it, and its parameters are prepared with the model's.
+FIRST_LAYERS = 'first_layers'
 
 _LAYER_AXIS = {nnx.PARTITION_NAME: LAYERS}
 
@@ -74,11 +77,11 @@ def dense(x: jax.Array, w: jax.Array, in_dims: int = 1, preferred_element_type=N
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
-                 rngs: nnx.Rngs) -> nnx.Module:
-  """`num_layers` independently initialised layers, stacked along a leading LAYERS axis."""
+                 rngs: nnx.Rngs, axis: str = LAYERS) -> nnx.Module:
+  """`num_layers` independently initialised layers, stacked along a leading `axis`."""
 
   @nnx.split_rngs(splits=num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYER_AXIS)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
   def make(rngs):
     return make_layer(rngs)
 
@@ -159,14 +162,14 @@ def layer_group(layers: nnx.Module, index) -> nnx.Module:
                                           is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def one_layer(layers: nnx.Module, index: int) -> nnx.Module:
-  """Layer `index` of a plain stack, unstacked, as `nnx.scan` hands each layer to its body
-  (generation applies layers one at a time)."""
+def one_layer(layers: nnx.Module, index: int, axis: str = LAYERS) -> nnx.Module:
+  """Layer `index` of a plain stack along `axis`, unstacked, as `nnx.scan` hands each layer to
+  its body (generation applies layers one at a time)."""
   graphdef, state = nnx.split(layers)
 
   def pick(variable):
     axes = _stacked_axes(variable)
-    if axes[:1] != (LAYERS,):
+    if axes[:1] != (axis,):
       return variable
     return variable.replace(variable.get_value()[index], out_sharding=axes[1:])
 

@@ -7,8 +7,9 @@ along the `layers` axis and applied with `nnx.scan`, like GPT's, and use the sam
 so every rule preset and both modes work unchanged. Key/value heads carry their own logical name,
 `kv_heads`: the rules split them over `tensor` where they divide and replicate them otherwise
 (`ModelSpec.split_where_divisible`). A block's MLP may be a mixture of experts
-(engine/models/moe.py) and its attention DeepSeek's multi-head latent attention
-(engine/models/latent_attention.py). The keys only this family reads, and their checks, are in
+(engine/models/moe.py), after `dense_layers` dense ones that run before the stack
+(`dense_blocks`, DeepSeek-V3's first_k_dense_replace), and its attention DeepSeek's multi-head
+latent attention (engine/models/latent_attention.py). The keys only this family reads, and their checks, are in
 engine/models/llama_config.py.
 
 Shape suffixes: B batch, L length, D embed, H query heads, N key/value heads (n: those this
@@ -25,9 +26,11 @@ from flax import nnx
 
 from engine.models import quantized_matmul
 from engine.models.latent_attention import LatentAttention, LatentConfig
-from engine.models.layers import apply_layers, dense, param, stack_layers
+from engine.models.layers import (FIRST_LAYERS, apply_layers, dense, one_layer, param,
+                                  stack_layers)
 from engine.models.llama_layers import RMSNorm, Rope, rotary
 from engine.models.moe import MoeConfig, MoeMlp
+from engine.models.moe_config import stacked_layers
 from engine.models.ops import LocalOps
 from engine.models.quantized_matmul import MatmulPrecision
 from engine.models.spec import ExpertsSpec, ModelSpec
@@ -54,6 +57,8 @@ class LlamaConfig:
   moe: MoeConfig | None = None  # A mixture of experts in place of each block's MLP.
   matmul: MatmulPrecision = quantized_matmul.DEFAULT  # The projections' (not the head's).
   latent: LatentConfig | None = None  # Multi-head latent attention in place of the attention.
+  # With `moe`: the first this many layers keep the dense MLP (DeepSeek-V3), the rest are stacked.
+  dense_layers: int = 0
 
 
 class Block(nnx.Module):
@@ -163,7 +168,12 @@ class Llama(nnx.Module):
     V, D = cfg.vocab_size, cfg.embed_dim
     self.tok_embed_VD = param(rngs, (V, D), ('vocab', 'embed'), cfg.init_std)
 
-    self.blocks = stack_layers(lambda rngs: Block(cfg, rngs), cfg.num_layers, rngs)
+    if cfg.dense_layers:  # Before the stack and outside it: pipeline stages split the stack.
+      dense_cfg = dataclasses.replace(cfg, moe=None)
+      self.dense_blocks = stack_layers(lambda rngs: Block(dense_cfg, rngs), cfg.dense_layers,
+                                       rngs, axis=FIRST_LAYERS)
+    self.blocks = stack_layers(lambda rngs: Block(cfg, rngs), cfg.num_layers - cfg.dense_layers,
+                               rngs)
     self.final_norm = RMSNorm(D, cfg.norm_eps, rngs)
     self.head_DV = param(rngs, (D, V), ('embed', 'vocab'), cfg.init_std)
 
@@ -184,10 +194,13 @@ class Llama(nnx.Module):
     without `with_aux`)."""
     x_BLD = ops.constrain(ops.embed_lookup(self.tok_embed_VD[...], tokens_BL),
                           ('batch', 'length', 'embed'))
-    unroll = 1 if self.cfg.scan_layers else self.cfg.num_layers
+    # The dense first layers one by one in Python: generation's cache must not leave a scan.
+    for index in range(self.cfg.dense_layers):
+      x_BLD = one_layer(self.dense_blocks, index, FIRST_LAYERS)(x_BLD, ops)
+    unroll = 1 if self.cfg.scan_layers else self.cfg.num_layers - self.cfg.dense_layers
     aux, stats = 0.0, {}
     if with_aux and self.cfg.moe:  # The loss and statistics ride along the layers' carry.
-      L, E = self.cfg.num_layers, self.cfg.moe.num_experts
+      L, E = self.cfg.num_layers - self.cfg.dense_layers, self.cfg.moe.num_experts
       zero = jnp.zeros((), jnp.float32)
       carry = {'loss': zero, 'balance': zero, 'z': zero, 'dropped': zero,
                'layer': jnp.zeros((), jnp.int32), 'load': jnp.zeros((L, E), jnp.float32)}
@@ -238,21 +251,13 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       attention=model_config.attention, qkv_bias=model_config.qkv_bias,
       qk_norm=model_config.qk_norm, scan_layers=model_config.scan_layers,
       init_std=model_config.init_std, moe=moe_config(model_config),
-      matmul=quantized_matmul.from_config(model_config), latent=latent_config(model_config))
-  D, F = cfg.embed_dim, cfg.mlp_dim
+      matmul=quantized_matmul.from_config(model_config), latent=latent_config(model_config),
+      dense_layers=model_config.num_layers - stacked_layers(model_config))
+  D = cfg.embed_dim
   attention_params, score_width = _attention_sizes(cfg)
-  if cfg.moe:  # What one token multiplies: the router, k experts and the shared expert.
-    moe = cfg.moe
-    F = (moe.experts_per_token * moe.mlp_dim + moe.shared_expert_dim +
-         moe.num_experts / 3)
-  matmul_params = cfg.num_layers * (attention_params + 3 * D * F) + vocab_size * D
-  # What matmul_precision quantizes: the attention and MLP projections, a shared expert's, and
-  # the k experts a token meets under the capacity dispatch.
-  projected = 3 * D * cfg.mlp_dim
-  if cfg.moe:
-    projected = 3 * D * (cfg.moe.shared_expert_dim + (
-        cfg.moe.experts_per_token * cfg.moe.mlp_dim if cfg.moe.dispatch == 'capacity' else 0))
-  quantized_params = cfg.num_layers * (attention_params + projected)
+  mlp_params, projected = _mlp_sizes(cfg)
+  matmul_params = cfg.num_layers * attention_params + mlp_params + vocab_size * D
+  quantized_params = cfg.num_layers * attention_params + projected
 
   def flops_per_token(seq_len: int) -> float:
     # As GPT's: 6 per weight, and attention's scores and weighted sum over seq_len positions.
@@ -268,7 +273,8 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       flops_per_token=flops_per_token, split_where_divisible=('kv_heads',),
       context_parallel=True, experts=_experts_spec(cfg.moe),
       quantized_params=quantized_params if cfg.matmul.quantized else 0,
-      latent_cache=(cfg.latent.kv_rank, cfg.latent.rope_dim) if cfg.latent else None)
+      latent_cache=(cfg.latent.kv_rank, cfg.latent.rope_dim) if cfg.latent else None,
+      first_layers=cfg.dense_layers)
 
 
 def latent_config(model_config) -> LatentConfig | None:
@@ -292,6 +298,21 @@ def _attention_sizes(cfg: LlamaConfig) -> tuple[int, int]:
   R, V, C, Q = latent.rope_dim, latent.value_dim, latent.kv_rank, latent.q_rank
   queries = D * Q + Q * H * (K + R) if Q else D * H * (K + R)
   return queries + D * (C + R) + C * H * (K + V) + H * V * D, H * (K + R + V)
+
+
+def _mlp_sizes(cfg: LlamaConfig) -> tuple[float, float]:
+  """(the MLP weights one token multiplies, over all layers: a mixture of experts' router, its k
+  experts and shared expert; those matmul_precision quantizes: the MLPs', a shared expert's and,
+  under the capacity dispatch, the k experts')."""
+  D, F, moe = cfg.embed_dim, cfg.mlp_dim, cfg.moe
+  if moe is None:
+    return cfg.num_layers * 3 * D * F, cfg.num_layers * 3 * D * F
+  sparse = cfg.num_layers - cfg.dense_layers
+  routed = moe.experts_per_token * moe.mlp_dim
+  active = routed + moe.shared_expert_dim + moe.num_experts / 3
+  quantized = moe.shared_expert_dim + (routed if moe.dispatch == 'capacity' else 0)
+  return (3 * D * (cfg.dense_layers * F + sparse * active),
+          3 * D * (cfg.dense_layers * F + sparse * quantized))
 
 
 def _experts_spec(moe: MoeConfig | None) -> ExpertsSpec | None:

@@ -179,7 +179,8 @@ class MoeMlp(nnx.Module):
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')
     ffn = ExpertFFN(self.w_gate_EDF[...], self.w_up_EDF[...], self.w_down_EFD[...],
                     lambda y: ops.finish_contraction(y, 'mlp'),
-                    cfg.matmul if cfg.dispatch == 'capacity' else quantized_matmul.DEFAULT)
+                    cfg.matmul if cfg.dispatch == 'capacity' else quantized_matmul.DEFAULT,
+                    ops.ragged_dot)
     slots = (None if cfg.dispatch == 'dropless' else
              capacity(L, cfg.experts_per_token, cfg.num_experts, cfg.capacity_factor))
     y_BLKD, dropped = ops.experts(x_BLD, experts_BLK, ffn, cfg.num_experts, slots)

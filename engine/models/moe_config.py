@@ -34,6 +34,10 @@ CONFIG_KEYS = (
               "this many best groups (DeepSeek-V3's topk_group)."),
     ConfigKey('moe_routed_scale', 1.0, "Llama MoE, sigmoid_topk: the routed experts' weights "
               "are multiplied by this (DeepSeek-V3's routed_scaling_factor)."),
+    ConfigKey('moe_dense_layers', 0, 'Llama MoE: the first this many layers keep the dense '
+              "MLP (mlp_dim), the others are mixtures of experts (DeepSeek-V3's "
+              'first_k_dense_replace). They run one by one before the stacked layers: under '
+              'pipeline stages, on every stage with the embedding.'),
     ConfigKey('moe_mlp_dim', 0, "Llama MoE: each expert's hidden size; 0: mlp_dim."),
     ConfigKey('moe_shared_expert', 0, 'Llama MoE: hidden size of a shared SwiGLU expert every '
               'token also goes through; 0: none.'),
@@ -55,13 +59,37 @@ CONFIG_KEYS = (
 )
 
 
+def stacked_layers(model) -> int:
+  """The layers of the model's stack (pipeline stages split these): all but the dense layers
+  that come first in a mixture of experts."""
+  return model.num_layers - (model.get('moe_dense_layers', 0) if model.get('num_experts', 0)
+                             else 0)
+
+
+def stacked_layers_text(model) -> str:
+  """The stacked layers as the config sets them, for an error line."""
+  dense = model.num_layers - stacked_layers(model)
+  if not dense:
+    return f'model.num_layers={model.num_layers}'
+  return (f'model.num_layers={model.num_layers} less model.moe_dense_layers={dense} '
+          f'({model.num_layers - dense} in the stack)')
+
+
 def check(model, mesh: dict[str, int]) -> None:
   """The MoE keys' values and the expert axis' split of them (a dense model: num_experts=0)."""
   if model.num_experts < 0:
     raise ModelConfigError(f'model.num_experts={model.num_experts} must be >= 0; give 0 for the '
                            'dense MLP, or the number of experts.')
+  dense = model.get('moe_dense_layers', 0)
   if not model.num_experts:
+    if dense:
+      raise ModelConfigError(f'model.moe_dense_layers={dense} needs a mixture of experts after '
+                             'the dense layers; set model.num_experts, or moe_dense_layers=0.')
     return
+  if not 0 <= dense < model.num_layers:
+    raise ModelConfigError(
+        f'model.moe_dense_layers={dense} must lie in [0, model.num_layers={model.num_layers}); '
+        'leave at least one mixture-of-experts layer.')
   if not 1 <= model.experts_per_token <= model.num_experts:
     raise ModelConfigError(
         f'model.experts_per_token={model.experts_per_token} must lie in [1, model.num_experts='

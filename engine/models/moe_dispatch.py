@@ -41,6 +41,8 @@ class ExpertFFN:
   finish: Callable[[jax.Array], jax.Array]
   # How `batched` multiplies (model.matmul_precision, for the capacity dispatch).
   precision: quantized_matmul.MatmulPrecision = quantized_matmul.DEFAULT
+  # How `grouped` multiplies: jax.lax.ragged_dot, or on CPU engine/models/tiled_ragged_dot.py.
+  ragged_dot: Callable = jax.lax.ragged_dot
 
   @property
   def num_experts(self) -> int:
@@ -48,9 +50,9 @@ class ExpertFFN:
 
   def grouped(self, x_AD: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
     """Rows sorted by expert, group_sizes_E rows each; rows past their sum give zeros."""
-    gate_AF = jax.lax.ragged_dot(x_AD, self.w_gate_EDF, group_sizes_E)
-    up_AF = jax.lax.ragged_dot(x_AD, self.w_up_EDF, group_sizes_E)
-    y_AD = jax.lax.ragged_dot(jax.nn.silu(gate_AF) * up_AF, self.w_down_EFD, group_sizes_E)
+    gate_AF = self.ragged_dot(x_AD, self.w_gate_EDF, group_sizes_E)
+    up_AF = self.ragged_dot(x_AD, self.w_up_EDF, group_sizes_E)
+    y_AD = self.ragged_dot(jax.nn.silu(gate_AF) * up_AF, self.w_down_EFD, group_sizes_E)
     return self.finish(y_AD)
 
   def batched(self, x_ENC: jax.Array) -> jax.Array:

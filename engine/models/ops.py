@@ -32,6 +32,8 @@ class LocalOps:
   # Packed documents (engine/models/documents.py): (segment ids, positions within the
   # document) of the tokens the model holds, each [B, L]; None: every row is one sequence.
   documents: tuple[jax.Array, jax.Array] | None = None
+  # The grouped matmul of a mixture of experts' dropless dispatch (moe_dispatch.ExpertFFN).
+  ragged_dot: Callable = staticmethod(jax.lax.ragged_dot)
 
   def with_documents(self, segments_BL: jax.Array, positions_BL: jax.Array) -> 'LocalOps':
     """A copy of these ops for one batch of packed documents: `positions` returns theirs and

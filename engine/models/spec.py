@@ -78,6 +78,10 @@ class ModelSpec:
   # embedding, a router or a dropless dispatch's experts): engine.plan times their 6 FLOPs per
   # weight and token at the chip's int8 / fp8 peak.
   quantized_params: int = 0
+  # Of num_layers, those that run before the stacked layers, outside them (a mixture of experts'
+  # dense first layers): no experts, not split into pipeline stages, each contracting 'heads'
+  # and 'mlp' row-parallel.
+  first_layers: int = 0
   # Latent attention (DeepSeek): what generation caches per layer and position instead of keys
   # and values, (latent size, rotary key size); None: keys and values per key / value head.
   latent_cache: tuple[int, int] | None = None

@@ -32,6 +32,7 @@ class AutoOps(LocalOps):
     self.microbatches = setup.options.microbatches
     self.exchanged_dropless = expert_exchange.exchanges_dropless(setup, 'auto')
     self.exchange = expert_exchange.exchange_kind(setup)
+    self.ragged_dot = expert_exchange.ragged_dot_for(setup)
 
   def constrain(self, x, logical_axes, activation=True):
     spec = self.rules.spec(logical_axes, activation=activation)
@@ -81,7 +82,7 @@ class AutoOps(LocalOps):
     # Grouped matmuls over expert-split weights compile with the experts all-gathered; the slot
     # buffer laid out by expert lets the compiler move the tokens instead (all-to-all). Dropless
     # is here the capacity dispatch with a slot for every position: nothing can drop, at E / K
-    # times the useful expert FLOPs (XLA:CPU, and pipelines, whose stages run under vmap).
+    # times the useful expert FLOPs (pipelines, whose stages run under vmap).
     # Both layouts are pinned: left to itself, the compiler gathers the tokens to the experts.
     by_batch = lambda x_EBCD: self.constrain(x_EBCD, (None, 'batch', None, None))
     by_expert = lambda x_EBCD: self.constrain(x_EBCD, ('experts', 'expert_groups', None, None))
@@ -95,8 +96,8 @@ class AutoOps(LocalOps):
 
   def _exchanged_dropless(self, x_BLD, experts_BLK, ffn, num_experts):
     """Manual mode's dropless exchange (engine/parallel/expert_exchange.py) inside a shard_map:
-    each device routes its own tokens and sends them to their experts' devices by
-    ragged_all_to_all, so only the rows in use are multiplied. The experts' weights come whole
+    each device routes its own tokens and sends them to their experts' devices (exchange_kind),
+    whose grouped matmuls multiply only the rows in use. The experts' weights come whole
     along `embed` (the compiler gathers them where FSDP splits them); a hidden dimension split
     over `tensor` is summed after the down projection, as manual mode's."""
     (axis,) = self.rules.mesh_axes('experts', activation=True)
@@ -106,7 +107,8 @@ class AutoOps(LocalOps):
 
     def local(x_BLD, experts_BLK, w_gate_EDF, w_up_EDF, w_down_EFD):
       finish = (lambda y: jax.lax.psum(y, hidden)) if hidden else (lambda y: y)
-      here = moe_dispatch.ExpertFFN(w_gate_EDF, w_up_EDF, w_down_EFD, finish, ffn.precision)
+      here = moe_dispatch.ExpertFFN(w_gate_EDF, w_up_EDF, w_down_EFD, finish, ffn.precision,
+                                    ffn.ragged_dot)
       B, L, K = experts_BLK.shape
       y_TKD = expert_exchange.dropless(x_BLD.reshape(B * L, -1), experts_BLK.reshape(B * L, K),
                                        here, num_experts, axis, self.mesh.shape[axis],

@@ -68,24 +68,24 @@ class DecodeOps(AutoOps):
     # Layer by layer in Python (not the model's scan, whose trace the cache must not leave),
     # each attending through its own slice of the cache. No remat: nothing is differentiated.
     del run
-    self._layer = 0
     for group in ([layers] if num_groups(layers) == 1 else
                   [layer_group(layers, r) for r in range(num_groups(layers))]):
       for index in range(jax.tree.leaves(nnx.state(group))[0].shape[0]):
         layer = self.prepare_params(one_layer(group, index), skip_stacked=False)
         x = layer(x, self)
-        self._layer += 1
     return x
 
   def _written(self, new: dict) -> list:
     """Writes each of `new` [B, L, ...] to its cache at this layer and the rows' positions;
-    returns this layer's whole caches [B, S, ...] in the compute dtype."""
+    returns this layer's whole caches [B, S, ...] in the compute dtype. Each layer writes once,
+    in the model's order (layers before the stack too), so the writes count the layers."""
     rows = jnp.arange(self.positions_BL.shape[0])[:, None]
     for name, value in new.items():
       cache = self.cache[name].at[self._layer, rows, self.positions_BL].set(
           value.astype(self.cache[name].dtype))
       self.cache[name] = self.constrain(cache, self.cache_axes)
-    return [self.cache[name][self._layer].astype(value.dtype) for name, value in new.items()]
+    layer, self._layer = self._layer, self._layer + 1
+    return [self.cache[name][layer].astype(value.dtype) for name, value in new.items()]
 
   def latent_history(self, latent_BLC, key_rope_BLR):
     return self._written({'latent': latent_BLC, 'rope': key_rope_BLR})

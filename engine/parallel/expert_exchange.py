@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.models import moe_dispatch
+from engine.models import moe_dispatch, tiled_ragged_dot
 
 
 def capacity_exchange(axis: str):
@@ -49,18 +49,27 @@ def capacity_exchange(axis: str):
 RAGGED, PADDED = 'ragged_all_to_all', 'all_to_all'
 
 
+def _platform(setup) -> str:
+  return setup.mesh.devices.flat[0].platform
+
+
 def exchange_kind(setup) -> str:
   """How the dropless dispatch moves its blocks on the setup's devices."""
-  return PADDED if setup.mesh.devices.flat[0].platform == 'cpu' else RAGGED
+  return PADDED if _platform(setup) == 'cpu' else RAGGED
+
+
+def ragged_dot_for(setup):
+  """The dropless dispatch's grouped matmul on the setup's devices: XLA:CPU's ragged_dot
+  multiplies every row by every group, so there the tiled one (engine/models/tiled_ragged_dot.py)
+  visits only the rows in groups; TPUs and GPUs compile ragged_dot to grouped-matmul kernels."""
+  return tiled_ragged_dot.for_platform(_platform(setup))
 
 
 def exchanges_dropless(setup, mode: str) -> bool:
   """Whether a layout's dropless dispatch over `expert` runs the exchange here: always in manual
-  mode; in auto mode (inside a shard_map) where the devices send only the rows in use and no
-  pipeline's vmap surrounds the layers (elsewhere auto mode gives every position a slot)."""
-  if mode == 'manual':
-    return True
-  return not setup.rules.mesh_axes('layers') and exchange_kind(setup) == RAGGED
+  mode; in auto mode (inside a shard_map) where no pipeline's vmap surrounds the layers (there
+  auto mode gives every position a slot)."""
+  return mode == 'manual' or not setup.rules.mesh_axes('layers')
 
 
 def _padded_swap(axis: str, n: int, R: int):

@@ -33,6 +33,7 @@ class ManualOps(LocalOps):
 
   def __init__(self, setup: TrainSetup, gather: bool = True, average_in_backward: bool = False):
     self.rules = setup.rules
+    self.ragged_dot = expert_exchange.ragged_dot_for(setup)
     # Context parallelism: the axis that splits every sequence (engine/parallel/context.py).
     context_axes = setup.rules.mesh_axes('length', activation=True)
     self.context_axis = context_axes[0] if context_axes else None

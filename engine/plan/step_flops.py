@@ -73,25 +73,21 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
   model's FLOPs count those): the capacity dispatch's E x C slots per sequence (more than L x k
   when the factor pads, fewer when it drops); on an expert axis of n devices, auto mode's
   dropless dispatch where it gives every position a slot (C = L: E / k times the useful expert
-  FLOPs), or else the dropless exchange's (expert_exchange.exchanges_dropless): none on TPU and
-  GPU, whose grouped-matmul kernels visit only the groups' rows (the unused rows of the n blocks
-  of min(k, E / n) rows per token cost no FLOPs: engine.bench.grouped_matmul, docs/benchmarks.md;
-  XLA's cost analysis counts them all the same), all those rows on CPU. Dropless on one device
-  multiplies only the rows routed: none."""
+  FLOPs), or else the dropless exchange's (expert_exchange.exchanges_dropless): none, as its
+  grouped matmuls visit only the groups' rows (TPU and GPU kernels: the unused rows of the n
+  blocks of min(k, E / n) rows per token cost no FLOPs, engine.bench.grouped_matmul,
+  docs/benchmarks.md, though XLA's cost analysis counts them all; on CPU
+  engine/models/tiled_ragged_dot.py, whose last tile of a group is masked, not counted).
+  Dropless on one device multiplies only the rows routed: none."""
   experts = train_setup.model.experts
   if experts is None:
     return 0.0
   E, K = experts.num_experts, experts.experts_per_token
   if experts.capacity_factor:
     slots = E * capacity(seq_len, K, E, experts.capacity_factor) / (seq_len * K)
-  elif (n := math.prod(train_setup.mesh.shape[a] for a in train_setup.rules.mesh_axes(
-      'experts', activation=True))) > 1:
-    if not expert_exchange.exchanges_dropless(train_setup, mode):
-      slots = E / K
-    elif expert_exchange.exchange_kind(train_setup) == expert_exchange.RAGGED:
-      return 0.0
-    else:
-      slots = n * min(K, E // n) / K
+  elif (train_setup.rules.mesh_axes('experts', activation=True) and
+        not expert_exchange.exchanges_dropless(train_setup, mode)):
+    slots = E / K
   else:
     return 0.0
   # Each token's k experts multiply k / E of the routed weights, 6 FLOPs per weight.

@@ -10,6 +10,7 @@ from ml_collections import ConfigDict
 from engine import sharding
 from engine.config import DTYPES, FSDP_GATHERS
 from engine.errors import ConfigError
+from engine.models.moe_config import stacked_layers, stacked_layers_text
 from engine.parallel.quantized_gather import GATHER_DTYPES
 from engine.validation.checks import choose
 
@@ -51,9 +52,9 @@ def check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rule
         "ring attention computes its own blocks; set model.attention='einsum' or 'splash' (auto "
         'mode may keep it).')
   stages = mesh['stage']
-  if stages > 1 and config.model.num_layers % stages:
+  if stages > 1 and stacked_layers(config.model) % stages:
     raise ConfigError(
-        f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} '
+        f'{stacked_layers_text(config.model)} does not split into mesh.stage={stages} '
         'pipeline stages of equal depth; choose a stage count that divides it.')
   return rules
 

@@ -10,6 +10,7 @@ from ml_collections import ConfigDict
 
 from engine import sharding
 from engine.errors import ConfigError
+from engine.models.moe_config import stacked_layers, stacked_layers_text
 from engine.parallel.pipeline import HEAD_PLACEMENTS, SCHEDULES
 from engine.validation.checks import require_divisible
 
@@ -29,9 +30,9 @@ def check_schedule(config: ConfigDict, mesh: dict[str, int], rules: sharding.Rul
     raise ConfigError(
         f'train.pipeline_repeats={repeats}: the circular pipeline schedule needs mesh.stage > 1; '
         'set it to 1, or split the mesh into stages.')
-  if repeats > 1 and config.model.num_layers % (stages * repeats):
+  if repeats > 1 and stacked_layers(config.model) % (stages * repeats):
     raise ConfigError(
-        f'model.num_layers={config.model.num_layers} does not split into mesh.stage={stages} x '
+        f'{stacked_layers_text(config.model)} does not split into mesh.stage={stages} x '
         f'train.pipeline_repeats={repeats} groups of equal depth; choose counts whose product '
         'divides it.')
   if stages > 1 and config.train.microbatches < stages:

@@ -92,10 +92,15 @@ def test_sharded_generation_matches_one_device(model_and_params, mesh):
   assert train_setup.attention_heads() == {'query': 4, 'kv': heads}  # and its cut, 4 / heads.
 
 
-def _latent_setup(mesh=(1, 1, 1)):
+def _latent_setup(mesh=(1, 1, 1), dense_layers=0):
+  """A Llama with latent attention; with `dense_layers`, DeepSeek-V3's: that many dense layers,
+  then 2 mixtures of experts."""
   config = tiny_config(mesh=mesh)
   config.model.name, config.model.max_len = 'llama', 32
   config.model.update(mla_kv_rank=12, mla_q_rank=10, mla_rope_dim=4, head_dim=8, mla_value_dim=6)
+  if dense_layers:
+    config.model.update(num_experts=4, moe_mlp_dim=16, moe_router='sigmoid_topk', moe_groups=2,
+                        moe_dense_layers=dense_layers, num_layers=2 + dense_layers)
   return lay_out(config, 256, jax.devices()[:int(np.prod(mesh))])
 
 
@@ -120,6 +125,20 @@ def test_latent_attention_caches_its_latents_and_decodes_as_recomputing():
   assert (cache.keys(), cache['latent'].shape, cache['rope'].shape) == (
       {'latent', 'rope'}, (2, 4, 16 + NEW, 12), (2, 4, 16 + NEW, 4))
   assert sharded_generator.cache_bytes(4) == cache['latent'].nbytes + cache['rope'].nbytes
+
+
+@pytest.mark.slow
+def test_dense_first_layers_cache_in_the_models_order():
+  """A dense layer before the stack writes the cache's first layer and the stacked ones the
+  rest: cached greedy decoding equals recomputing."""
+  setup = _latent_setup(dense_layers=1)
+  params = setup.init(0)[0]['params']
+  generator = Generator(setup, 16, NEW)
+  for prompt, out in zip(PROMPTS, generator.generate(params, PROMPTS, NEW)):
+    assert list(out) == _recomputed(setup, params, prompt, NEW)
+  cache, _ = generator.prefill(params, np.zeros((4, 16), np.int32), np.ones(4, np.int32),
+                               jax.random.key(0))
+  assert cache['latent'].shape[0] == 3
 
 
 def test_sampling_is_seeded_restricted_and_stops_at_end_of_text(model_and_params):

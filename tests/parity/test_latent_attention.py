@@ -92,10 +92,10 @@ def test_the_layer_matches_deepseeks_attention_in_numpy(q_rank, interleaved):
   assert np.abs(other - expected).max() > 100 * 2e-5
 
 
-def mla_config(mesh=(1, 1, 1), mode='auto', deepseek=False):
+def mla_config(mesh=(1, 1, 1), mode='auto', deepseek=False, dense_layers=0):
   """A tiny Llama with latent attention on mesh DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]];
   `deepseek`: DeepSeek-V3's whole block (sigmoid group routing with the aux-free bias, a shared
-  expert)."""
+  expert), after `dense_layers` dense ones (then 2 more layers)."""
   config = tiny_config(mesh=mesh[:3], steps=2)
   config.mesh.context, config.mesh.stage, config.mesh.expert = (*mesh[3:], 1, 1, 1)[:3]
   config.model.name, config.model.tie_embeddings = 'llama', False
@@ -105,7 +105,8 @@ def mla_config(mesh=(1, 1, 1), mode='auto', deepseek=False):
     config.model.update(num_experts=4, moe_mlp_dim=16, moe_shared_expert=16,
                         moe_router='sigmoid_topk', moe_groups=2, moe_topk_groups=1,
                         moe_routed_scale=2.5, moe_balance='aux_free', moe_bias_rate=0.003,
-                        moe_aux_loss_coef=0.0)
+                        moe_aux_loss_coef=0.0, moe_dense_layers=dense_layers)
+    config.model.num_layers += dense_layers
   config.parallelism.mode = mode
   return config
 
@@ -122,3 +123,15 @@ def test_latent_attention_matches_single_device(mode):
   assert_same_run(engine_run(staged, mode, 2), reference)
   assert_same_run(engine_run(mla_config((1, 2, 2, 1, 1, 2), mode, True), mode, 2),
                   single_device_run(mla_config(deepseek=True), 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode', ['auto', 'manual'])
+def test_dense_first_layers_match_single_device(mode):
+  """DeepSeek-V3's blocks after a dense one on expert 2 x fsdp 2 x tensor 2, and on data 2 x
+  stage 2 x expert 2 with 2 micro-batches (the dense layer runs before the pipeline)."""
+  reference = single_device_run(mla_config(deepseek=True, dense_layers=1), 2)
+  assert_same_run(engine_run(mla_config((1, 2, 2, 1, 1, 2), mode, True, 1), mode, 2), reference)
+  staged = mla_config((2, 1, 1, 1, 2, 2), mode, True, 1)
+  staged.train.microbatches = 2
+  assert_same_run(engine_run(staged, mode, 2), reference)

@@ -36,6 +36,12 @@ MESHES = {
                                     'model.moe_mlp_dim': 32}),
     'fsdp x expert': ((1, 4, 1, 1, 1, 2), {'model.name': 'llama', 'model.num_experts': 4,
                                            'model.moe_mlp_dim': 32}),
+    'tensor x expert, a dense first layer': ((2, 1, 2, 1, 1, 2), {
+        'model.name': 'llama', 'model.num_experts': 4, 'model.moe_mlp_dim': 32,
+        'model.moe_dense_layers': 1}),
+    'stage x expert, a dense first layer': ((2, 1, 1, 1, 2, 2), {
+        'model.name': 'llama', 'model.num_experts': 4, 'model.moe_mlp_dim': 32,
+        'model.moe_dense_layers': 1, 'model.num_layers': 3, 'train.microbatches': 2}),
 }
 
 

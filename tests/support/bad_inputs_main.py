@@ -462,6 +462,16 @@ BAD_INPUTS = [
     ([TINY, RUN, *MOE, '--config.model.moe_balance=aux_free', '--config.model.moe_bias_rate=0'],
      2, "model.moe_bias_rate=0.0 must be a positive number under moe_balance='aux_free' "
      '(DeepSeek-V3: 0.001).'),
+    ([TINY, RUN, LLAMA, '--config.model.moe_dense_layers=1'], 2,
+     'model.moe_dense_layers=1 needs a mixture of experts after the dense layers; set '
+     'model.num_experts, or moe_dense_layers=0.'),
+    ([TINY, RUN, *MOE, '--config.model.moe_dense_layers=4'], 2,
+     'model.moe_dense_layers=4 must lie in [0, model.num_layers=4); leave at least one '
+     'mixture-of-experts layer.'),
+    (['--config=experiments/tiny.py:mesh=4x1x1x1x2', RUN, *MOE,
+      '--config.model.moe_dense_layers=1'], 2,
+     'model.num_layers=4 less model.moe_dense_layers=1 (3 in the stack) does not split into '
+     'mesh.stage=2 pipeline stages of equal depth; choose a stage count that divides it.'),
     ([TINY, RUN, *MOE, '--config.model.moe_dispatch=dense'], 2, "model.moe_dispatch='dense' "
      "is unknown; choose one of ('dropless', 'capacity')."),
     ([TINY, RUN, *MOE, '--config.model.moe_capacity_factor=0'], 2,

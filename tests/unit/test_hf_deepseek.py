@@ -1,7 +1,7 @@
 """DeepSeek-V3's Hugging Face checkpoints (`DeepseekV3ForCausalLM`, engine/models/deepseek_hf.py):
 a NumPy forward written from transformers' modeling_deepseek_v3 (latent attention with interleaved
 rotary pairs, sigmoid scores with the correction bias choosing within the best groups, weights
-renormalised and scaled, a shared expert) against the engine's logits of the same checkpoint in
+renormalised and scaled, a shared expert; dense first layers) against the engine's logits of the same checkpoint in
 both config formats; the export writes back the same tensors and a config that reads back the
 same; what the engine refuses. transformers itself: engine.analysis.hf_check's deepseek_v3 rows
 (docs/benchmarks.md)."""
@@ -49,6 +49,13 @@ def _checkpoint(directory, config: dict, seed=0) -> dict:
         a + 'kv_a_layernorm.weight': 1 + w(KV_RANK),
         a + 'kv_b_proj.weight': w(H * (NOPE + VALUE), KV_RANK),
         a + 'o_proj.weight': w(D, H * VALUE),
+    })
+    if i < config['first_k_dense_replace']:  # A dense layer: Llama's MLP.
+      F = config['intermediate_size']
+      tensors.update({m + 'gate_proj.weight': w(F, D), m + 'up_proj.weight': w(F, D),
+                      m + 'down_proj.weight': w(D, F)})
+      continue
+    tensors.update({
         m + 'gate.weight': 10 * w(E, D), m + 'gate.e_score_correction_bias': w(E),
         **{m + f'shared_experts.{n}.weight': w(*s) for n, s in (
             ('gate_proj', (EXPERT, D)), ('up_proj', (EXPERT, D)), ('down_proj', (D, EXPERT)))}})
@@ -64,10 +71,13 @@ def _checkpoint(directory, config: dict, seed=0) -> dict:
 
 def _moe(t, config, i, h):
   """DeepseekV3MoE: sigmoid scores; the bias added for the choice (groups scored by their two
-  best); the chosen experts' plain scores renormalised and scaled; plus the shared expert."""
+  best); the chosen experts' plain scores renormalised and scaled; plus the shared expert. The
+  first first_k_dense_replace layers: DeepseekV3MLP."""
   g = lambda name: t[f'model.layers.{i}.mlp.{name}'].astype(np.float64)
   swiglu = lambda x, p: (lambda gate: gate / (1 + np.exp(-gate)) * (x @ g(p + 'up_proj.weight').T))(
       x @ g(p + 'gate_proj.weight').T) @ g(p + 'down_proj.weight').T
+  if i < config['first_k_dense_replace']:
+    return swiglu(h, '')
   scores = 1 / (1 + np.exp(-(h @ g('gate.weight').T)))
   choice = scores + g('gate.e_score_correction_bias')
   groups = config['n_group']
@@ -115,15 +125,17 @@ def reference_logits(t: dict, config: dict, tokens: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('fmt', ['v5', 'legacy'])
-def test_deepseek_v3_loads_with_the_reference_logits_and_exports_back(tmp_path, fmt):
-  hf_config = DEEPSEEK if fmt == 'v5' else legacy(DEEPSEEK)
+@pytest.mark.parametrize('fmt, dense', [('v5', 0), ('legacy', 0), ('v5', 1)])
+def test_deepseek_v3_loads_with_the_reference_logits_and_exports_back(tmp_path, fmt, dense):
+  """The v5 and legacy config formats; a dense first layer (first_k_dense_replace=1)."""
+  hf_config = dict(DEEPSEEK if fmt == 'v5' else legacy(DEEPSEEK), first_k_dense_replace=dense)
   tensors = _checkpoint(tmp_path / 'hf', hf_config)
   config = hf.with_model_config(_engine_config(tmp_path / 'hf'))
   model = config.model
   assert (model.mla_kv_rank, model.mla_q_rank, model.mla_rope_dim, model.head_dim,
-          model.mla_value_dim, model.num_experts, model.moe_shared_expert, model.moe_balance) == (
-              KV_RANK, Q_RANK, ROPE, NOPE, VALUE, E, EXPERT, 'aux_free')
+          model.mla_value_dim, model.num_experts, model.moe_shared_expert, model.moe_balance,
+          model.moe_dense_layers) == (KV_RANK, Q_RANK, ROPE, NOPE, VALUE, E, EXPERT, 'aux_free',
+                                      dense)
   setup = lay_out(config, 256, jax.devices()[:1])
   params = hf.load_params(str(tmp_path / 'hf'), setup.abstract_state()['params'])
   tokens = _tokens()[:, :-1]
@@ -142,10 +154,17 @@ def test_the_reference_sees_the_bias_and_the_rotary_pairs(tmp_path):
   assert np.abs(reference_logits(unbiased, DEEPSEEK, tokens) - expected).max() > 100 * 2e-4
   halves = dict(DEEPSEEK, rope_interleave=False)
   assert np.abs(reference_logits(tensors, halves, tokens) - expected).max() > 100 * 2e-4
+  # A dense first layer's MLP counts: without it the logits are far off.
+  first_dense = dict(DEEPSEEK, first_k_dense_replace=1)
+  dense_tensors = _checkpoint(tmp_path / 'dense', first_dense)
+  no_mlp = {n: 0 * v if n.startswith('model.layers.0.mlp.') else v
+            for n, v in dense_tensors.items()}
+  assert np.abs(reference_logits(dense_tensors, first_dense, tokens) -
+                reference_logits(no_mlp, first_dense, tokens)).max() > 100 * 2e-4
 
 
 @pytest.mark.parametrize('change, message', [
-    ({'first_k_dense_replace': 1}, 'first_k_dense_replace=1 makes the first layers dense'),
+    ({'first_k_dense_replace': 2}, 'first_k_dense_replace=2 makes all 2 layers dense'),
     ({'norm_topk_prob': False}, 'norm_topk_prob=false is not supported'),
     ({'scoring_func': 'softmax'}, "scoring_func='softmax' is not supported"),
     ({'attention_bias': True}, 'attention_bias=true is not supported'),
