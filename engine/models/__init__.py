@@ -26,6 +26,7 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   llama_config.py    the keys only the Llama family reads, and their checks
   moe.py             the mixture-of-experts layer: router, top-k, experts, auxiliary losses
   moe_dispatch.py    its dispatches on one device: dropless (ragged_dot), capacity
+  tiled_ragged_dot.py  the dropless grouped matmul on CPU: only the groups' rows, tile by tile
   moe_config.py      its keys (model.num_experts, model.moe_*) and their checks
   expert_balance.py  auxiliary-loss-free balancing: the router bias and its update from the load
   hf_format.py       HFTensor, HFFormat: how a family describes its Hugging Face checkpoints
