@@ -65,7 +65,8 @@ def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(optim_config, num_steps: int) -> Optimizer:
-  """AdamW; weight decay on matrices only (not norms or biases), or on every parameter."""
+  """AdamW; weight decay on matrices only (not norms or biases), or on every parameter; the first
+  moment stored in optim.mu_dtype (stored_moments)."""
   schedule = learning_rate_schedule(optim_config, num_steps)
   if optim_config.weight_decay_on == 'all':
     decay_mask = None
@@ -73,7 +74,35 @@ def make_optimizer(optim_config, num_steps: int) -> Optimizer:
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   tx = optax.adamw(schedule, b1=optim_config.b1, b2=optim_config.b2,
                    weight_decay=optim_config.weight_decay, mask=decay_mask)
-  return Optimizer(tx, schedule, optim_config.grad_clip_norm)
+  return Optimizer(stored_moments(tx, jnp.dtype(optim_config.mu_dtype)), schedule,
+                   optim_config.grad_clip_norm)
+
+
+def stored_moments(tx: optax.GradientTransformation, mu_dtype) -> optax.GradientTransformation:
+  """`tx` whose Adam first moment is kept in `mu_dtype` between steps and computed in float32:
+  each step widens it, updates it as float32 and rounds the new moment to `mu_dtype` to store
+  it; the step's update uses the unrounded one. (optax's own mu_dtype decays the stored moment
+  in its dtype: in bfloat16, b1 = 0.9 itself rounds to 0.8984, and the moment's weights no
+  longer sum to one.)"""
+  if mu_dtype == jnp.float32:
+    return tx
+
+  def init(params):
+    return _with_moment_dtype(tx.init(params), mu_dtype)
+
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, _with_moment_dtype(state, jnp.float32), params)
+    return updates, _with_moment_dtype(state, mu_dtype)
+
+  return optax.GradientTransformation(init, update)
+
+
+def _with_moment_dtype(state, dtype):
+  """The optimizer state with every Adam first moment cast to `dtype`."""
+  is_adam = lambda node: isinstance(node, optax.ScaleByAdamState)
+  return jax.tree.map(
+      lambda s: s._replace(mu=jax.tree.map(lambda m: m.astype(dtype), s.mu)) if is_adam(s) else s,
+      state, is_leaf=is_adam)
 
 
 def clip_by_global_norm(grads, global_norm: jax.Array, max_norm: float):
