@@ -67,7 +67,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.matmul_precision = 'default'
   c.model.matmul_block = 128  # Contraction elements per scale; 128+ keeps TPU's int8 matmuls.
   # What each layer keeps for the backward pass: none (keep all) | full (recompute the layer) |
-  # dots_saveable | dots_with_no_batch_dims_saveable (keep matmul outputs).
+  # dots_saveable | dots_with_no_batch_dims_saveable (keep matmul outputs) |
+  # offload_dots_with_no_batch_dims (the same outputs kept in host memory: TPU, GPU).
   c.model.remat = 'none'
 
   c.data = ml_collections.ConfigDict()

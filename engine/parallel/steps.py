@@ -45,14 +45,20 @@ class Steps:
 
 
 # What a stacked layer keeps for the backward pass (config key model.remat): everything ('none':
-# no rematerialisation), nothing ('full': the layer is recomputed), or matmul outputs only.
+# no rematerialisation), nothing ('full': the layer is recomputed), or matmul outputs only; the
+# offload_ policy keeps the same outputs as its namesake in host memory (pinned_host), copied
+# out in the forward pass and back in the backward pass (TPU, GPU: REMAT_OFFLOADS).
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
     'dots_saveable': jax.checkpoint_policies.dots_saveable,
     'dots_with_no_batch_dims_saveable':
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'offload_dots_with_no_batch_dims':
+        jax.checkpoint_policies.offload_dot_with_no_batch_dims('device', 'pinned_host'),
 }
+# The policies that move saved values to host memory: XLA:CPU drops their memory kinds.
+REMAT_OFFLOADS = ('offload_dots_with_no_batch_dims',)
 
 
 def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,

@@ -31,20 +31,26 @@ def _gib(n) -> str:
 def _ranking(result: dict) -> list[str]:
   """The ranking table; with a mixture of experts, a column of the experts' all-to-all bytes."""
   moe = any(r.get('config', {}).get('model', {}).get('num_experts') for r in result['candidates'])
+  host = any(r.get('memory', {}).get('host_temp_size_in_bytes') for r in result['candidates'])
   exchange = ' all-to-all MiB (theory / compiled) |' if moe else ''
   lines = [
-      '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB | TFLOP / device | compute ms '
+      '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB |' +
+      (' host GiB |' if host else '') + ' TFLOP / device | compute ms '
       f'| HBM ms | ICI ms | DCN ms | step ms (overlapped - serial) | MFU (serial) |{exchange} '
       'compile s |',
-      '|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|' + '---:|' * (1 + moe)]
+      '|---:|---|---|---|---:|---:|---:|' + '---:|' * host +
+      '---:|---:|---:|---:|---:|---|---:|' + '---:|' * (1 + moe)]
   for r in sorted(result['candidates'], key=lambda r: r.get('rank', 0)):
     if r['status'] == 'invalid':
-      lines.append(f'| - | {r["mesh"]} | {r["mode"]} | invalid: {r["error"]} |' + ' |' * (11 + moe))
+      lines.append(f'| - | {r["mesh"]} | {r["mode"]} | invalid: {r["error"]} |' +
+                   ' |' * (11 + moe + host))
       continue
     m, e = r['memory'], r.get('roofline')
     cells = [str(r['rank']), r['mesh'], r['mode'], '**yes**' if r['status'] == 'fits' else 'no',
              _gib(m.get('peak_estimate_bytes')), _gib(m.get('argument_size_in_bytes')),
              _gib(m.get('temp_size_in_bytes'))]
+    if host:  # Offloaded activations in host memory (model.remat=offload_*).
+      cells.append(_gib(m.get('host_temp_size_in_bytes')))
     if e:
       ms = lambda seconds: f'{seconds * 1e3:.3g}'  # Three digits, from microseconds to hours.
       cells += [f'{e["flops_per_device"] / 1e12:.3g}', ms(e['compute_s']), ms(e['memory_s']),

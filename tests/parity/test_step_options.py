@@ -6,6 +6,8 @@
   synchronises each gradient once per optimizer step, not once per micro-batch (from the HLO).
 - bfloat16 compute stays within a derived tolerance of the float32 single-device run, and
   manual mode moves its gradient reductions in the dtype asked for.
+- The offloading remat policy, compiled for TPU, keeps its saved matmul outputs in host memory
+  in both modes; XLA:CPU, which would drop the host memory space, refuses it in one line.
 """
 
 import jax
@@ -15,7 +17,10 @@ import pytest
 
 from engine import parallel
 from engine.analysis import collectives
+from engine import assemble
 from engine.assemble import lay_out
+from engine.errors import ConfigError
+from engine.plan import planner as plan_lib
 from tests.support.helpers import (assert_same_run, compiled_train_step, engine_run,
                                    single_device_run, train_batches)
 from tests.parity.test_llama import llama_config
@@ -143,3 +148,29 @@ def test_manual_gradient_reductions_move_the_dtype_asked_for(reduce_dtype):
   # Tensor-parallel activations move in the compute dtype, the loss's vocab terms in float32.
   assert ('psum_invariant', ('tensor',), 'bfloat16') in found
   assert ('pmax', ('tensor',), 'float32') in found
+
+
+@pytest.mark.parametrize('mode', ['auto', 'manual'])
+def test_offloaded_activations_go_to_host_memory_on_tpu(mode):
+  """Compiled for TPU v5p 2x2x2: the offloading policy moves values to the host memory space
+  (S(5) in the HLO) and the compiler reserves host memory for them; the policy that keeps the
+  same values in device memory moves none."""
+  def compiled(remat):
+    config = llama_config((2, 2, 2))
+    config.model.remat, config.parallelism.mode = remat, mode
+    setup = lay_out(config, 256, plan_lib.topology_devices('v5p:2x2x2'))
+    return parallel.build_steps(mode, setup).train.lower(
+        setup.abstract_state(), setup.abstract_batch(16, 16)).compile()
+
+  offloaded, kept = (compiled(r) for r in ('offload_dots_with_no_batch_dims',
+                                           'dots_with_no_batch_dims_saveable'))
+  assert 'S(5)' in offloaded.as_text() and 'S(5)' not in kept.as_text()
+  assert offloaded.memory_analysis().host_temp_size_in_bytes > 0
+  assert kept.memory_analysis().host_temp_size_in_bytes == 0
+
+
+def test_offloading_is_refused_on_cpu():
+  config = llama_config((2, 2, 2))
+  config.model.remat = 'offload_dots_with_no_batch_dims'
+  with pytest.raises(ConfigError, match='XLA:CPU does not separate from device memory'):
+    assemble.check(config, jax.devices())

@@ -253,6 +253,13 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.optim.warmup_steps=-5'], 2, 'optim.warmup_steps=-5 must be >= 0.'),
     ([TINY, RUN, '--config.optim.decay_steps=10'], 2, 'optim.decay_steps=10 must exceed '
      'optim.warmup_steps=20 (it counts the warmup), or be -1 to end at train.num_steps.'),
+    ([TINY, RUN, '--config.model.remat=offload_dots_with_no_batch_dims'], 2,
+     "model.remat='offload_dots_with_no_batch_dims' keeps the saved activations in host memory, "
+     'which XLA:CPU does not separate from device memory (the step would keep them all the '
+     'same); use it on TPU or GPU (engine.plan compiles it for a TPU topology), or '
+     "model.remat='dots_with_no_batch_dims_saveable' here."),
+    ([TINY, RUN, '--config.optim.mu_dtype=float16'], 2,
+     "optim.mu_dtype='float16' is unknown; choose one of ('float32', 'bfloat16')."),
     ([TINY, RUN, '--config.optim.schedule=linear'], 2,
      "optim.schedule='linear' is unknown; choose one of ('cosine', 'constant', 'wsd')."),
     ([TINY, RUN, '--config.optim.schedule=wsd', '--config.optim.decay_fraction=0'], 2,
