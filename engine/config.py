@@ -22,6 +22,7 @@ TOKENIZERS = ('byte', 'char', 'hf', 'sentencepiece')
 MESH_AXES = ('data', 'fsdp', 'tensor', 'context', 'stage', 'expert')
 DTYPES = ('float32', 'bfloat16')
 FSDP_GATHERS = ('auto', 'per_layer', 'per_weight')  # parallelism.fsdp_gather
+OPTIMIZER_SHARDINGS = ('params', 'zero1')  # parallelism.optimizer_sharding
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -135,6 +136,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.parallelism.rules = 'auto'  # A preset in engine.sharding.RULE_PRESETS; 'auto' follows the mesh.
   # Manual mode: dtype of the gradient reductions and of the FSDP gathers they transpose.
   c.parallelism.grad_reduce_dtype = 'float32'  # float32 | bfloat16
+  # Adam's moments: params (laid out as their parameters) | zero1 (also split over the batch
+  # axes their parameter is replicated on: ZeRO-1, engine/parallel/zero1.py).
+  c.parallelism.optimizer_sharding = 'params'
   # Manual FSDP: what the weight gathers send: default (grad_reduce_dtype) | int8 | fp8, 1-byte
   # values with a float32 scale per shard and channel, dequantized after the gather; gradients
   # are reduce-scattered in grad_reduce_dtype (engine/parallel/quantized_gather.py).

@@ -131,6 +131,26 @@ def spec_axes(spec: P) -> MeshAxes:
   return tuple(axes)
 
 
+def split_further(spec: P, shape: tuple[int, ...], axes: MeshAxes,
+                  mesh_shape: Mapping[str, int]) -> P:
+  """`spec` with the mesh `axes` it does not use added to its first dimension that divides by
+  them (after the axes that dimension already has); `spec` itself where none divides. ZeRO-1
+  lays an optimizer moment out so: its parameter's layout, split over the batch axes too."""
+  used = set(spec_axes(spec))
+  extra = tuple(a for a in axes if a not in used and mesh_shape[a] > 1)
+  if not extra:
+    return spec
+  ways = int(np.prod([mesh_shape[a] for a in extra]))
+  dims = list(spec) + [None] * (len(shape) - len(spec))
+  for i, (size, entry) in enumerate(zip(shape, dims)):
+    current = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    if size % (int(np.prod([mesh_shape[a] for a in current])) * ways) == 0:
+      joined = current + extra
+      dims[i] = joined[0] if len(joined) == 1 else joined
+      return P(*dims)
+  return spec
+
+
 def variable_specs(abstract_state: nnx.State, rules: Rules) -> nnx.State:
   """PartitionSpecs for every Variable of an (abstract) model state, from its logical axes."""
   return jax.tree.map(lambda v: v.replace(rules.spec(logical_axes_of(v))), abstract_state,

@@ -33,6 +33,7 @@ class ParameterInfo:
   spec: P
   shard_shape: tuple[int, ...]
   bytes_per_device: int
+  moment_spec: P | None = None  # Its optimizer moments' layout (TrainSetup.moment_specs).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,9 @@ class StepOptions:
   # A step whose loss or gradient norm is not finite leaves parameters and optimizer state as
   # they were (the loop counts it) [train.skip_nonfinite_steps > 0].
   skip_nonfinite: bool = False
+  # Adam's moments laid out as their parameters ('params'), or also split over the batch axes
+  # their parameter is replicated on ('zero1': ZeRO-1) [parallelism.optimizer_sharding].
+  optimizer_sharding: str = 'params'
   # Packed documents: the tokenizer's end-of-text id, which ends each document of a window;
   # attention stays within documents, positions restart at each, and the loss skips the
   # predictions across a boundary [data.document_masking]. None: a window is one sequence.
@@ -95,7 +99,8 @@ class TrainSetup:
       spec = self.rules.spec(axes)
       shard = NamedSharding(self.mesh, spec).shard_shape(value.shape)
       infos.append(ParameterInfo('/'.join(map(str, path)), tuple(value.shape), axes, spec,
-                                 tuple(shard), math.prod(shard) * value.dtype.itemsize))
+                                 tuple(shard), math.prod(shard) * value.dtype.itemsize,
+                                 self._moment_spec(spec, value.shape)))
     return infos
 
   def attention_heads(self) -> dict[str, int]:
@@ -108,12 +113,27 @@ class TrainSetup:
     return {'query': sizes['heads'], 'kv': sizes.get('kv_heads', sizes['heads'])}
 
   def state_specs(self):
-    """PartitionSpecs of the whole train state; optimizer moments follow their parameters."""
+    """PartitionSpecs of the whole train state; optimizer moments follow their parameters
+    (moment_specs)."""
     abstract_opt = jax.eval_shape(self.optimizer.tx.init, self.abstract_params)
     opt_specs = optax.tree_map_params(
-        self.optimizer.tx, lambda _, spec: spec, abstract_opt, self.param_specs,
+        self.optimizer.tx, lambda _, spec: spec, abstract_opt, self.moment_specs(),
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     return {'step': P(), 'params': self.param_specs, 'opt_state': opt_specs}
+
+  def moment_specs(self):
+    """The layout of each parameter's optimizer moments: the parameter's, or under ZeRO-1 split
+    over the batch axes the parameter is replicated on as well (sharding.split_further)."""
+    if self.options.optimizer_sharding != 'zero1':
+      return self.param_specs
+    return jax.tree.map(lambda spec, abstract: self._moment_spec(spec, abstract.shape),
+                        self.param_specs, self.abstract_params)
+
+  def _moment_spec(self, spec: P, shape) -> P:
+    if self.options.optimizer_sharding != 'zero1':
+      return spec
+    return sharding.split_further(spec, tuple(shape), self.rules.mesh_axes('batch', activation=True),
+                                  dict(self.mesh.shape))
 
   def state_shardings(self):
     return sharding.named(self.mesh, self.state_specs())

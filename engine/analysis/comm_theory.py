@@ -86,7 +86,7 @@ import numpy as np
 
 from engine.models.moe_dispatch import capacity
 from engine.models.ops import LAYERS
-from engine.parallel import expert_exchange, flat_gather
+from engine.parallel import expert_exchange, flat_gather, zero1
 from engine.parallel.pipeline import SELF_DIFFERENTIATING
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
@@ -217,7 +217,15 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
     shard_bytes = math.prod(p.shard_shape) * reduce_bytes
     split = set(spec_axes(p.spec))
     replicated = _ordered([a for a in batch_axes if a not in split], names)
-    if replicated:
+    extra, _ = zero1.split(p.spec, p.moment_spec or p.spec)
+    if extra:  # ZeRO-1: reduce-scattered to the moments' block, the updated blocks gathered.
+      block = shard_bytes // math.prod(mesh_shape[a] for a in extra)
+      expected[('reduce-scatter', _ordered(extra, names))] += block
+      rest = _ordered([a for a in replicated if a not in extra], names)
+      if rest:
+        expected[('all-reduce', rest)] += block
+      expected[('all-gather', _ordered(extra, names))] += math.prod(p.shard_shape) * FLOAT32_BYTES
+    elif replicated:
       expected[('all-reduce', replicated)] += shard_bytes
     if head_axes and kv_replicated and 'kv_heads' in p.logical_axes:
       # Key / value heads replicated under split query heads: each device's gradient covers

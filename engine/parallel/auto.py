@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from engine import sharding
 from engine.models import moe_dispatch
 from engine.models.attention import causal_attention
 from engine.models.ops import LocalOps
@@ -212,8 +213,15 @@ def build_steps(setup: TrainSetup) -> Steps:
   def gradients(params, tokens_BL1):
     return gradients_and_stats(params, tokens_BL1)[:2]
 
+  moment_shardings = sharding.named(setup.mesh, setup.moment_specs())
+
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients_and_stats(state['params'], tokens_BL1)
+    if setup.options.optimizer_sharding == 'zero1':
+      # Laid out as the moments: the compiler reduce-scatters the gradients where it would
+      # all-reduce them, the update runs on each device's slice, and the parameters' layout
+      # (out_shardings) all-gathers the updated slices.
+      grads = jax.lax.with_sharding_constraint(grads, moment_shardings)
     return apply_update(setup, state, loss, grads, optax.tree.norm(grads), stats)
 
   rows = NamedSharding(setup.mesh, P(batch.spec[0]))  # [B], split like the windows.

@@ -44,7 +44,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine.models import expert_balance
-from engine.parallel import manual_ops, pipeline, pipeline_1f1b, stage_lanes
+from engine.parallel import manual_ops, pipeline, pipeline_1f1b, stage_lanes, zero1
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
@@ -63,16 +63,19 @@ class _Gradients:
     self.setup = setup
     # With pipeline stages the micro-batches feed the schedule (ops.stack); gradients are taken
     # once for the whole batch.
-    pipelined = bool(setup.rules.mesh_axes('layers'))
-    self.microbatches = 1 if pipelined else setup.options.microbatches
+    self.pipelined = bool(setup.rules.mesh_axes('layers'))
+    self.microbatches = 1 if self.pipelined else setup.options.microbatches
+    # ZeRO-1 (engine/parallel/zero1.py): each gradient reduce-scattered to its moments' block.
+    self.zero1 = setup.options.optimizer_sharding == 'zero1'
+    self.moment_specs, self.param_specs = setup.moment_specs(), setup.param_specs
     # Where the backward pass runs each layer more than once (micro-batches accumulated, or the
-    # pipeline's iterations), gradients are synchronised after it, once, not in it.
-    self.sync_after = self.microbatches > 1 or pipelined
+    # pipeline's iterations), and under ZeRO-1, gradients are synchronised after it, once.
+    self.sync_after = self.microbatches > 1 or self.pipelined or self.zero1
     self.ops = manual_ops.ManualOps(setup, average_in_backward=not self.sync_after)
     self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
     self.gathers = any(setup.rules.gather_axes(name) for p in setup.parameters()
                        for name in p.logical_axes)
-    self.one_f_one_b = (pipelined and
+    self.one_f_one_b = (self.pipelined and
                         setup.options.pipeline_schedule in pipeline.SELF_DIFFERENTIATING)
 
   def map_param_values(self, tree, fn, together: bool = False):
@@ -83,9 +86,16 @@ class _Gradients:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
   def average(self, grads):
-    """Each gradient's pmean over the batch axes, after the backward pass (micro-batches)."""
-    return self.map_param_values(grads, lambda g, axes: manual_ops.average_over_batch(
-        g, *self.ops.batch_reduction(axes), self.reduce_dtype))
+    """Each gradient's pmean over the batch axes, after the backward pass (micro-batches); under
+    ZeRO-1 its reduce-scatter to the block of its moments."""
+    if not self.zero1:
+      return self.map_param_values(grads, lambda g, axes: manual_ops.average_over_batch(
+          g, *self.ops.batch_reduction(axes), self.reduce_dtype))
+    return jax.tree.map(
+        lambda g, param_spec, moment_spec: zero1.reduced_gradient(
+            g, param_spec, moment_spec, self.ops.batch_axes, self.ops.mesh_shape,
+            self.reduce_dtype),
+        grads, self.param_specs, self.moment_specs)
 
   def local_loss(self, params, tokens_BL1, count, ops=None):
     """(loss, the model's statistics for the metrics), on this device's tokens; `count`: the
@@ -177,8 +187,10 @@ class _Gradients:
       return self.batch_mean(loss), grads, stats
     if not self.sync_after:
       grads_fn = self.local_gradients
+    elif self.gathers and (self.microbatches > 1 or self.pipelined):
+      grads_fn = self.gradients_gathered_once
     else:
-      grads_fn = self.gradients_gathered_once if self.gathers else self.accumulated_gradients
+      grads_fn = self.accumulated_gradients
     # The statistics are already the same on every device: token means averaged over the batch
     # shards in the layer (ops.batch_mean), broadcast from the last pipeline stage.
     # Packed documents: every micro-batch's loss divides by the whole batch's kept count.
@@ -190,11 +202,12 @@ class _Gradients:
     return self.ops.batch_mean(loss)
 
   def global_norm(self, grads):
-    # Each shard's squared norm is summed over the axes that split that parameter.
+    # Each shard's squared norm is summed over the axes that split that gradient (under ZeRO-1
+    # laid out as its moments).
     squares = jax.tree.map(
         lambda g, spec: manual_ops.psum_if(jnp.sum(jnp.square(g.astype(jnp.float32))),
                                            spec_axes(spec)),
-        grads, self.setup.state_specs()['params'])
+        grads, self.moment_specs)
     return jnp.sqrt(sum(jax.tree.leaves(squares)))
 
 
@@ -241,8 +254,17 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients.with_stats(state['params'], tokens_BL1)
-    return apply_update(setup, state, loss, grads, gradients.global_norm(grads), stats,
-                        _BiasBlocks(setup, gradients.ops))
+    norm = gradients.global_norm(grads)
+    if not gradients.zero1:
+      return apply_update(setup, state, loss, grads, norm, stats,
+                          _BiasBlocks(setup, gradients.ops))
+    # ZeRO-1: the update on this device's block of each parameter, then the blocks gathered.
+    mesh_shape, specs = gradients.ops.mesh_shape, (gradients.param_specs, gradients.moment_specs)
+    blocks = jax.tree.map(lambda p, *s: zero1.parameter_block(p, *s, mesh_shape),
+                          state['params'], *specs)
+    state, metrics = apply_update(setup, {**state, 'params': blocks}, loss, grads, norm, stats)
+    params = jax.tree.map(zero1.whole_parameter, state['params'], *specs)
+    return {**state, 'params': params}, metrics
 
   def eval_step(params, tokens_BL1):
     return gradients.batch_mean(next_token_loss(params, setup.graphdef, tokens_BL1,

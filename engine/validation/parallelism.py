@@ -8,7 +8,7 @@ import math
 from ml_collections import ConfigDict
 
 from engine import sharding
-from engine.config import DTYPES, FSDP_GATHERS
+from engine.config import DTYPES, FSDP_GATHERS, OPTIMIZER_SHARDINGS
 from engine.errors import ConfigError
 from engine.models.moe_config import stacked_layers, stacked_layers_text
 from engine.parallel.quantized_gather import GATHER_DTYPES
@@ -20,6 +20,15 @@ def check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rule
   parallelism = config.parallelism
   choose(parallelism, 'grad_reduce_dtype', 'parallelism.grad_reduce_dtype', DTYPES)
   choose(parallelism, 'fsdp_gather', 'parallelism.fsdp_gather', FSDP_GATHERS)
+  choose(parallelism, 'optimizer_sharding', 'parallelism.optimizer_sharding',
+         OPTIMIZER_SHARDINGS)
+  if (parallelism.optimizer_sharding == 'zero1' and parallelism.mode == 'manual' and
+      config.model.get('moe_balance', 'aux_loss') == 'aux_free' and
+      config.model.get('num_experts', 0)):
+    raise ConfigError(
+        "parallelism.optimizer_sharding='zero1' in manual mode with model.moe_balance='aux_free' "
+        'is not supported yet: the router bias moves as a whole, not by ZeRO-1 blocks; use '
+        "parallelism.mode=auto, or model.moe_balance='aux_loss'.")
   if parallelism.rules not in sharding.RULE_PRESETS and parallelism.rules != 'auto':
     raise ConfigError(f'parallelism.rules={parallelism.rules!r} is unknown; choose '
                       f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")

@@ -36,6 +36,9 @@ MESHES = {
                                     'model.moe_mlp_dim': 32}),
     'fsdp x expert': ((1, 4, 1, 1, 1, 2), {'model.name': 'llama', 'model.num_experts': 4,
                                            'model.moe_mlp_dim': 32}),
+    'data, zero1': ((8, 1, 1, 1, 1, 1), {'parallelism.optimizer_sharding': 'zero1'}),
+    'data x fsdp x tensor, zero1': ((2, 2, 2, 1, 1, 1), {
+        'parallelism.optimizer_sharding': 'zero1'}),
     'tensor x expert, a dense first layer': ((2, 1, 2, 1, 1, 2), {
         'model.name': 'llama', 'model.num_experts': 4, 'model.moe_mlp_dim': 32,
         'model.moe_dense_layers': 1}),
