@@ -258,6 +258,13 @@ BAD_INPUTS = [
      'which XLA:CPU does not separate from device memory (the step would keep them all the '
      'same); use it on TPU or GPU (engine.plan compiles it for a TPU topology), or '
      "model.remat='dots_with_no_batch_dims_saveable' here."),
+    ([TINY, RUN, '--config.parallelism.optimizer_sharding=zero3'], 2,
+     "parallelism.optimizer_sharding='zero3' is unknown; choose one of ('params', 'zero1')."),
+    (['--config=experiments/tiny.py:mode=manual', RUN, *MOE,
+      '--config.model.moe_balance=aux_free', '--config.parallelism.optimizer_sharding=zero1'], 2,
+     "parallelism.optimizer_sharding='zero1' in manual mode with model.moe_balance='aux_free' is "
+     'not supported yet: the router bias moves as a whole, not by ZeRO-1 blocks; use '
+     "parallelism.mode=auto, or model.moe_balance='aux_loss'."),
     ([TINY, RUN, '--config.optim.mu_dtype=float16'], 2,
      "optim.mu_dtype='float16' is unknown; choose one of ('float32', 'bfloat16')."),
     ([TINY, RUN, '--config.optim.schedule=linear'], 2,
