@@ -147,6 +147,7 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
                         grad_reduce_dtype=config.parallelism.grad_reduce_dtype,
                         gather_dtype=config.parallelism.gather_dtype,
                         optimizer_sharding=config.parallelism.optimizer_sharding,
+                        offload_optimizer=config.parallelism.offload_optimizer,
                         flat_gather=flat_gather(config.parallelism, mesh),
                         skip_nonfinite=config.train.skip_nonfinite_steps > 0,
                         eos_id=eos_id if config.data.document_masking else None)

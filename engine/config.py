@@ -139,6 +139,9 @@ def default_config() -> ml_collections.ConfigDict:
   # Adam's moments: params (laid out as their parameters) | zero1 (also split over the batch
   # axes their parameter is replicated on: ZeRO-1, engine/parallel/zero1.py).
   c.parallelism.optimizer_sharding = 'params'
+  # The optimizer state in host memory between steps, moved to the devices for each update
+  # (TPU, GPU; a CPU run refuses it).
+  c.parallelism.offload_optimizer = False
   # Manual FSDP: what the weight gathers send: default (grad_reduce_dtype) | int8 | fp8, 1-byte
   # values with a float32 scale per shard and channel, dequantized after the gather; gradients
   # are reduce-scattered in grad_reduce_dtype (engine/parallel/quantized_gather.py).

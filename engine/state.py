@@ -70,6 +70,9 @@ class StepOptions:
   # Adam's moments laid out as their parameters ('params'), or also split over the batch axes
   # their parameter is replicated on ('zero1': ZeRO-1) [parallelism.optimizer_sharding].
   optimizer_sharding: str = 'params'
+  # The optimizer state kept in host memory between steps, moved to the devices for the update
+  # (engine.parallel.steps.optimizer_on_device) [parallelism.offload_optimizer: TPU, GPU].
+  offload_optimizer: bool = False
   # Packed documents: the tokenizer's end-of-text id, which ends each document of a window;
   # attention stays within documents, positions restart at each, and the loss skips the
   # predictions across a boundary [data.document_masking]. None: a window is one sequence.
@@ -136,7 +139,13 @@ class TrainSetup:
                                   dict(self.mesh.shape))
 
   def state_shardings(self):
-    return sharding.named(self.mesh, self.state_specs())
+    """NamedShardings of the whole train state: the optimizer state's in host memory under
+    options.offload_optimizer."""
+    shardings = sharding.named(self.mesh, self.state_specs())
+    if self.options.offload_optimizer:
+      shardings['opt_state'] = jax.tree.map(lambda s: s.with_memory_kind('pinned_host'),
+                                            shardings['opt_state'])
+    return shardings
 
   def abstract_state(self):
     """ShapeDtypeStructs carrying their target shardings: the restore target for Orbax."""

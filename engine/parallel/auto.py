@@ -18,7 +18,8 @@ from engine.models.ops import LocalOps
 from engine.parallel import expert_exchange, pipeline, pipeline_1f1b, stage_lanes
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
-                                   kept_count, map_params, next_token_loss, window_losses)
+                                   kept_count, map_params, next_token_loss,
+                                   optimizer_on_device, window_losses)
 from engine.state import TrainSetup
 
 
@@ -226,7 +227,7 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   rows = NamedSharding(setup.mesh, P(batch.spec[0]))  # [B], split like the windows.
   return Steps(
-      train=jax.jit(train_step, in_shardings=(state_shardings, batch),
+      train=jax.jit(optimizer_on_device(setup, train_step), in_shardings=(state_shardings, batch),
                     out_shardings=(state_shardings, replicated), donate_argnums=0),
       eval=jax.jit(lambda params, tokens_BL1: next_token_loss(
           params, setup.graphdef, tokens_BL1, ops, with_aux=False, eos_id=eos_id),

@@ -48,7 +48,7 @@ from engine.parallel import manual_ops, pipeline, pipeline_1f1b, stage_lanes, ze
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
-                                   window_losses)
+                                   optimizer_on_device, window_losses)
 from engine.sharding import named, spec_axes
 from engine.state import TrainSetup
 
@@ -238,12 +238,23 @@ class _BiasBlocks(expert_balance.WholeBias):
     return (jax.lax.pmin(low, axes), jax.lax.pmax(high, axes)) if axes else (low, high)
 
 
-def _shard_mapped(setup: TrainSetup, fn, in_specs, out_specs, donate=False):
+def _shard_mapped(setup: TrainSetup, fn, in_specs, out_specs):
   """fn on local shards inside shard_map, jitted with the matching global shardings."""
   return jax.jit(jax.shard_map(fn, mesh=setup.mesh, in_specs=in_specs, out_specs=out_specs),
                  in_shardings=named(setup.mesh, in_specs),
-                 out_shardings=named(setup.mesh, out_specs),
-                 donate_argnums=0 if donate else ())
+                 out_shardings=named(setup.mesh, out_specs))
+
+
+def _train_step_jitted(setup: TrainSetup, train_step, batch_spec):
+  """The train step on local shards, jitted with the state's shardings: the optimizer state
+  moves between host memory and the devices outside the shard_map (optimizer_on_device)."""
+  state_specs = setup.state_specs()
+  mapped = jax.shard_map(train_step, mesh=setup.mesh, in_specs=(state_specs, batch_spec),
+                         out_specs=(state_specs, P()))
+  state_shardings = setup.state_shardings()
+  return jax.jit(optimizer_on_device(setup, mapped),
+                 in_shardings=(state_shardings, named(setup.mesh, batch_spec)),
+                 out_shardings=(state_shardings, named(setup.mesh, P())), donate_argnums=0)
 
 
 def build_steps(setup: TrainSetup) -> Steps:
@@ -280,8 +291,7 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   rows_spec = P(batch_spec[0])  # [B], split like the windows.
   return Steps(
-      train=_shard_mapped(setup, train_step, (state_specs, batch_spec), (state_specs, P()),
-                          donate=True),
+      train=_train_step_jitted(setup, train_step, batch_spec),
       eval=_shard_mapped(setup, eval_step, (param_specs, batch_spec), P()),
       gradients=_shard_mapped(setup, gradients, (param_specs, batch_spec), (P(), param_specs)),
       window_losses=_shard_mapped(setup, window_losses_step, (param_specs, batch_spec),

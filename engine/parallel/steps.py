@@ -20,6 +20,7 @@ from engine.models.documents import segments_and_positions
 from engine.models.ops import LAYERS
 from engine.models.spec import logits_aux_loss_and_stats
 from engine.optimizer import clip_by_global_norm
+from engine import sharding
 from engine.sharding import logical_axes_of
 from engine.state import TrainSetup
 
@@ -191,6 +192,23 @@ def accumulate_gradients(value_and_grad, params, tokens_BL1: jax.Array, microbat
 
   total, _ = jax.lax.scan(add, zeros, micro_KBL1)
   return jax.tree.map(lambda x: x / microbatches, total)
+
+
+def optimizer_on_device(setup: TrainSetup, train_step: Callable) -> Callable:
+  """`train_step(state, batch)`, with the optimizer state moved from host memory to the devices
+  at its start and back at its end under parallelism.offload_optimizer (the state's shardings
+  keep it in host memory between steps); `train_step` itself otherwise."""
+  if not setup.options.offload_optimizer:
+    return train_step
+  on_device = sharding.named(setup.mesh, setup.state_specs()['opt_state'])
+  on_host = setup.state_shardings()['opt_state']
+
+  def step(state, tokens_BL1):
+    state = {**state, 'opt_state': jax.device_put(state['opt_state'], on_device)}
+    state, metrics = train_step(state, tokens_BL1)
+    return {**state, 'opt_state': jax.device_put(state['opt_state'], on_host)}, metrics
+
+  return step
 
 
 def apply_update(setup: TrainSetup, state, loss, grads, grad_norm, stats=None,

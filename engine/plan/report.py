@@ -28,10 +28,16 @@ def _gib(n) -> str:
   return '?' if n is None else f'{n / 2**30:.2f}'
 
 
+def _host_bytes(memory: dict) -> int:
+  """Host memory a step keeps: offloaded activations (model.remat=offload_*) and optimizer
+  state (parallelism.offload_optimizer)."""
+  return memory.get('host_temp_size_in_bytes', 0) + memory.get('host_argument_size_in_bytes', 0)
+
+
 def _ranking(result: dict) -> list[str]:
   """The ranking table; with a mixture of experts, a column of the experts' all-to-all bytes."""
   moe = any(r.get('config', {}).get('model', {}).get('num_experts') for r in result['candidates'])
-  host = any(r.get('memory', {}).get('host_temp_size_in_bytes') for r in result['candidates'])
+  host = any(_host_bytes(r.get('memory', {})) for r in result['candidates'])
   exchange = ' all-to-all MiB (theory / compiled) |' if moe else ''
   lines = [
       '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB |' +
@@ -49,8 +55,8 @@ def _ranking(result: dict) -> list[str]:
     cells = [str(r['rank']), r['mesh'], r['mode'], '**yes**' if r['status'] == 'fits' else 'no',
              _gib(m.get('peak_estimate_bytes')), _gib(m.get('argument_size_in_bytes')),
              _gib(m.get('temp_size_in_bytes'))]
-    if host:  # Offloaded activations in host memory (model.remat=offload_*).
-      cells.append(_gib(m.get('host_temp_size_in_bytes')))
+    if host:
+      cells.append(_gib(_host_bytes(m)))
     if e:
       ms = lambda seconds: f'{seconds * 1e3:.3g}'  # Three digits, from microseconds to hours.
       cells += [f'{e["flops_per_device"] / 1e12:.3g}', ms(e['compute_s']), ms(e['memory_s']),

@@ -228,13 +228,15 @@ def log_memory(name: str, compiled) -> dict[str, int]:
   """Logs and returns the per-device memory of a compiled function."""
   stats = compiled.memory_analysis()
   fields = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
-            'alias_size_in_bytes', 'generated_code_size_in_bytes', 'host_temp_size_in_bytes')
+            'alias_size_in_bytes', 'generated_code_size_in_bytes', 'host_temp_size_in_bytes',
+            'host_argument_size_in_bytes')
   memory = {f: int(getattr(stats, f, 0) or 0) for f in fields} if stats else {}
   if memory:
     peak = (memory['argument_size_in_bytes'] + memory['output_size_in_bytes'] +
             memory['temp_size_in_bytes'] - memory['alias_size_in_bytes'])
     memory['peak_estimate_bytes'] = peak
-    host = memory['host_temp_size_in_bytes']  # Offloaded activations (model.remat=offload_*).
+    # Offloaded activations (model.remat=offload_*) and optimizer state (offload_optimizer).
+    host = memory['host_temp_size_in_bytes'] + memory['host_argument_size_in_bytes']
     logging.info('%s per-device memory: arguments %s, outputs %s, temporaries %s, aliased %s, '
                  'peak about %s%s', name, *(_mib(memory[f]) for f in fields[:4]), _mib(peak),
                  f'; host memory {_mib(host)}' if host else '')

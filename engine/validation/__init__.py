@@ -34,7 +34,7 @@ from engine.validation.data import check_data
 from engine.validation.layout import check_layout
 from engine.validation.mesh import check_mesh, count_slices
 from engine.validation.model import (check_model, check_model_keys, check_model_splits,
-                                     check_remat_platform)
+                                     check_offload_platform)
 from engine.validation.moe import check_moe
 from engine.validation.optim import check_optim
 from engine.validation.parallelism import check_parallelism
@@ -64,7 +64,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
                       f'{sorted(models.MODELS)}.')
   parallel.check_modes(config.parallelism.mode)
   check_model(config.model)
-  check_remat_platform(config.model, platform)
+  check_offload_platform(config, platform)
   check_data(config.data, config.model, reads_text or config.data.tokenizer == 'char')
   check_optim(config.optim)
   check_train(config.train)

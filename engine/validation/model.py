@@ -80,10 +80,18 @@ def check_model_splits(model: ConfigDict, mesh: dict[str, int]) -> None:
   require_divisible(model.embed_dim, 'model.embed_dim', mesh['fsdp'], 'mesh.fsdp')
 
 
-def check_remat_platform(model: ConfigDict, platform: str) -> None:
-  """A remat policy that offloads to host memory, refused where it would do nothing: XLA:CPU
-  compiles the step without the host memory space (its device memory is the host's)."""
-  if model.remat in parallel.steps.REMAT_OFFLOADS and platform == 'cpu':
+def check_offload_platform(config: ConfigDict, platform: str) -> None:
+  """What offloads to host memory, refused where it would do nothing: XLA:CPU compiles the step
+  without the host memory space (its device memory is the host's)."""
+  if platform != 'cpu':
+    return
+  if config.parallelism.offload_optimizer:
+    raise ConfigError(
+        'parallelism.offload_optimizer=True keeps the optimizer state in host memory, which '
+        'XLA:CPU does not separate from device memory; use it on TPU or GPU (engine.plan '
+        'compiles it for a TPU topology), or set it to False here.')
+  model = config.model
+  if model.remat in parallel.steps.REMAT_OFFLOADS:
     raise ConfigError(
         f'model.remat={model.remat!r} keeps the saved activations in host memory, which XLA:CPU '
         'does not separate from device memory (the step would keep them all the same); use it on '

@@ -314,3 +314,19 @@ def test_int8_projections_compile_to_int8_matmuls_timed_at_the_int8_peak():
   assert 's8 x s8' in plan_report.markdown({**{'candidates': [row]}, 'topology': TOPOLOGY,
                                             'num_slices': 1, 'devices': 8, 'chip': 'TPU v5p',
                                             'hbm_bytes_per_device': 1}, 'x')
+
+
+@pytest.mark.slow
+def test_offloaded_optimizer_state_shows_in_the_host_column():
+  """parallelism.offload_optimizer for TPU v5p: the device arguments lose what the host gains,
+  and the report adds its host GiB column only then."""
+  rows = {}
+  for offload in (False, True):
+    config = _config()
+    config.parallelism.offload_optimizer = offload
+    result = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['8x1x1'])
+    (rows[offload],) = result['candidates']
+    assert ('host GiB' in plan_report.markdown(result, 'x')) == offload
+  moved = (rows[False]['memory']['argument_size_in_bytes'] -
+           rows[True]['memory']['argument_size_in_bytes'])
+  assert rows[True]['memory']['host_argument_size_in_bytes'] == moved > 0

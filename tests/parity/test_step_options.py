@@ -7,8 +7,11 @@
 - bfloat16 compute stays within a derived tolerance of the float32 single-device run, and
   manual mode moves its gradient reductions in the dtype asked for.
 - The offloading remat policy, compiled for TPU, keeps its saved matmul outputs in host memory
-  in both modes; XLA:CPU, which would drop the host memory space, refuses it in one line.
+  in both modes, and parallelism.offload_optimizer the optimizer state; XLA:CPU, which would drop
+  the host memory space, refuses both in one line.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -169,8 +172,34 @@ def test_offloaded_activations_go_to_host_memory_on_tpu(mode):
   assert kept.memory_analysis().host_temp_size_in_bytes == 0
 
 
-def test_offloading_is_refused_on_cpu():
+@pytest.mark.parametrize('mode', ['auto', 'manual'])
+def test_the_offloaded_optimizer_state_lives_in_host_memory_on_tpu(mode):
+  """Compiled for TPU v5p 2x2x2: the step's optimizer state arrives from and returns to host
+  memory: what leaves the devices' arguments is the host's, at least the state's bytes (TPU
+  pads small arrays to its tiles)."""
+  def memory(offload):
+    config = llama_config((2, 2, 2))
+    config.parallelism.offload_optimizer, config.parallelism.mode = offload, mode
+    setup = lay_out(config, 256, plan_lib.topology_devices('v5p:2x2x2'))
+    state = setup.abstract_state()
+    compiled = parallel.build_steps(mode, setup).train.lower(
+        state, setup.abstract_batch(16, 16)).compile()
+    opt_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                    for x in jax.tree.leaves(state['opt_state']))
+    return compiled.memory_analysis(), opt_bytes
+
+  (offloaded, opt_bytes), (kept, _) = memory(True), memory(False)
+  moved = kept.argument_size_in_bytes - offloaded.argument_size_in_bytes
+  assert moved >= opt_bytes > 0
+  assert offloaded.host_argument_size_in_bytes == offloaded.host_output_size_in_bytes == moved
+  assert kept.host_argument_size_in_bytes == 0
+
+
+@pytest.mark.parametrize('key, value', [('model.remat', 'offload_dots_with_no_batch_dims'),
+                                        ('parallelism.offload_optimizer', True)])
+def test_offloading_is_refused_on_cpu(key, value):
   config = llama_config((2, 2, 2))
-  config.model.remat = 'offload_dots_with_no_batch_dims'
+  section, name = key.split('.')
+  config[section][name] = value
   with pytest.raises(ConfigError, match='XLA:CPU does not separate from device memory'):
     assemble.check(config, jax.devices())

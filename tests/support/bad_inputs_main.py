@@ -258,6 +258,10 @@ BAD_INPUTS = [
      'which XLA:CPU does not separate from device memory (the step would keep them all the '
      'same); use it on TPU or GPU (engine.plan compiles it for a TPU topology), or '
      "model.remat='dots_with_no_batch_dims_saveable' here."),
+    ([TINY, RUN, '--config.parallelism.offload_optimizer=True'], 2,
+     'parallelism.offload_optimizer=True keeps the optimizer state in host memory, which '
+     'XLA:CPU does not separate from device memory; use it on TPU or GPU (engine.plan compiles '
+     'it for a TPU topology), or set it to False here.'),
     ([TINY, RUN, '--config.parallelism.optimizer_sharding=zero3'], 2,
      "parallelism.optimizer_sharding='zero3' is unknown; choose one of ('params', 'zero1')."),
     (['--config=experiments/tiny.py:mode=manual', RUN, *MOE,
