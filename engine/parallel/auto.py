@@ -219,9 +219,9 @@ def build_steps(setup: TrainSetup) -> Steps:
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients_and_stats(state['params'], tokens_BL1)
     if setup.options.optimizer_sharding == 'zero1':
-      # Laid out as the moments: the compiler reduce-scatters the gradients where it would
-      # all-reduce them, the update runs on each device's slice, and the parameters' layout
-      # (out_shardings) all-gathers the updated slices.
+      # Laid out as the moments, so that the update runs on each device's slice and the
+      # parameters' layout (out_shardings) all-gathers the updated slices. XLA still all-reduces
+      # the gradients and slices them (docs/parallelism.md); manual mode reduce-scatters.
       grads = jax.lax.with_sharding_constraint(grads, moment_shardings)
     return apply_update(setup, state, loss, grads, optax.tree.norm(grads), stats)
 

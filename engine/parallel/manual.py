@@ -270,8 +270,8 @@ def build_steps(setup: TrainSetup) -> Steps:
       return apply_update(setup, state, loss, grads, norm, stats,
                           _BiasBlocks(setup, gradients.ops))
     # ZeRO-1: the update on this device's block of each parameter, then the blocks gathered.
-    mesh_shape, specs = gradients.ops.mesh_shape, (gradients.param_specs, gradients.moment_specs)
-    blocks = jax.tree.map(lambda p, *s: zero1.parameter_block(p, *s, mesh_shape),
+    specs = gradients.param_specs, gradients.moment_specs
+    blocks = jax.tree.map(lambda p, *s: zero1.parameter_block(p, *s, gradients.ops),
                           state['params'], *specs)
     state, metrics = apply_update(setup, {**state, 'params': blocks}, loss, grads, norm, stats)
     params = jax.tree.map(zero1.whole_parameter, state['params'], *specs)

@@ -61,20 +61,14 @@ def reduced_gradient(grad, param_spec: P, moment_spec: P, batch_axes, mesh_shape
   return grad.astype(jnp.float32) / count
 
 
-def _index(axes, mesh_shape: dict) -> jax.Array:
-  index = 0
-  for axis in axes:
-    index = index * mesh_shape[axis] + jax.lax.axis_index(axis)
-  return index
-
-
-def parameter_block(param, param_spec: P, moment_spec: P, mesh_shape: dict) -> jax.Array:
-  """This device's block of a (local) parameter, laid out as its moments."""
+def parameter_block(param, param_spec: P, moment_spec: P, ops) -> jax.Array:
+  """This device's block of a (local) parameter, laid out as its moments (`ops`: the step's
+  ManualOps, for the mesh and this device's position on it)."""
   extra, dim = split(param_spec, moment_spec)
   if not extra:
     return param
-  size = param.shape[dim] // math.prod(mesh_shape[a] for a in extra)
-  return jax.lax.dynamic_slice_in_dim(param, _index(extra, mesh_shape) * size, size, dim)
+  size = param.shape[dim] // math.prod(ops.mesh_shape[a] for a in extra)
+  return jax.lax.dynamic_slice_in_dim(param, ops.shard_index(extra) * size, size, dim)
 
 
 def whole_parameter(block, param_spec: P, moment_spec: P) -> jax.Array:
