@@ -19,6 +19,8 @@ read from a config here.
   flat_gather.py      manual FSDP's gathers, one collective per group of weights
   quantized_gather.py manual FSDP's gathers in int8 / fp8, one scale per channel
   expert_exchange.py  manual expert parallelism: the experts' token exchange (all_to_all)
+  zero1.py            manual ZeRO-1: gradients reduce-scattered to the moments' blocks, the
+                      updated parameter blocks all-gathered
 """
 
 from engine.errors import ConfigError

@@ -293,6 +293,8 @@ def build_steps(setup: TrainSetup) -> Steps:
   return Steps(
       train=_train_step_jitted(setup, train_step, batch_spec),
       eval=_shard_mapped(setup, eval_step, (param_specs, batch_spec), P()),
-      gradients=_shard_mapped(setup, gradients, (param_specs, batch_spec), (P(), param_specs)),
+      # The gradients as the step reduces them: laid out as the moments (under ZeRO-1, blocks).
+      gradients=_shard_mapped(setup, gradients, (param_specs, batch_spec),
+                              (P(), setup.moment_specs())),
       window_losses=_shard_mapped(setup, window_losses_step, (param_specs, batch_spec),
                                   (rows_spec, rows_spec)))

@@ -322,7 +322,7 @@ def test_offloaded_optimizer_state_shows_in_the_host_column():
   and the report adds its host GiB column only then."""
   rows = {}
   for offload in (False, True):
-    config = _config()
+    config = tiny_config(mesh=(8, 1, 1), steps=2)
     config.parallelism.offload_optimizer = offload
     result = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['8x1x1'])
     (rows[offload],) = result['candidates']
