@@ -18,8 +18,8 @@ from engine.train.loop import train
 from engine.sharding import split_further
 from jax.sharding import PartitionSpec as P
 from tests.parity.test_llama import llama_config
-from tests.support.helpers import (assert_same_run, engine_run, single_device_run,
-                                   train_batches)
+from tests.support.helpers import (assert_same_run, compiled_train_step, engine_run,
+                                   single_device_run, train_batches)
 
 
 def _config(mesh=(1, 1, 1), mode='auto', **train_keys):
@@ -72,15 +72,22 @@ def test_a_gradient_scattered_but_not_averaged_is_caught(reference, monkeypatch)
     assert_same_run(engine_run(_config((8, 1, 1), 'manual'), 'manual', 2), reference)
 
 
+@pytest.mark.slow
 def test_the_moments_take_one_data_share_of_the_memory():
-  def moment_bytes(sharding):
-    config = llama_config((8, 1, 1))
+  """On data 8 each device holds 1/8 of every moment (the tiny model's dimensions all divide),
+  and the compiled step's arguments shrink by the other 7/8, in both modes."""
+  def memory(sharding, mode):
+    config = _config((8, 1, 1), mode)
     config.parallelism.optimizer_sharding = sharding
-    state = lay_out(config, 256, jax.devices()).abstract_state()
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-               for x in jax.tree.leaves(state['opt_state']) if x.ndim)
+    setup, compiled = compiled_train_step(config, mode)
+    moments = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                  for x in jax.tree.leaves(setup.abstract_state()['opt_state']) if x.ndim)
+    return moments, compiled.memory_analysis().argument_size_in_bytes
 
-  assert moment_bytes('zero1') * 8 == moment_bytes('params')
+  for mode in ('auto', 'manual'):
+    (split, split_args), (whole, whole_args) = memory('zero1', mode), memory('params', mode)
+    assert split * 8 == whole
+    assert whole_args - split_args == whole - split
 
 
 @pytest.mark.slow
