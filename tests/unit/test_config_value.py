@@ -101,7 +101,9 @@ def test_commands_change_copies():
 
 # Keys older runs' config.json lack, named here so that a row dropped from ADDED_KEYS fails.
 OLDER_RUNS_LACK = ('mesh.expert', 'mesh.dcn_data', 'model.sliding_window', 'optim.schedule',
-                   'parallelism.fsdp_gather', 'train.pipeline_repeats', 'model.moe_balance')
+                   'parallelism.fsdp_gather', 'train.pipeline_repeats', 'model.moe_balance',
+                   'model.moe_dense_layers', 'model.mla_kv_rank', 'optim.mu_dtype',
+                   'parallelism.optimizer_sharding')
 
 
 def _old_config_json(tmp_path, **kept):
