@@ -65,8 +65,8 @@ def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(optim_config, num_steps: int) -> Optimizer:
-  """AdamW; weight decay on matrices only (not norms or biases), or on every parameter; the first
-  moment stored in optim.mu_dtype (stored_moments)."""
+  """AdamW; weight decay on matrices only (not norms or biases), or on every parameter; the
+  moments stored in optim.mu_dtype and optim.nu_dtype (stored_moments)."""
   schedule = learning_rate_schedule(optim_config, num_steps)
   if optim_config.weight_decay_on == 'all':
     decay_mask = None
@@ -74,34 +74,37 @@ def make_optimizer(optim_config, num_steps: int) -> Optimizer:
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
   tx = optax.adamw(schedule, b1=optim_config.b1, b2=optim_config.b2,
                    weight_decay=optim_config.weight_decay, mask=decay_mask)
-  return Optimizer(stored_moments(tx, jnp.dtype(optim_config.mu_dtype)), schedule,
-                   optim_config.grad_clip_norm)
+  stored = jnp.dtype(optim_config.mu_dtype), jnp.dtype(optim_config.nu_dtype)
+  return Optimizer(stored_moments(tx, *stored), schedule, optim_config.grad_clip_norm)
 
 
-def stored_moments(tx: optax.GradientTransformation, mu_dtype) -> optax.GradientTransformation:
-  """`tx` whose Adam first moment is kept in `mu_dtype` between steps and computed in float32:
-  each step widens it, updates it as float32 and rounds the new moment to `mu_dtype` to store
-  it; the step's update uses the unrounded one. (optax's own mu_dtype decays the stored moment
+def stored_moments(tx: optax.GradientTransformation, mu_dtype,
+                   nu_dtype=jnp.float32) -> optax.GradientTransformation:
+  """`tx` whose Adam moments are kept in `mu_dtype` and `nu_dtype` between steps and computed in
+  float32: each step widens them, updates them as float32 and rounds the new moments to store
+  them; the step's update uses the unrounded ones. (optax's own mu_dtype decays the stored moment
   in its dtype: in bfloat16, b1 = 0.9 itself rounds to 0.8984, and the moment's weights no
   longer sum to one.)"""
-  if mu_dtype == jnp.float32:
+  if mu_dtype == nu_dtype == jnp.float32:
     return tx
 
   def init(params):
-    return _with_moment_dtype(tx.init(params), mu_dtype)
+    return _with_moment_dtypes(tx.init(params), mu_dtype, nu_dtype)
 
   def update(updates, state, params=None):
-    updates, state = tx.update(updates, _with_moment_dtype(state, jnp.float32), params)
-    return updates, _with_moment_dtype(state, mu_dtype)
+    widened = _with_moment_dtypes(state, jnp.float32, jnp.float32)
+    updates, state = tx.update(updates, widened, params)
+    return updates, _with_moment_dtypes(state, mu_dtype, nu_dtype)
 
   return optax.GradientTransformation(init, update)
 
 
-def _with_moment_dtype(state, dtype):
-  """The optimizer state with every Adam first moment cast to `dtype`."""
+def _with_moment_dtypes(state, mu_dtype, nu_dtype):
+  """The optimizer state with every Adam first moment cast to `mu_dtype`, second to `nu_dtype`."""
   is_adam = lambda node: isinstance(node, optax.ScaleByAdamState)
+  cast = lambda tree, dtype: jax.tree.map(lambda m: m.astype(dtype), tree)
   return jax.tree.map(
-      lambda s: s._replace(mu=jax.tree.map(lambda m: m.astype(dtype), s.mu)) if is_adam(s) else s,
+      lambda s: s._replace(mu=cast(s.mu, mu_dtype), nu=cast(s.nu, nu_dtype)) if is_adam(s) else s,
       state, is_leaf=is_adam)
 
 

@@ -15,7 +15,7 @@ from engine.optimizer import SCHEDULES
 def check_optim(optim: ConfigDict) -> None:
   """Raises ConfigError naming the first bad optim key and its fix."""
   for key, choices in (('weight_decay_on', ('matrices', 'all')), ('schedule', SCHEDULES),
-                       ('mu_dtype', DTYPES)):
+                       ('mu_dtype', DTYPES), ('nu_dtype', DTYPES)):
     if optim[key] not in choices:
       raise ConfigError(f'optim.{key}={optim[key]!r} is unknown; choose one of {choices}.')
   for name in ('learning_rate', 'end_learning_rate', 'weight_decay', 'b1', 'b2',

@@ -42,6 +42,7 @@ ADDED_KEYS = {
     'model.mla_rope_interleave': True,
     'model.matmul_block': 128,
     'optim.mu_dtype': 'float32',
+    'optim.nu_dtype': 'float32',
     'parallelism.optimizer_sharding': 'params',
     'parallelism.offload_optimizer': False,
     'parallelism.fsdp_gather': 'auto',

@@ -1,5 +1,5 @@
-"""Adam's first moment in bfloat16 (optim.mu_dtype): the optimizer against a NumPy AdamW that
-rounds the stored moment to bfloat16 (the step's own update uses the unrounded one), and
+"""Adam's moments in bfloat16 (optim.mu_dtype, optim.nu_dtype): the optimizer against a NumPy AdamW
+that rounds the stored moments to bfloat16 (the step's own update uses the unrounded ones), and
 optax's own mu_dtype shown off it (it decays the moment with b1 rounded to bfloat16); the
 state's dtypes and bytes; both modes against one device on data x fsdp x
 tensor; a run stopped and resumed equals an uninterrupted one, and resumes with float32
@@ -33,26 +33,26 @@ def _bfloat16(x):
   return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def numpy_adamw(params, grads, optim, round_mu):
-  """STEPS AdamW steps in float32 NumPy; with `round_mu` the stored first moment is rounded to
-  bfloat16 (the step's own update uses the unrounded one). Weight decay on matrices
-  (weight_decay_on='matrices')."""
+def numpy_adamw(params, grads, optim, round_mu, round_nu=False):
+  """STEPS AdamW steps in float32 NumPy; with `round_mu` (`round_nu`) the stored first (second)
+  moment is rounded to bfloat16 (the step's own update uses the unrounded one). Weight decay on
+  matrices (weight_decay_on='matrices')."""
   f32 = np.float32
   b1, b2, lr, decay = f32(optim.b1), f32(optim.b2), f32(optim.learning_rate), f32(
       optim.weight_decay)
   p = {k: np.array(v, f32) for k, v in params.items()}
   mu = {k: np.zeros_like(v) for k, v in p.items()}
   nu = {k: np.zeros_like(v) for k, v in p.items()}
-  keep = _bfloat16 if round_mu else (lambda x: x)
+  keep_mu, keep_nu = (_bfloat16 if r else (lambda x: x) for r in (round_mu, round_nu))
   for t, g in enumerate(grads, 1):
     for k in p:
       new_mu = b1 * mu[k] + (f32(1) - b1) * g[k]
-      nu[k] = b2 * nu[k] + (f32(1) - b2) * g[k] * g[k]
-      update = (new_mu / (f32(1) - b1 ** t)) / (np.sqrt(nu[k] / (f32(1) - b2 ** t)) + f32(1e-8))
+      new_nu = b2 * nu[k] + (f32(1) - b2) * g[k] * g[k]
+      update = (new_mu / (f32(1) - b1 ** t)) / (np.sqrt(new_nu / (f32(1) - b2 ** t)) + f32(1e-8))
       if p[k].ndim >= 2:
         update = update + decay * p[k]
       p[k] = p[k] - lr * update
-      mu[k] = keep(new_mu)
+      mu[k], nu[k] = keep_mu(new_mu), keep_nu(new_nu)
   return p, mu
 
 
@@ -95,15 +95,30 @@ def test_bfloat16_moments_follow_numpy_adamw():
   assert max(np.abs(optax_params[k] - want[k]).max() for k in params) > 30 * 1e-6
 
 
-def test_bfloat16_moments_take_a_quarter_less_optimizer_state():
-  def state_bytes(mu_dtype):
+def test_a_bfloat16_second_moment_follows_numpy_adamw_too():
+  rng = np.random.default_rng(1)
+  params = {'w': rng.standard_normal((8, 16)).astype(np.float32)}
+  grads = [{'w': (1e-2 * rng.standard_normal((8, 16))).astype(np.float32)} for _ in range(STEPS)]
+  optim = _optim('bfloat16')
+  optim.nu_dtype = 'bfloat16'
+  got, adam = _engine_adamw(params, grads, optim)
+  assert adam.nu['w'].dtype == jnp.bfloat16
+  want, _ = numpy_adamw(params, grads, optim, round_mu=True, round_nu=True)
+  np.testing.assert_allclose(got['w'], want['w'], atol=1e-6, rtol=0)
+  first_only, _ = numpy_adamw(params, grads, optim, round_mu=True)
+  assert np.abs(got['w'] - first_only['w']).max() > 10 * 1e-6  # The rounding of nu shows.
+
+
+def test_bfloat16_moments_take_less_optimizer_state():
+  def state_bytes(mu_dtype, nu_dtype='float32'):
     config = tiny_config()
-    config.optim.mu_dtype = mu_dtype
+    config.optim.mu_dtype, config.optim.nu_dtype = mu_dtype, nu_dtype
     state = lay_out(config, 256, jax.devices()[:1]).abstract_state()
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state['opt_state']))
 
-  full, half = state_bytes('float32'), state_bytes('bfloat16')
-  assert half == pytest.approx(0.75 * full, rel=1e-3)  # mu halves; nu and the count stay.
+  full = state_bytes('float32')
+  assert state_bytes('bfloat16') == pytest.approx(0.75 * full, rel=1e-3)  # mu halves.
+  assert state_bytes('bfloat16', 'bfloat16') == pytest.approx(0.5 * full, rel=1e-3)
 
 
 @pytest.mark.slow
