@@ -106,10 +106,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.decay_fraction = 0.2  # wsd only: the share of decay_steps (or num_steps) spent decaying.
   c.optim.b1 = 0.9  # Adam's first-moment decay.
   c.optim.b2 = 0.99  # Adam's second-moment decay.
-  # Adam's first and second moments stored as float32 | bfloat16 (half their memory; computed in
-  # float32 each step; the parameters and their update stay float32).
+  # Adam's first moment stored as float32 | bfloat16 (half its memory; computed in float32 each
+  # step; the parameters and their update stay float32).
   c.optim.mu_dtype = 'float32'
-  c.optim.nu_dtype = 'float32'
+  c.optim.nu_dtype = 'float32'  # Adam's second moment stored as float32 | bfloat16 (as mu_dtype).
   c.optim.weight_decay = 0.1  # AdamW's decoupled weight decay.
   c.optim.weight_decay_on = 'matrices'  # matrices (not norms, biases) | all
   c.optim.grad_clip_norm = 1.0  # Global norm the gradients are scaled down to; inf: off.
