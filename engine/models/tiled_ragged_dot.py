@@ -104,12 +104,12 @@ def _tiled(x_MD, w_GDF, group_sizes_G):
 
 
 def _forward(x_MD, w_GDF, group_sizes_G):
-  return _tiled(x_MD, w_GDF, group_sizes_G), (x_MD, w_GDF, group_sizes_G)
+  tiles = _tiles(group_sizes_G, x_MD.shape[0])  # Kept for the backward pass.
+  return _products(x_MD, w_GDF, tiles), (x_MD, w_GDF, tiles)
 
 
 def _backward(saved, dy_MF):
-  x_MD, w_GDF, group_sizes_G = saved
-  tiles = _tiles(group_sizes_G, x_MD.shape[0])
+  x_MD, w_GDF, tiles = saved
   dx_MD = _products(dy_MF.astype(x_MD.dtype), w_GDF, tiles, transpose_w=True)
   dw_GDF = _weight_gradient(x_MD, dy_MF.astype(x_MD.dtype), w_GDF.shape[0], tiles)
   return dx_MD.astype(x_MD.dtype), dw_GDF.astype(w_GDF.dtype), None

@@ -93,8 +93,8 @@ class _Gradients:
           g, *self.ops.batch_reduction(axes), self.reduce_dtype))
     return jax.tree.map(
         lambda g, param_spec, moment_spec: zero1.reduced_gradient(
-            g, param_spec, moment_spec, self.ops.batch_axes, self.ops.mesh_shape,
-            self.reduce_dtype),
+            g, param_spec, moment_spec, *self.ops.spec_reduction(param_spec),
+            self.ops.mesh_shape, self.reduce_dtype),
         grads, self.param_specs, self.moment_specs)
 
   def local_loss(self, params, tokens_BL1, count, ops=None):

@@ -85,7 +85,11 @@ class ManualOps(LocalOps):
     """For a parameter with these (storage) logical axes: the batch axes it is replicated over,
     where its gradient needs a pmean, and the product of the batch axes that split it, whose
     psum_scatter (the transpose of its gather) summed what a mean must divide."""
-    stored = spec_axes(self.rules.spec(logical_axes, activation=False))
+    return self.spec_reduction(self.rules.spec(logical_axes, activation=False))
+
+  def spec_reduction(self, param_spec) -> tuple[tuple[str, ...], int]:
+    """batch_reduction of a parameter stored with this PartitionSpec."""
+    stored = spec_axes(param_spec)
     replicated = tuple(a for a in self.batch_axes if a not in stored)
     return replicated, math.prod(self.mesh_shape[a] for a in self.batch_axes if a in stored)
 

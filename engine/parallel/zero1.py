@@ -41,15 +41,13 @@ def split(param_spec: P, moment_spec: P) -> tuple[tuple[str, ...], int]:
   return (), -1
 
 
-def reduced_gradient(grad, param_spec: P, moment_spec: P, batch_axes, mesh_shape: dict,
-                     reduce_dtype) -> jax.Array:
+def reduced_gradient(grad, param_spec: P, moment_spec: P, replicated, scatter_factor: int,
+                     mesh_shape: dict, reduce_dtype) -> jax.Array:
   """The batch mean of a gradient taken w.r.t. a local copy of its parameter, reduced to this
   device's block of the moment: psum_scatter over the moment's extra axes, psum over the other
-  batch axes the parameter is replicated on, divided by all of them and by the batch axes that
-  split the parameter (its FSDP gather's transpose already summed over those). Float32."""
-  stored = set(spec_axes(param_spec))
-  replicated = tuple(a for a in batch_axes if a not in stored)
-  scatter_factor = math.prod(mesh_shape[a] for a in batch_axes if a in stored)
+  batch axes the parameter is `replicated` on, divided by all of them and by `scatter_factor`,
+  the batch axes that split the parameter (its FSDP gather's transpose already summed over
+  those; ManualOps.spec_reduction gives both). Float32."""
   extra, dim = split(param_spec, moment_spec)
   grad = grad.astype(reduce_dtype)
   if extra:

@@ -12,6 +12,7 @@ from engine.analysis import collectives
 from engine.analysis.reference import ReferenceRun
 from engine.config import default_config
 from engine.assemble import lay_out, resolve_vocab_size
+from engine.train.loop import train
 
 # Float32 sums taken in another order (per-shard partial sums, then all-reduces) differ by a few
 # ulps per operation: losses, gradient norms and every gradient (relative to its largest entry)
@@ -194,3 +195,16 @@ def assert_same_run(run: Run, reference: Run, atol=ATOL, param_atol=PARAM_ATOL):
     np.testing.assert_allclose(_ungrouped(run.params[path], expected.shape), expected,
                                atol=param_atol, rtol=0,
                                err_msg=f'parameter {path}')
+
+
+def assert_resumes_exactly(config_for, tmp_path, changed: dict):
+  """`config_for(steps, **changed)`: the run's config for that many steps (checkpoints every 2
+  steps, written synchronously, a schedule that ends after step 6). 4 steps uninterrupted equal 2
+  and then 2 more resumed, at steps 3 and 4; then the resumed run goes on to step 6 with the
+  settings `changed`, restored from what it saved."""
+  full = train(config_for(4), str(tmp_path / 'full')).train_losses
+  train(config_for(2), str(tmp_path / 'resumed'))
+  resumed = train(config_for(4), str(tmp_path / 'resumed')).train_losses
+  assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
+  after = train(config_for(6, **changed), str(tmp_path / 'resumed')).train_losses
+  assert sorted(after) == [5, 6] and all(np.isfinite(list(after.values())))
