@@ -141,6 +141,7 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
   model = dataclasses.replace(models.build(config.model, vocab_size),
                               layer_groups=config.train.pipeline_repeats)
   options = StepOptions(compute_dtype=config.model.dtype, remat=config.model.remat,
+                        loss_chunks=config.model.loss_chunks,
                         microbatches=config.train.microbatches,
                         pipeline_schedule=pipeline.schedule_of(config.train),
                         pipeline_head=config.train.get('pipeline_head', 'split'),

@@ -71,6 +71,10 @@ def default_config() -> ml_collections.ConfigDict:
   # dots_saveable | dots_with_no_batch_dims_saveable (keep matmul outputs) |
   # offload_dots_with_no_batch_dims (the same outputs kept in host memory: TPU, GPU).
   c.model.remat = 'none'
+  # The training and evaluation loss apply the head to this many slices of the positions in
+  # turn, each projected again in the backward pass: the float32 logits [batch, length, vocab]
+  # of the whole batch never exist (one slice's at a time). Must divide data.seq_len / mesh.context.
+  c.model.loss_chunks = 1
 
   c.data = ml_collections.ConfigDict()
   c.data.source = 'embedded'  # embedded | file | synthetic | shards

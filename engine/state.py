@@ -73,6 +73,9 @@ class StepOptions:
   # The optimizer state kept in host memory between steps, moved to the devices for the update
   # (engine.parallel.steps.optimizer_on_device) [parallelism.offload_optimizer: TPU, GPU].
   offload_optimizer: bool = False
+  # The training and evaluation loss project this many slices of the positions in turn, so the
+  # whole batch's float32 logits never exist (engine/models/chunked_loss.py) [model.loss_chunks].
+  loss_chunks: int = 1
   # Packed documents: the tokenizer's end-of-text id, which ends each document of a window;
   # attention stays within documents, positions restart at each, and the loss skips the
   # predictions across a boundary [data.document_masking]. None: a window is one sequence.

@@ -21,6 +21,7 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   attention.py       causal attention: einsum, jax.nn.dot_product_attention or splash
   splash.py          the Pallas TPU splash-attention kernel, whole and per ring block
   documents.py       packed documents: segment ids and in-document positions
+  chunked_loss.py    the next-token loss over slices of the positions (model.loss_chunks)
   gpt.py             a GPT-2-style decoder
   llama.py           a Llama-style decoder (optionally a mixture of experts)
   llama_config.py    the keys only the Llama family reads, and their checks

@@ -122,18 +122,25 @@ class GPT(nnx.Module):
 
   def __call__(self, tokens_BL: jax.Array, ops=LocalOps()) -> jax.Array:
     """Logits for every position of `tokens_BL`."""
+    return self.head_logits(self.features(tokens_BL, ops), ops)
+
+  def features(self, tokens_BL: jax.Array, ops=LocalOps()) -> jax.Array:
+    """The normalised features [B, L, D] that `head_logits` projects (a chunked loss projects
+    them a slice at a time)."""
     length = tokens_BL.shape[1]
-    tok_embed_VD = self.tok_embed_VD[...]  # Read once; a tied head uses it again.
-    x_BLD = ops.embed_lookup(tok_embed_VD, tokens_BL)
+    x_BLD = ops.embed_lookup(self.tok_embed_VD[...], tokens_BL)
     x_BLD = x_BLD + jnp.take(self.pos_embed_LD[...], ops.positions(length), axis=0)
     x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
 
     # scan_layers=False unrolls the loop completely: straight-line HLO, one copy per layer.
     unroll = 1 if self.cfg.scan_layers else self.cfg.num_layers
-    x_BLD = self.ln_final(apply_layers(self.blocks, x_BLD, ops, unroll), ops)
-    # Logits in float32 whatever the compute dtype: the loss needs their precision.
+    return self.ln_final(apply_layers(self.blocks, x_BLD, ops, unroll), ops)
+
+  def head_logits(self, x_BLD: jax.Array, ops=LocalOps()) -> jax.Array:
+    """Float32 logits of normalised features (any number of positions), whatever the compute
+    dtype: the loss needs their precision."""
     if self.cfg.tie_embeddings:
-      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, tok_embed_VD,
+      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, self.tok_embed_VD[...],
                               preferred_element_type=jnp.float32)
     else:
       logits_BLV = dense(x_BLD, self.head_DV[...], preferred_element_type=jnp.float32)
@@ -162,7 +169,7 @@ def build(model_config, vocab_size: int) -> ModelSpec:
     return 6.0 * matmul_params + 12.0 * cfg.num_layers * seq_len * HK
 
   return ModelSpec(
-      name='gpt', factory=lambda rngs: GPT(cfg, rngs), vocab_size=vocab_size,
+      name='gpt', factory=lambda rngs: GPT(cfg, rngs), vocab_size=vocab_size, separable_head=True,
       embed_dim=cfg.embed_dim, num_layers=cfg.num_layers,
       row_parallel_per_layer=('heads', 'mlp'), flops_per_token=flops_per_token,
       context_parallel=True,

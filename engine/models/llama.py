@@ -192,6 +192,13 @@ class Llama(nnx.Module):
     """(logits, auxiliary loss, router statistics): MoeMlp's balance and z-losses and dropped
     fraction averaged over the layers, its load per layer [layers, E] ({} for a dense model, or
     without `with_aux`)."""
+    x_BLD, aux, stats = self.features_aux_loss_and_stats(tokens_BL, ops, with_aux)
+    return self.head_logits(x_BLD, ops), aux, stats
+
+  def features_aux_loss_and_stats(self, tokens_BL: jax.Array, ops=LocalOps(),
+                                  with_aux: bool = True):
+    """logits_aux_loss_and_stats before the head: the normalised features [B, L, D] that
+    `head_logits` projects (a chunked loss projects them a slice at a time)."""
     x_BLD = ops.constrain(ops.embed_lookup(self.tok_embed_VD[...], tokens_BL),
                           ('batch', 'length', 'embed'))
     # The dense first layers one by one in Python: generation's cache must not leave a scan.
@@ -210,9 +217,12 @@ class Llama(nnx.Module):
       stats['load'] = load_LE
     else:
       x_BLD = apply_layers(self.blocks, x_BLD, ops, unroll)
-    logits_BLV = dense(self.final_norm(x_BLD), self.head_DV[...],
-                       preferred_element_type=jnp.float32)
-    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab')), aux, stats
+    return self.final_norm(x_BLD), aux, stats
+
+  def head_logits(self, x_BLD: jax.Array, ops=LocalOps()) -> jax.Array:
+    """Float32 logits of normalised features (any number of positions)."""
+    logits_BLV = dense(x_BLD, self.head_DV[...], preferred_element_type=jnp.float32)
+    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
 
 
 def moe_config(model_config) -> MoeConfig | None:
@@ -265,6 +275,7 @@ def build(model_config, vocab_size: int) -> ModelSpec:
 
   return ModelSpec(
       name='llama', factory=lambda rngs: Llama(cfg, rngs), vocab_size=vocab_size,
+      separable_head=True,
       embed_dim=D, num_layers=cfg.num_layers,
       # The routed experts' down projection finishes on the routed rows, not on [B, L, D]
       # (engine.analysis.comm_theory counts it with the experts' exchange).

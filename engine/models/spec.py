@@ -21,6 +21,10 @@ The module that `ModelSpec.create` returns must:
     scalar (e.g. a mixture of experts' load-balancing loss) is added to the training loss
     (`logits_and_aux_loss` below); and `logits_aux_loss_and_stats(tokens_BL, ops)`, the same
     and a dict of scalars / vectors for the train step's metrics (steps.model_metrics);
+  - for a chunked loss (model.loss_chunks > 1, `separable_head=True`), split its call in two:
+    `features(tokens_BL, ops) -> x_BLD` (or `features_aux_loss_and_stats`, as above with
+    features in place of logits) and `head_logits(x_BLD, ops) -> logits_BLV` for any number of
+    positions, so that the loss projects a slice of the positions at a time;
   - for context (sequence) parallelism (`context_parallel=True`), take positions from
     `ops.positions` and compute attention with `ops.attention`: a device then holds only part of
     each sequence. Packed documents (data.document_masking) need the same: `ops.positions` is
@@ -82,6 +86,9 @@ class ModelSpec:
   # dense first layers): no experts, not split into pipeline stages, each contracting 'heads'
   # and 'mlp' row-parallel.
   first_layers: int = 0
+  # Whether the module defines `features` (or `features_aux_loss_and_stats`) and `head_logits`
+  # (above), which a chunked loss needs.
+  separable_head: bool = False
   # Latent attention (DeepSeek): what generation caches per layer and position instead of keys
   # and values, (latent size, rotary key size); None: keys and values per key / value head.
   latent_cache: tuple[int, int] | None = None
@@ -108,3 +115,11 @@ def logits_aux_loss_and_stats(model: nnx.Module, tokens_BL, ops=None):
   if hasattr(model, 'logits_aux_loss_and_stats'):
     return model.logits_aux_loss_and_stats(tokens_BL, *([ops] if ops is not None else []))
   return (*logits_and_aux_loss(model, tokens_BL, ops), {})
+
+
+def features_aux_loss_and_stats(model: nnx.Module, tokens_BL, ops, with_aux: bool = True):
+  """logits_aux_loss_and_stats with the normalised features before the head in place of the
+  logits (a `separable_head` model); without `with_aux` (evaluation), (features, 0.0, {})."""
+  if hasattr(model, 'features_aux_loss_and_stats'):
+    return model.features_aux_loss_and_stats(tokens_BL, ops, with_aux)
+  return model.features(tokens_BL, ops), 0.0, {}

@@ -194,7 +194,7 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   def loss_fn(params, tokens_BL1, count):  # (loss, the model's statistics for the metrics)
     return next_token_loss(params, setup.graphdef, tokens_BL1, ops, with_stats=True,
-                           eos_id=eos_id, count=count)
+                           eos_id=eos_id, count=count, loss_chunks=setup.options.loss_chunks)
 
   # With pipeline stages the micro-batches feed the schedule (ops.stack) instead.
   accumulated = 1 if setup.rules.mesh_axes('layers') else setup.options.microbatches
@@ -230,7 +230,8 @@ def build_steps(setup: TrainSetup) -> Steps:
       train=jax.jit(optimizer_on_device(setup, train_step), in_shardings=(state_shardings, batch),
                     out_shardings=(state_shardings, replicated), donate_argnums=0),
       eval=jax.jit(lambda params, tokens_BL1: next_token_loss(
-          params, setup.graphdef, tokens_BL1, ops, with_aux=False, eos_id=eos_id),
+          params, setup.graphdef, tokens_BL1, ops, with_aux=False, eos_id=eos_id,
+          loss_chunks=setup.options.loss_chunks),
                    in_shardings=(params_shardings, batch), out_shardings=replicated),
       gradients=jax.jit(gradients, in_shardings=(params_shardings, batch),
                         out_shardings=(replicated, params_shardings)),

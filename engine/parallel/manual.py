@@ -101,7 +101,8 @@ class _Gradients:
     """(loss, the model's statistics for the metrics), on this device's tokens; `count`: the
     packed documents' kept predictions (steps.kept_count), or None."""
     return next_token_loss(params, self.setup.graphdef, tokens_BL1, ops or self.ops,
-                           with_stats=True, eos_id=self.setup.options.eos_id, count=count)
+                           with_stats=True, eos_id=self.setup.options.eos_id, count=count,
+                           loss_chunks=self.setup.options.loss_chunks)
 
   def local_gradients(self, params, tokens_BL1, count):
     """One micro-batch: `ops` averages each gradient inside the backward pass."""
@@ -280,7 +281,8 @@ def build_steps(setup: TrainSetup) -> Steps:
   def eval_step(params, tokens_BL1):
     return gradients.batch_mean(next_token_loss(params, setup.graphdef, tokens_BL1,
                                                 gradients.ops, with_aux=False,
-                                                eos_id=setup.options.eos_id))
+                                                eos_id=setup.options.eos_id,
+                                                loss_chunks=setup.options.loss_chunks))
 
   def window_losses_step(params, tokens_BL1):
     # Each device sums its positions of its rows; a split sequence adds its devices' sums.

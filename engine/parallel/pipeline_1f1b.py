@@ -119,7 +119,7 @@ def step_loss(setup, ops, tokens_BL1):
   count = kept_count(ops, tokens_BL1, eos_id, microbatches)
   loss = lambda params, tokens, loss_ops, shares=1: next_token_loss(
       params, setup.graphdef, tokens, loss_ops, with_stats=True, eos_id=eos_id,
-      count=None if count is None else count / shares)
+      count=None if count is None else count / shares, loss_chunks=setup.options.loss_chunks)
   rows = None if eos_id is None else packed_documents(ops, tokens_BL1, eos_id)[0].documents
   return loss, rows
 

@@ -18,7 +18,8 @@ from flax import nnx
 from engine.models import expert_balance
 from engine.models.documents import segments_and_positions
 from engine.models.ops import LAYERS
-from engine.models.spec import logits_aux_loss_and_stats
+from engine.models.chunked_loss import chunked_cross_entropy
+from engine.models.spec import features_aux_loss_and_stats, logits_aux_loss_and_stats
 from engine.optimizer import clip_by_global_norm
 from engine import sharding
 from engine.sharding import logical_axes_of
@@ -64,7 +65,7 @@ REMAT_OFFLOADS = ('offload_dots_with_no_batch_dims',)
 
 def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
                     with_aux: bool = True, with_stats: bool = False,
-                    eos_id: int | None = None, count=None):
+                    eos_id: int | None = None, count=None, loss_chunks: int = 1):
   """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], plus (`with_aux`: the
   training loss, not evaluation's) the model's auxiliary loss (a mixture of experts' router
   losses; engine.models.spec). `with_stats`: (that loss, the model's statistics for the
@@ -73,11 +74,19 @@ def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
   `eos_id` (data.document_masking): the rows pack documents ended by this id; attention stays
   within each, positions restart at each, and the predictions from an end-of-text token (whose
   target is the next document's) are skipped: the loss is their sum / `count` (kept_count's,
-  by default this batch's)."""
+  by default this batch's).
+
+  `loss_chunks` > 1 (a `separable_head` model): the head and cross-entropy run on that many
+  slices of the positions in turn (engine/models/chunked_loss.py)."""
   model, ops, inputs_BL, targets_BL, keep_BL = _predictions(params, graphdef, tokens_BL1, ops,
                                                             eos_id)
   if eos_id is not None:
     count = kept_count(ops, tokens_BL1, eos_id) if count is None else count
+  if loss_chunks > 1:
+    features_BLD, aux_loss, stats = features_aux_loss_and_stats(model, inputs_BL, ops, with_aux)
+    loss = chunked_cross_entropy(lambda x_BlD: model.head_logits(x_BlD, ops), features_BLD,
+                                 targets_BL, keep_BL, count, ops, loss_chunks) + aux_loss
+    return (loss, stats) if with_stats else loss
   if not with_aux:
     return ops.cross_entropy(model(inputs_BL, ops), targets_BL, keep_BL, count)
   logits_BLV, aux_loss, stats = logits_aux_loss_and_stats(model, inputs_BL, ops)

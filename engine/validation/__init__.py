@@ -33,8 +33,8 @@ from engine.validation.attention import check_splash
 from engine.validation.data import check_data
 from engine.validation.layout import check_layout
 from engine.validation.mesh import check_mesh, count_slices
-from engine.validation.model import (check_model, check_model_keys, check_model_splits,
-                                     check_offload_platform)
+from engine.validation.model import (check_loss_chunks, check_model, check_model_keys,
+                                     check_model_splits, check_offload_platform)
 from engine.validation.moe import check_moe
 from engine.validation.optim import check_optim
 from engine.validation.parallelism import check_parallelism
@@ -81,6 +81,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   if training:
     check_schedule(config, mesh, rules, num_processes)
   check_model_splits(config.model, mesh)
+  check_loss_chunks(config, mesh)
   check_matmul_precision(config, mesh, training)
   return config
 

@@ -31,3 +31,7 @@ def check_layout(train_setup) -> None:
     raise ConfigError(
         f'mesh.context={mesh_shape["context"]}: model {model.name!r} does not support context '
         'parallelism (its ModelSpec has context_parallel=False); set mesh.context=1.')
+  if train_setup.options.loss_chunks > 1 and not model.separable_head:
+    raise ConfigError(
+        f'model.loss_chunks={train_setup.options.loss_chunks}: model {model.name!r} computes its '
+        'logits in one call (its ModelSpec has separable_head=False); set model.loss_chunks=1.')

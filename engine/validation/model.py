@@ -25,7 +25,7 @@ def check_model(model: ConfigDict) -> None:
   choose(model, 'remat', 'model.remat', tuple(parallel.steps.REMAT_POLICIES))
   require_finite(model, 'model', ['init_std', 'norm_eps'])
   require_positive(model, 'model', ['num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'max_len',
-                                    'vocab_multiple', 'norm_eps'])
+                                    'vocab_multiple', 'norm_eps', 'loss_chunks'])
   if model.vocab_size != -1 and model.vocab_size <= 0:
     raise ConfigError(f'model.vocab_size={model.vocab_size} must be positive, or -1 to '
                       'take it from the tokenizer.')
@@ -78,6 +78,16 @@ def check_model_splits(model: ConfigDict, mesh: dict[str, int]) -> None:
   else:
     require_divisible(model.vocab_multiple, 'model.vocab_multiple', tensor, 'mesh.tensor')
   require_divisible(model.embed_dim, 'model.embed_dim', mesh['fsdp'], 'mesh.fsdp')
+
+
+def check_loss_chunks(config: ConfigDict, mesh: dict[str, int]) -> None:
+  """A chunked loss slices each device's positions (data.seq_len / mesh.context) evenly."""
+  chunks, local = config.model.loss_chunks, config.data.seq_len // mesh['context']
+  if chunks > 1 and local % chunks:
+    raise ConfigError(
+        f'model.loss_chunks={chunks} must divide the positions of a sequence on each device '
+        f'(data.seq_len / mesh.context = {config.data.seq_len} / {mesh["context"]} = {local}); '
+        'pick a divisor of it, or 1 for the whole sequence at once.')
 
 
 def check_offload_platform(config: ConfigDict, platform: str) -> None:

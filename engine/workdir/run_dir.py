@@ -41,6 +41,7 @@ ADDED_KEYS = {
     'model.mla_value_dim': 0,
     'model.mla_rope_interleave': True,
     'model.matmul_block': 128,
+    'model.loss_chunks': 1,
     'optim.mu_dtype': 'float32',
     'optim.nu_dtype': 'float32',
     'parallelism.optimizer_sharding': 'params',

@@ -262,6 +262,10 @@ BAD_INPUTS = [
      'parallelism.offload_optimizer=True keeps the optimizer state in host memory, which '
      'XLA:CPU does not separate from device memory; use it on TPU or GPU (engine.plan compiles '
      'it for a TPU topology), or set it to False here.'),
+    ([TINY, RUN, '--config.model.loss_chunks=3'], 2,
+     'model.loss_chunks=3 must divide the positions of a sequence on each device '
+     '(data.seq_len / mesh.context = 64 / 1 = 64); pick a divisor of it, or 1 for the whole '
+     'sequence at once.'),
     ([TINY, RUN, '--config.parallelism.optimizer_sharding=zero3'], 2,
      "parallelism.optimizer_sharding='zero3' is unknown; choose one of ('params', 'zero1')."),
     (['--config=experiments/tiny.py:mode=manual', RUN, *MOE,
