@@ -10,6 +10,7 @@ what every command shares; each package's docstring maps its own modules.
   sharding.py   rule presets (logical -> mesh axes), specs, sharded initialisation
   state.py      TrainSetup: the model and optimizer laid out on the mesh; the state's shapes
   optimizer.py  AdamW on a warmup + cosine / constant / wsd schedule; clipping
+  muon.py       Muon on the matrices its logical axes name, AdamW on the rest
   chips.py      published peak FLOP/s, memory and bandwidths of TPUs and GPUs
   errors.py     ConfigError: bad input, reported as one `error:` line
 """

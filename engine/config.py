@@ -97,6 +97,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.document_masking = False
 
   c.optim = ml_collections.ConfigDict()
+  # adamw | muon: Muon (optax's) on the layers' matrices, AdamW (the keys below) on embeddings,
+  # head, norms and biases (engine/muon.py).
+  c.optim.name = 'adamw'
   c.optim.learning_rate = 1e-3  # Peak learning rate, reached after warmup_steps.
   c.optim.end_learning_rate = 1e-4  # Where cosine and wsd end; constant ignores it.
   c.optim.warmup_steps = 20  # Linear warmup from 0 to learning_rate.
@@ -117,6 +120,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.optim.weight_decay = 0.1  # AdamW's decoupled weight decay.
   c.optim.weight_decay_on = 'matrices'  # matrices (not norms, biases) | all
   c.optim.grad_clip_norm = 1.0  # Global norm the gradients are scaled down to; inf: off.
+  # Muon's peak learning rate, on the same schedule (its end scaled alike); learning_rate is
+  # then the AdamW part's.
+  c.optim.muon_learning_rate = 0.02
+  c.optim.muon_beta = 0.95  # Muon's momentum decay (Nesterov).
+  c.optim.muon_ns_steps = 5  # Newton-Schulz iterations per matrix and step.
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1: all devices the other axes leave.

@@ -1,4 +1,5 @@
-"""The optimizer: AdamW on a learning-rate schedule, with global-norm clipping kept apart.
+"""The optimizer: AdamW (or Muon on the matrices: engine/muon.py) on a learning-rate schedule,
+with global-norm clipping kept apart.
 
 Schedules (optim.schedule), all with a linear warmup from 0 to optim.learning_rate:
   cosine: cosine decay to optim.end_learning_rate, ending at optim.decay_steps (-1: the end of
@@ -17,20 +18,47 @@ out of the chain gives both modes the same optimizer state, so checkpoints move 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import MuonState
+
+from engine import muon as muon_lib
 
 
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
-  tx: optax.GradientTransformation  # AdamW, without clipping.
+  # AdamW or Muon, without clipping; Muon's is set once the parameters are known
+  # (for_parameters).
+  tx: optax.GradientTransformation | None
   schedule: optax.Schedule  # Learning rate by optimizer step (0-based), the one tx uses.
   clip_norm: float  # Gradients are scaled down to this global norm before tx.
+  # Muon: tx from the parameters' dimension numbers and, in manual mode, a wrapper that runs
+  # its orthogonalization on whole matrices (engine/muon.py: muon); None for AdamW, whose
+  # update is elementwise.
+  build: Callable | None = None
+  matrix_dims: Any = None  # Muon: each parameter's dimension numbers (None: AdamW's), by path.
+
+  def for_parameters(self, logical_axes) -> Optimizer:
+    """This optimizer for parameters with these logical axes (a tree of tuples like the
+    parameters): Muon learns which are matrices."""
+    if self.build is None:
+      return self
+    dims = jax.tree.map(muon_lib.dimension_numbers, logical_axes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+    return dataclasses.replace(self, tx=self.build(dims, None), matrix_dims=dims)
+
+  def blockwise(self, whole: Callable) -> optax.GradientTransformation:
+    """tx for parameters held in blocks (manual mode): `whole(transformation)` runs Muon's
+    orthogonalization on whole matrices; AdamW needs no change."""
+    return self.tx if self.build is None else self.build(self.matrix_dims, whole)
 
 
 SCHEDULES = ('cosine', 'constant', 'wsd')
+NAMES = ('adamw', 'muon')
 
 
 def schedule_end(optim_config, num_steps: int) -> int | None:
@@ -66,7 +94,9 @@ def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
 
 def make_optimizer(optim_config, num_steps: int) -> Optimizer:
   """AdamW; weight decay on matrices only (not norms or biases), or on every parameter; the
-  moments stored in optim.mu_dtype and optim.nu_dtype (stored_moments)."""
+  moments stored in optim.mu_dtype and optim.nu_dtype (stored_moments). With optim.name=muon,
+  Muon on the matrices Muon takes and this AdamW on the rest, built once the parameters are
+  known (Optimizer.for_parameters)."""
   schedule = learning_rate_schedule(optim_config, num_steps)
   if optim_config.weight_decay_on == 'all':
     decay_mask = None
@@ -75,7 +105,11 @@ def make_optimizer(optim_config, num_steps: int) -> Optimizer:
   tx = optax.adamw(schedule, b1=optim_config.b1, b2=optim_config.b2,
                    weight_decay=optim_config.weight_decay, mask=decay_mask)
   stored = jnp.dtype(optim_config.mu_dtype), jnp.dtype(optim_config.nu_dtype)
-  return Optimizer(stored_moments(tx, *stored), schedule, optim_config.grad_clip_norm)
+  if optim_config.name == 'adamw':
+    return Optimizer(stored_moments(tx, *stored), schedule, optim_config.grad_clip_norm)
+  build = lambda dims, whole: stored_moments(
+      muon_lib.muon(optim_config, schedule, tx, dims, whole), *stored)
+  return Optimizer(None, schedule, optim_config.grad_clip_norm, build)
 
 
 def stored_moments(tx: optax.GradientTransformation, mu_dtype,
@@ -100,12 +134,19 @@ def stored_moments(tx: optax.GradientTransformation, mu_dtype,
 
 
 def _with_moment_dtypes(state, mu_dtype, nu_dtype):
-  """The optimizer state with every Adam first moment cast to `mu_dtype`, second to `nu_dtype`."""
-  is_adam = lambda node: isinstance(node, optax.ScaleByAdamState)
+  """The optimizer state with every Adam first moment (and Muon's momentum) cast to `mu_dtype`,
+  every second moment to `nu_dtype`."""
   cast = lambda tree, dtype: jax.tree.map(lambda m: m.astype(dtype), tree)
-  return jax.tree.map(
-      lambda s: s._replace(mu=cast(s.mu, mu_dtype), nu=cast(s.nu, nu_dtype)) if is_adam(s) else s,
-      state, is_leaf=is_adam)
+
+  def with_dtypes(node):
+    if isinstance(node, optax.ScaleByAdamState):
+      return node._replace(mu=cast(node.mu, mu_dtype), nu=cast(node.nu, nu_dtype))
+    if isinstance(node, MuonState):
+      return node._replace(mu=cast(node.mu, mu_dtype))
+    return node
+
+  return jax.tree.map(with_dtypes, state,
+                      is_leaf=lambda node: isinstance(node, (optax.ScaleByAdamState, MuonState)))
 
 
 def clip_by_global_norm(grads, global_norm: jax.Array, max_norm: float):

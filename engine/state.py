@@ -122,9 +122,12 @@ class TrainSetup:
     """PartitionSpecs of the whole train state; optimizer moments follow their parameters
     (moment_specs)."""
     abstract_opt = jax.eval_shape(self.optimizer.tx.init, self.abstract_params)
+    # A partitioned optimizer's (Muon's) state masks the parameters the other part updates.
+    masked = lambda x: isinstance(x, optax.MaskedNode)
     opt_specs = optax.tree_map_params(
-        self.optimizer.tx, lambda _, spec: spec, abstract_opt, self.moment_specs(),
-        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+        self.optimizer.tx, lambda leaf, spec: leaf if masked(leaf) else spec, abstract_opt,
+        self.moment_specs(), transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P) or masked(x))
     return {'step': P(), 'params': self.param_specs, 'opt_state': opt_specs}
 
   def moment_specs(self):
@@ -193,7 +196,10 @@ def make_setup(model: ModelSpec, optimizer: Optimizer, mesh: jax.sharding.Mesh, 
       logging.info('%r dimensions %s do not split %d ways: replicated.', name, sizes, ways)
       rules = rules.replicating(name)
   specs = sharding.variable_specs(abstract, rules)
+  logical_axes = jax.tree.map(lambda v: v.replace(sharding.logical_axes_of(v)), abstract,
+                              is_leaf=sharding.is_variable)
   return TrainSetup(
       model=model, graphdef=graphdef, abstract_params=nnx.to_pure_dict(abstract),
-      param_specs=nnx.to_pure_dict(specs), optimizer=optimizer, mesh=mesh, rules=rules,
-      options=options)
+      param_specs=nnx.to_pure_dict(specs),
+      optimizer=optimizer.for_parameters(nnx.to_pure_dict(logical_axes)), mesh=mesh,
+      rules=rules, options=options)

@@ -12,12 +12,15 @@ Shape suffixes as in engine/parallel/steps.py: `tokens_BL1` is a batch of window
 from __future__ import annotations
 
 import jax
+import ml_collections
 import optax
 from flax import nnx
 
+from engine import muon
 from engine.models import expert_balance
 from engine.models.spec import ModelSpec, logits_aux_loss_and_stats
-from engine.optimizer import make_optimizer
+from engine.optimizer import learning_rate_schedule, make_optimizer
+from engine.sharding import is_variable, logical_axes_of
 
 
 class ReferenceRun:
@@ -30,7 +33,7 @@ class ReferenceRun:
       self.graphdef, params = nnx.split(model.create(nnx.Rngs(params=jax.random.key(seed))))
       self.params = nnx.to_pure_dict(params)
       self.tx = optax.chain(optax.clip_by_global_norm(optim_config.grad_clip_norm),
-                            make_optimizer(optim_config, num_steps).tx)
+                            reference_optimizer(optim_config, num_steps, params))
       self.opt_state = self.tx.init(self.params)
     self._step = jax.jit(self._train_step)
     self._gradients = jax.jit(jax.value_and_grad(self._loss))
@@ -66,3 +69,25 @@ class ReferenceRun:
     self.params, self.opt_state, metrics, self.last_gradients = self._step(
         self.params, self.opt_state, jax.device_put(tokens_BL1, self.device))
     return {k: float(v) for k, v in metrics.items()}
+
+
+def reference_optimizer(optim_config, num_steps: int, params: nnx.State):
+  """The engine's AdamW; for optim.name=muon, optax's own `muon` (optax.contrib) on the matrices
+  engine.muon.dimension_numbers names and that AdamW on the rest, in optax's partition."""
+  adamw_config = ml_collections.ConfigDict(optim_config.to_dict())
+  adamw_config.name = 'adamw'
+  adamw = make_optimizer(adamw_config, num_steps).tx
+  if optim_config.name != 'muon':
+    return adamw
+  dims = nnx.to_pure_dict(jax.tree.map(
+      lambda v: v.replace(muon.dimension_numbers(logical_axes_of(v))), params,
+      is_leaf=is_variable))
+  schedule = learning_rate_schedule(optim_config, num_steps)
+  ratio = optim_config.muon_learning_rate / optim_config.learning_rate
+  matrices = optax.contrib.muon(
+      lambda step: schedule(step) * ratio, beta=optim_config.muon_beta,
+      ns_steps=optim_config.muon_ns_steps, weight_decay=optim_config.weight_decay,
+      muon_weight_dimension_numbers=jax.tree.map(
+          lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=muon.is_dims))
+  labels = jax.tree.map(lambda d: 'adam' if d is None else 'muon', dims, is_leaf=muon.is_dims)
+  return optax.partition({'muon': matrices, 'adam': adamw}, labels)

@@ -73,7 +73,7 @@ class Block(nnx.Module):
     residual_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5  # GPT-2's scaled residual init.
     self.cfg = cfg
     self.ln_attn = LayerNorm(D, cfg.norm_eps, rngs)
-    self.w_qkv_CDHK = param(rngs, (3, D, H, K), (None, 'embed', 'heads', 'head_dim'),
+    self.w_qkv_CDHK = param(rngs, (3, D, H, K), ('qkv', 'embed', 'heads', 'head_dim'),
                              cfg.init_std)
     self.w_out_HKD = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), residual_std)
     self.ln_mlp = LayerNorm(D, cfg.norm_eps, rngs)

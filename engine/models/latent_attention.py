@@ -54,14 +54,15 @@ class LatentAttention(nnx.Module):
                         cfg.kv_rank)
     self.cfg = cfg
     if cfg.q_rank:
-      self.w_q_a_DQ = param(rngs, (D, cfg.q_rank), ('embed', None), init_std)
+      self.w_q_a_DQ = param(rngs, (D, cfg.q_rank), ('embed', 'latent'), init_std)
       self.q_a_norm = RMSNorm(cfg.q_rank, LATENT_NORM_EPS, rngs)
-      self.w_q_b_QHK = param(rngs, (cfg.q_rank, H, K + R), (None, 'heads', 'head_dim'), init_std)
+      self.w_q_b_QHK = param(rngs, (cfg.q_rank, H, K + R), ('latent', 'heads', 'head_dim'),
+                             init_std)
     else:
       self.w_q_DHK = param(rngs, (D, H, K + R), ('embed', 'heads', 'head_dim'), init_std)
-    self.w_kv_a_DC = param(rngs, (D, C + R), ('embed', None), init_std)
+    self.w_kv_a_DC = param(rngs, (D, C + R), ('embed', 'latent'), init_std)
     self.kv_a_norm = RMSNorm(C, LATENT_NORM_EPS, rngs)
-    self.w_kv_b_CHK = param(rngs, (C, H, K + V), (None, 'heads', 'head_dim'), init_std)
+    self.w_kv_b_CHK = param(rngs, (C, H, K + V), ('latent', 'heads', 'head_dim'), init_std)
     self.w_o_HVD = param(rngs, (H, V, D), ('heads', 'head_dim', 'embed'), init_std)
 
   def __call__(self, x_BLD, ops, rope: Rope, precision: quantized_matmul.MatmulPrecision,

@@ -21,6 +21,7 @@ read from a config here.
   expert_exchange.py  manual expert parallelism: the experts' token exchange (all_to_all)
   zero1.py            manual ZeRO-1: gradients reduce-scattered to the moments' blocks, the
                       updated parameter blocks all-gathered
+  muon_blocks.py      manual Muon: each split matrix gathered whole for Newton-Schulz, cut back
 """
 
 from engine.errors import ConfigError

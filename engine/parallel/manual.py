@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from engine.models import expert_balance
 from engine.parallel import manual_ops, pipeline, pipeline_1f1b, stage_lanes, zero1
+from engine.parallel.muon_blocks import MatrixBlocks
 from engine.parallel.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
@@ -264,12 +265,16 @@ def build_steps(setup: TrainSetup) -> Steps:
   param_specs = state_specs['params']
   batch_spec = setup.batch_sharding().spec
 
+  # Muon orthogonalizes whole matrices: each split one gathered and cut back (muon_blocks.py).
+  tx = setup.optimizer.blockwise(MatrixBlocks(param_specs, setup.optimizer.matrix_dims,
+                                              dict(setup.mesh.shape)).whole)
+
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients.with_stats(state['params'], tokens_BL1)
     norm = gradients.global_norm(grads)
     if not gradients.zero1:
       return apply_update(setup, state, loss, grads, norm, stats,
-                          _BiasBlocks(setup, gradients.ops))
+                          _BiasBlocks(setup, gradients.ops), tx)
     # ZeRO-1: the update on this device's block of each parameter, then the blocks gathered.
     specs = gradients.param_specs, gradients.moment_specs
     blocks = jax.tree.map(lambda p, *s: zero1.parameter_block(p, *s, gradients.ops),

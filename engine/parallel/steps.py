@@ -221,16 +221,18 @@ def optimizer_on_device(setup: TrainSetup, train_step: Callable) -> Callable:
 
 
 def apply_update(setup: TrainSetup, state, loss, grads, grad_norm, stats=None,
-                 bias_layout=expert_balance.WholeBias()):
+                 bias_layout=expert_balance.WholeBias(), tx=None):
   """The end of every train step: clip to the global norm, apply the optimizer, move a mixture
   of experts' router bias (aux_free balancing), count the step.
 
   `grads` are the mean-loss gradients laid out like the parameters and `grad_norm` their global
   norm, however the mode computed them; `stats` the model's statistics (model_metrics);
-  `bias_layout` how this step holds the router biases (manual mode: a block on each device)."""
+  `bias_layout` how this step holds the router biases (manual mode: a block on each device);
+  `tx` the optimizer's transformation for parameters in blocks (manual mode's Muon:
+  Optimizer.blockwise), by default the optimizer's own."""
   optimizer = setup.optimizer
   grads = clip_by_global_norm(grads, grad_norm, optimizer.clip_norm)
-  updates, opt_state = optimizer.tx.update(grads, state['opt_state'], state['params'])
+  updates, opt_state = (tx or optimizer.tx).update(grads, state['opt_state'], state['params'])
   params = optax.apply_updates(state['params'], updates)
   experts, bias_metrics = setup.model.experts, {}
   if experts is not None and experts.bias_rate and stats:

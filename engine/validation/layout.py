@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
+import jax
 from jax.sharding import PartitionSpec as P
 
-from engine import sharding
+from engine import muon, sharding
 from engine.errors import ConfigError
 
 
@@ -31,6 +32,13 @@ def check_layout(train_setup) -> None:
     raise ConfigError(
         f'mesh.context={mesh_shape["context"]}: model {model.name!r} does not support context '
         'parallelism (its ModelSpec has context_parallel=False); set mesh.context=1.')
+  optimizer = train_setup.optimizer
+  if optimizer.build is not None and not any(
+      d is not None for d in jax.tree.leaves(optimizer.matrix_dims, is_leaf=muon.is_dims)):
+    raise ConfigError(
+        f"optim.name='muon': model {model.name!r} has no parameter Muon takes (a matrix whose "
+        'dimensions are all named embed, heads, kv_heads, head_dim, mlp or latent, beside '
+        "stacked layers or experts: engine/muon.py); use optim.name='adamw'.")
   if train_setup.options.loss_chunks > 1 and not model.separable_head:
     raise ConfigError(
         f'model.loss_chunks={train_setup.options.loss_chunks}: model {model.name!r} computes its '

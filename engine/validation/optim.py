@@ -9,12 +9,13 @@ from ml_collections import ConfigDict
 
 from engine.config import DTYPES
 from engine.errors import ConfigError
-from engine.optimizer import SCHEDULES
+from engine.optimizer import NAMES, SCHEDULES
 
 
 def check_optim(optim: ConfigDict) -> None:
   """Raises ConfigError naming the first bad optim key and its fix."""
-  for key, choices in (('weight_decay_on', ('matrices', 'all')), ('schedule', SCHEDULES),
+  for key, choices in (('name', NAMES), ('weight_decay_on', ('matrices', 'all')),
+                       ('schedule', SCHEDULES),
                        ('mu_dtype', DTYPES), ('nu_dtype', DTYPES)):
     if optim[key] not in choices:
       raise ConfigError(f'optim.{key}={optim[key]!r} is unknown; choose one of {choices}.')
@@ -38,6 +39,20 @@ def check_optim(optim: ConfigDict) -> None:
     if optim[name] < 0:
       raise ConfigError(f'optim.{name}={optim[name]} must be >= 0.')
   _check_schedule_keys(optim)
+  if optim.name == 'muon':
+    _check_muon_keys(optim)
+
+
+def _check_muon_keys(optim: ConfigDict) -> None:
+  if not (math.isfinite(optim.muon_learning_rate) and optim.muon_learning_rate > 0):
+    raise ConfigError(f'optim.muon_learning_rate={optim.muon_learning_rate} must be a positive '
+                      'number (usual: 0.02).')
+  if not 0.0 <= optim.muon_beta < 1.0:
+    raise ConfigError(f'optim.muon_beta={optim.muon_beta} must lie in [0, 1): it is how much '
+                      "of its momentum Muon keeps each step (usual: 0.95).")
+  if optim.muon_ns_steps < 1:
+    raise ConfigError(f'optim.muon_ns_steps={optim.muon_ns_steps} must be positive: the '
+                      'Newton-Schulz iterations per matrix (usual: 5).')
 
 
 def _check_schedule_keys(optim: ConfigDict) -> None:

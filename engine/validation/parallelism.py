@@ -29,6 +29,12 @@ def check_parallelism(config: ConfigDict, mesh: dict[str, int]) -> sharding.Rule
         "parallelism.optimizer_sharding='zero1' in manual mode with model.moe_balance='aux_free' "
         'is not supported yet: the router bias moves as a whole, not by ZeRO-1 blocks; use '
         "parallelism.mode=auto, or model.moe_balance='aux_loss'.")
+  if (parallelism.optimizer_sharding == 'zero1' and parallelism.mode == 'manual' and
+      config.optim.name == 'muon'):
+    raise ConfigError(
+        "parallelism.optimizer_sharding='zero1' in manual mode with optim.name='muon' is not "
+        'supported yet: Muon makes each matrix whole over the axes that split its parameter, '
+        "not its ZeRO-1 blocks; use parallelism.mode=auto, or optimizer_sharding='params'.")
   if parallelism.rules not in sharding.RULE_PRESETS and parallelism.rules != 'auto':
     raise ConfigError(f'parallelism.rules={parallelism.rules!r} is unknown; choose '
                       f"'auto' or one of {sorted(sharding.RULE_PRESETS)}.")

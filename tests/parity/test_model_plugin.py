@@ -19,7 +19,8 @@ from engine import models
 from engine.analysis import comparison
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
-from engine.assemble import assemble
+from engine.assemble import assemble, lay_out
+from engine.errors import ConfigError
 from tests.support.helpers import assert_same_run, engine_run, single_device_run, tiny_config
 
 STEPS = 3
@@ -99,6 +100,40 @@ def test_flax_partitioning_metadata_drives_the_layout():
   assert specs['blocks/0/down/kernel'] == P('tensor', 'fsdp')
   assert specs['head/kernel'] == P('fsdp', 'tensor')
   assert specs['norm/scale'] == P(None)
+
+
+def test_muon_takes_the_matrices_by_their_logical_names():
+  config = _config()
+  config.optim.name = 'muon'
+  setup = lay_out(config, 256, jax.devices()[:1])
+  dims = dict(_flat_dims(setup.optimizer.matrix_dims))
+  assert {path for path, d in dims.items() if d is not None} == {
+      f'blocks/{i}/{name}/kernel' for i in range(2) for name in ('up', 'down')}
+
+
+def test_muon_on_a_model_without_named_matrices_is_refused():
+  """Flax's layers without partitioning metadata: no dimension names, so no matrices."""
+  def build_unnamed(model_config, vocab_size):
+    D = model_config.embed_dim
+    factory = lambda rngs: nnx.Sequential(nnx.Embed(vocab_size, D, rngs=rngs),
+                                          nnx.Linear(D, vocab_size, rngs=rngs))
+    return ModelSpec(name='unnamed', factory=factory, vocab_size=vocab_size, embed_dim=D,
+                     num_layers=0, row_parallel_per_layer=(),
+                     flops_per_token=lambda seq_len: 6.0 * 2 * vocab_size * D)
+
+  config = _config()
+  config.model.name, config.optim.name = 'unnamed', 'muon'
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setitem(models.MODELS, 'unnamed', build_unnamed)
+    with pytest.raises(ConfigError, match="model 'unnamed' has no parameter Muon takes"):
+      lay_out(config, 256, jax.devices()[:1])
+
+
+def _flat_dims(tree):
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or isinstance(
+      x, tuple))[0]
+  return [('/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path), leaf)
+          for path, leaf in leaves]
 
 
 @pytest.mark.slow

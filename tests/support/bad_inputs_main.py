@@ -273,6 +273,16 @@ BAD_INPUTS = [
      "parallelism.optimizer_sharding='zero1' in manual mode with model.moe_balance='aux_free' is "
      'not supported yet: the router bias moves as a whole, not by ZeRO-1 blocks; use '
      "parallelism.mode=auto, or model.moe_balance='aux_loss'."),
+    ([TINY, RUN, '--config.optim.name=sgd'], 2,
+     "optim.name='sgd' is unknown; choose one of ('adamw', 'muon')."),
+    ([TINY, RUN, '--config.optim.name=muon', '--config.optim.muon_beta=1'], 2,
+     'optim.muon_beta=1.0 must lie in [0, 1): it is how much of its momentum Muon keeps each '
+     'step (usual: 0.95).'),
+    (['--config=experiments/tiny.py:mode=manual', RUN, '--config.optim.name=muon',
+      '--config.parallelism.optimizer_sharding=zero1'], 2,
+     "parallelism.optimizer_sharding='zero1' in manual mode with optim.name='muon' is not "
+     'supported yet: Muon makes each matrix whole over the axes that split its parameter, not '
+     "its ZeRO-1 blocks; use parallelism.mode=auto, or optimizer_sharding='params'."),
     ([TINY, RUN, '--config.optim.mu_dtype=float16'], 2,
      "optim.mu_dtype='float16' is unknown; choose one of ('float32', 'bfloat16')."),
     ([TINY, RUN, '--config.optim.schedule=linear'], 2,

@@ -6,6 +6,7 @@ import dataclasses
 import jax
 import numpy as np
 import optax
+from optax.contrib import MuonState
 
 from engine import data, models, parallel
 from engine.analysis import collectives
@@ -142,27 +143,32 @@ def compiled_run(config, mode, num_steps):
     grad_norms.append(float(metrics['grad_norm']))
     if i == 0:
       first_gradients = first_adam_gradients(state['opt_state'], grad_norms[0], config.optim)
-  run = Run(np.array(losses), np.array(grad_norms), _flat(first_gradients),
-            _flat(state['params']))
+  run = Run(np.array(losses), np.array(grad_norms), first_gradients, _flat(state['params']))
   return run, train_setup, train
 
 
-def first_adam_gradients(opt_state, grad_norm: float, optim_config):
-  """The gradients of a first optimizer step, from Adam's first moment after it: that step sets
-  mu = (1 - b1) g, g the gradients scaled down to optim.grad_clip_norm (the train step's
-  clipping, engine.optimizer.clip_by_global_norm), so g = mu / (1 - b1), scaled back up. A wrong
-  gradient makes a wrong moment: this is the gradient the update used."""
-  adam = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_adam_state)
-          if isinstance(s, optax.ScaleByAdamState)]
-  assert len(adam) == 1, 'the optimizer state holds no one Adam state to read gradients from'
+def first_adam_gradients(opt_state, grad_norm: float, optim_config) -> dict[str, np.ndarray]:
+  """The gradients of a first optimizer step, by path, from Adam's first moment after it: that
+  step sets mu = (1 - b1) g, g the gradients scaled down to optim.grad_clip_norm (the train
+  step's clipping, engine.optimizer.clip_by_global_norm), so g = mu / (1 - b1), scaled back up.
+  With Muon, its matrices' momentum holds (1 - muon_beta) g alike. A wrong gradient makes a
+  wrong moment: this is the gradient the update used."""
+  states = jax.tree.leaves(opt_state, is_leaf=_is_adam_state)
+  adam = [s for s in states if isinstance(s, optax.ScaleByAdamState)]
+  muon = [s for s in states if isinstance(s, MuonState)]
+  assert len(adam) == 1 and len(muon) <= 1, (
+      'the optimizer state holds no one Adam state to read gradients from')
   clip = optim_config.grad_clip_norm
   unclip = grad_norm / clip if grad_norm >= clip else 1.0
-  return jax.tree.map(lambda mu: np.asarray(mu, np.float32) / (1 - optim_config.b1) * unclip,
-                      jax.device_get(adam[0].mu))
+  gradients = {}
+  for state, decay in [(adam[0], optim_config.b1), *[(m, optim_config.muon_beta) for m in muon]]:
+    gradients.update(_flat(jax.tree.map(
+        lambda mu, d=decay: np.asarray(mu, np.float32) / (1 - d) * unclip, state.mu)))
+  return gradients
 
 
 def _is_adam_state(node) -> bool:
-  return isinstance(node, optax.ScaleByAdamState)
+  return isinstance(node, (optax.ScaleByAdamState, MuonState))
 
 
 def engine_run(config, mode, num_steps) -> Run:
