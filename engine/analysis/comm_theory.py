@@ -86,7 +86,8 @@ import numpy as np
 
 from engine.models.moe_dispatch import capacity
 from engine.models.ops import LAYERS
-from engine.parallel import expert_exchange, flat_gather, zero1
+from engine import muon
+from engine.parallel import expert_exchange, flat_gather, muon_blocks, zero1
 from engine.parallel.pipeline import SELF_DIFFERENTIATING
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
@@ -206,7 +207,7 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
                                backward_regather: bool) -> None:
   """Each parameter's own collectives: its gradient's all-reduce over the batch axes it is
   replicated on (and over the heads' axes for replicated key / value heads), its FSDP gathers
-  and its gradient's reduce-scatter."""
+  and its gradient's reduce-scatter, and under Muon its matrix's gathers for the update."""
   mesh_shape, rules = dict(setup.mesh.shape), setup.rules
   names = tuple(mesh_shape)
   reduce_bytes = np.dtype(setup.options.grad_reduce_dtype).itemsize
@@ -231,6 +232,12 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
       # Key / value heads replicated under split query heads: each device's gradient covers
       # only the kv heads its query heads read; summed over the heads' axes (compute dtype).
       expected[('all-reduce', head_axes)] += math.prod(p.shard_shape) * activation_bytes
+    dims = muon.dimension_numbers(p.logical_axes) if setup.optimizer.build else None
+    if dims is not None:  # Muon: the update's and momentum's float32 blocks made whole.
+      size = math.prod(p.shard_shape) * FLOAT32_BYTES
+      for _, axes in muon_blocks.split_dims(p.spec, dims, mesh_shape):
+        size *= math.prod(mesh_shape[a] for a in axes)
+        expected[('all-gather', _ordered(axes, names))] += 2 * size
     gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
     if gathered:
       factor = math.prod(mesh_shape[a] for a in gathered)

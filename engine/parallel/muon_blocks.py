@@ -32,20 +32,9 @@ class MatrixBlocks:
     keyed = lambda tree, is_leaf: {jax.tree_util.keystr(path): leaf for path, leaf in
                                    jax.tree_util.tree_flatten_with_path(tree, is_leaf)[0]}
     specs = keyed(param_specs, lambda x: isinstance(x, P))
-    self.splits = {key: self._split_dims(specs[key], dims, mesh_shape)
+    self.splits = {key: split_dims(specs[key], dims, mesh_shape)
                    for key, dims in keyed(matrix_dims, is_dims).items() if dims is not None}
     self.mesh_shape = mesh_shape
-
-  @staticmethod
-  def _split_dims(spec: P, dims, mesh_shape) -> list[tuple[int, tuple[str, ...]]]:
-    """(dimension, the mesh axes splitting it) for each split matrix dimension."""
-    matrix = [*_axes(dims.reduction_axis), *_axes(dims.output_axis)]
-    splits = []
-    for dim in sorted(matrix):
-      axes = spec_axes(P(spec[dim])) if dim < len(spec) else ()
-      if math.prod(mesh_shape[a] for a in axes) > 1:
-        splits.append((dim, axes))
-    return splits
 
   def gathered(self, tree):
     """Each leaf made whole along its split matrix dimensions."""
@@ -80,6 +69,18 @@ class MatrixBlocks:
       return self.cut(updates), (momentum._replace(mu=self.cut(momentum.mu)), *rest)
 
     return optax.GradientTransformation(orthogonalized.init, update)
+
+
+def split_dims(spec: P, dims, mesh_shape) -> list[tuple[int, tuple[str, ...]]]:
+  """(dimension, the mesh axes splitting it) for each split matrix dimension of a parameter
+  laid out by `spec`, in the order MatrixBlocks gathers them."""
+  matrix = [*_axes(dims.reduction_axis), *_axes(dims.output_axis)]
+  splits = []
+  for dim in sorted(matrix):
+    axes = spec_axes(P(spec[dim])) if dim < len(spec) else ()
+    if math.prod(mesh_shape[a] for a in axes) > 1:
+      splits.append((dim, axes))
+  return splits
 
 
 def _axes(axis) -> tuple[int, ...]:

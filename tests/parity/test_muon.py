@@ -117,7 +117,7 @@ def test_manual_mode_gathers_each_split_matrix_and_its_momentum_once():
     if dims is None:
       continue
     size = 4 * math.prod(p.shard_shape)
-    for _, axes in muon_blocks.MatrixBlocks._split_dims(p.spec, dims, mesh):
+    for _, axes in muon_blocks.split_dims(p.spec, dims, mesh):
       size *= math.prod(mesh[a] for a in axes)
       expected += 2 * size  # The update and the momentum.
   assert expected > 0
