@@ -234,10 +234,14 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
       expected[('all-reduce', head_axes)] += math.prod(p.shard_shape) * activation_bytes
     dims = muon.dimension_numbers(p.logical_axes) if setup.optimizer.build else None
     if dims is not None:  # Muon: the update's and momentum's float32 blocks made whole.
+      plan = muon_blocks.matrix_plan(p.spec, dims, p.shard_shape, mesh_shape)
       size = math.prod(p.shard_shape) * FLOAT32_BYTES
-      for _, axes in muon_blocks.split_dims(p.spec, dims, mesh_shape):
-        size *= math.prod(mesh_shape[a] for a in axes)
-        expected[('all-gather', _ordered(axes, names))] += 2 * size
+      for _, axes in plan.splits:
+        if plan.stack_dim is not None:  # Exchanged there and back, the block's size each time.
+          expected[('all-to-all', _ordered(axes, names))] += 4 * size
+        else:
+          size *= math.prod(mesh_shape[a] for a in axes)
+          expected[('all-gather', _ordered(axes, names))] += 2 * size
     gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
     if gathered:
       factor = math.prod(mesh_shape[a] for a in gathered)

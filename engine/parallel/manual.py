@@ -265,9 +265,8 @@ def build_steps(setup: TrainSetup) -> Steps:
   param_specs = state_specs['params']
   batch_spec = setup.batch_sharding().spec
 
-  # Muon orthogonalizes whole matrices: each split one gathered and cut back (muon_blocks.py).
-  tx = setup.optimizer.blockwise(MatrixBlocks(param_specs, setup.optimizer.matrix_dims,
-                                              dict(setup.mesh.shape)).whole)
+  # Muon orthogonalizes whole matrices: each split one exchanged or gathered (muon_blocks.py).
+  tx = setup.optimizer.blockwise(MatrixBlocks(setup).on_whole_matrices)
 
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients.with_stats(state['params'], tokens_BL1)

@@ -1,53 +1,96 @@
-"""Manual mode's Muon: each split matrix made whole for Newton-Schulz, then cut back to this
-device's block.
+"""Manual mode's Muon: each split matrix made whole for Newton-Schulz, and the result returned to
+the blocks the devices hold.
 
-A parameter is held in blocks split over the mesh axes of its PartitionSpec. Before optax's
-momentum and Newton-Schulz step (engine/muon.py), the update and the momentum of each matrix are
-all-gathered, in float32, along the matrix dimensions that are split (fsdp's embed, tensor's
-heads / kv_heads / mlp); the step runs on the whole matrix, and the update and the new momentum
-are cut back to this device's block. Batch dimensions stay split: stacked layers over stage and
-experts over expert are separate matrices. Every device of a split thus orthogonalizes the same
-matrix (the work is repeated, not divided), and each step gathers 2 x 4 bytes per element of a
-split matrix, (n - 1) / n of them from the n - 1 other devices of its split.
+A parameter is held in blocks split over the mesh axes of its PartitionSpec. Newton-Schulz needs
+each matrix whole, so before optax's momentum and Newton-Schulz step (engine/muon.py) the update
+and the momentum of each split matrix are made whole, the step runs, and the update and the new
+momentum go back to the blocks. Two ways, per parameter (`matrix_plan`):
+
+  exchange: a stack of matrices (stacked layers, experts) whose local stack divides over the n
+    devices of the split: one all_to_all per split axis hands each device whole matrices for
+    1 / n of the stack, and one more hands the results back. Each matrix is orthogonalized once;
+    each step sends, per device, 4 x the float32 block (the update and momentum there and back),
+    (n - 1) / n of it to other devices, and holds no whole stack.
+  gather: any other (a stack that does not divide, a lone matrix): all-gathered whole on every
+    device of the split and orthogonalized there, each device keeping its own block; 2 x the
+    whole float32 matrix arrives per step, and the work is repeated on the n devices.
+
+Batch dimensions split over the mesh (stacked layers over stage, experts over expert) stay split:
+those are separate matrices.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine.muon import is_dims
 from engine.sharding import spec_axes
 
 
+@dataclasses.dataclass(frozen=True)
+class MatrixPlan:
+  """How manual mode makes one parameter's matrices whole: `splits` (matrix dimension, the mesh
+  axes splitting it), gathered one after another; or with `stack_dim`, the batch dimension whose
+  blocks are exchanged for them instead (all_to_all)."""
+  splits: tuple[tuple[int, tuple[str, ...]], ...]
+  stack_dim: int | None
+
+
+def matrix_plan(spec: P, dims, local_shape, mesh_shape: dict[str, int]) -> MatrixPlan:
+  """The plan for a parameter laid out by `spec` with these Muon dimension numbers, whose block
+  on a device has `local_shape`."""
+  matrix = sorted([*_axes(dims.reduction_axis), *_axes(dims.output_axis)])
+  splits = []
+  for dim in matrix:
+    axes = spec_axes(P(spec[dim])) if dim < len(spec) else ()
+    if math.prod(mesh_shape[a] for a in axes) > 1:
+      splits.append((dim, axes))
+  ways = math.prod(mesh_shape[a] for _, axes in splits for a in axes)
+  stack = [d for d in range(len(local_shape)) if d not in matrix and local_shape[d] % ways == 0]
+  return MatrixPlan(tuple(splits), stack[0] if splits and stack else None)
+
+
 class MatrixBlocks:
-  """Where each Muon matrix is split: the all-gathers that make it whole and the slice that cuts
-  this device's block back, for the trees Muon's part of the optimizer sees (the parameters'
-  structure, the others masked)."""
+  """Every Muon matrix's plan, and the collectives that carry it out on the trees Muon's part of
+  the optimizer sees (the parameters' structure, the others masked)."""
 
-  def __init__(self, param_specs, matrix_dims, mesh_shape: dict[str, int]):
-    keyed = lambda tree, is_leaf: {jax.tree_util.keystr(path): leaf for path, leaf in
-                                   jax.tree_util.tree_flatten_with_path(tree, is_leaf)[0]}
-    specs = keyed(param_specs, lambda x: isinstance(x, P))
-    self.splits = {key: split_dims(specs[key], dims, mesh_shape)
-                   for key, dims in keyed(matrix_dims, is_dims).items() if dims is not None}
-    self.mesh_shape = mesh_shape
+  def __init__(self, setup):
+    self.mesh_shape = dict(setup.mesh.shape)
+    specs = _keyed(setup.param_specs, lambda x: isinstance(x, P))
+    shapes = _keyed(setup.abstract_params, None)
+    self.plans = {
+        key: matrix_plan(specs[key], dims,
+                         NamedSharding(setup.mesh, specs[key]).shard_shape(shapes[key].shape),
+                         self.mesh_shape)
+        for key, dims in _keyed(setup.optimizer.matrix_dims, is_dims).items()
+        if dims is not None}
 
-  def gathered(self, tree):
-    """Each leaf made whole along its split matrix dimensions."""
-    def gather(path, x):
-      for dim, axes in self.splits[jax.tree_util.keystr(path)]:
-        x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+  def whole(self, tree):
+    """Each leaf's matrices made whole: exchanged for whole ones of part of the stack, or
+    gathered."""
+    def whole_leaf(path, x):
+      plan = self.plans[jax.tree_util.keystr(path)]
+      for dim, axes in plan.splits:
+        if plan.stack_dim is None:
+          x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        else:
+          x = jax.lax.all_to_all(x, axes, plan.stack_dim, dim, tiled=True)
       return x
-    return jax.tree_util.tree_map_with_path(gather, tree)
+    return jax.tree_util.tree_map_with_path(whole_leaf, tree)
 
-  def cut(self, tree):
-    """Each whole leaf cut back to this device's block."""
+  def blocks(self, tree):
+    """`whole`'s inverse: each leaf back to this device's block."""
     def block(path, x):
-      for dim, axes in self.splits[jax.tree_util.keystr(path)]:
+      plan = self.plans[jax.tree_util.keystr(path)]
+      for dim, axes in reversed(plan.splits):
+        if plan.stack_dim is not None:
+          x = jax.lax.all_to_all(x, axes, dim, plan.stack_dim, tiled=True)
+          continue
         index = 0
         for axis in axes:  # Row-major over the axes, as the spec lays the blocks out.
           index = index * self.mesh_shape[axis] + jax.lax.axis_index(axis)
@@ -56,31 +99,25 @@ class MatrixBlocks:
       return x
     return jax.tree_util.tree_map_with_path(block, tree)
 
-  def whole(self, orthogonalized: optax.GradientTransformation) -> optax.GradientTransformation:
+  def on_whole_matrices(self, orthogonalized: optax.GradientTransformation
+                        ) -> optax.GradientTransformation:
     """`orthogonalized` (engine/muon.py: optax's scale_by_muon, then the width scale) run on
-    whole matrices: its first state is scale_by_muon's, whose momentum is gathered and cut
-    like the update."""
+    whole matrices: its first state is scale_by_muon's, whose momentum travels with the
+    update."""
 
     def update(updates, state, params=None):
       del params  # Muon's orthogonalizing part reads none.
       momentum, *rest = state
-      whole_state = (momentum._replace(mu=self.gathered(momentum.mu)), *rest)
-      updates, (momentum, *rest) = orthogonalized.update(self.gathered(updates), whole_state)
-      return self.cut(updates), (momentum._replace(mu=self.cut(momentum.mu)), *rest)
+      whole_state = (momentum._replace(mu=self.whole(momentum.mu)), *rest)
+      updates, (momentum, *rest) = orthogonalized.update(self.whole(updates), whole_state)
+      return self.blocks(updates), (momentum._replace(mu=self.blocks(momentum.mu)), *rest)
 
     return optax.GradientTransformation(orthogonalized.init, update)
 
 
-def split_dims(spec: P, dims, mesh_shape) -> list[tuple[int, tuple[str, ...]]]:
-  """(dimension, the mesh axes splitting it) for each split matrix dimension of a parameter
-  laid out by `spec`, in the order MatrixBlocks gathers them."""
-  matrix = [*_axes(dims.reduction_axis), *_axes(dims.output_axis)]
-  splits = []
-  for dim in sorted(matrix):
-    axes = spec_axes(P(spec[dim])) if dim < len(spec) else ()
-    if math.prod(mesh_shape[a] for a in axes) > 1:
-      splits.append((dim, axes))
-  return splits
+def _keyed(tree, is_leaf) -> dict:
+  return {jax.tree_util.keystr(path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf)[0]}
 
 
 def _axes(axis) -> tuple[int, ...]:

@@ -7,8 +7,9 @@
   tensor), with pipeline stages, and on a mixture of experts split over expert; auto mode with
   ZeRO-1 too. Orthogonalizing each device's block instead of the whole matrix (the planted bug)
   fails that.
-- Manual mode's step gathers each split matrix's update and momentum: the all-gathers it adds to
-  AdamW's step are their float32 blocks made whole, one split dimension after another.
+- Manual mode's step makes each split matrix's update and momentum whole, by all_to_all where
+  its stack divides over the split and by all-gathers where not: the bytes it adds to AdamW's
+  step, from the HLO. A stack that divides is exchanged, and equals one device too.
 - A Muon run resumes exactly, manual mode's blocks in auto mode too. (Bad input:
   tests/support/bad_inputs_main.py.)
 """
@@ -20,6 +21,7 @@ import pytest
 from optax.contrib import MuonDimensionNumbers as Dims
 
 from engine import muon
+from engine.assemble import lay_out
 from engine.parallel import muon_blocks
 from tests.parity.test_llama import llama_config
 from tests.support.helpers import (assert_resumes_exactly, assert_same_run, collective_table,
@@ -68,11 +70,24 @@ def test_the_reference_is_not_adamw(reference):
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 @pytest.mark.parametrize('mesh', [(2, 2, 2, 1), (2, 1, 2, 2)], ids=['2x2x2', 'data2_tensor2_stage2'])
 def test_both_modes_equal_optax_muon_on_one_device(mesh, mode, reference):
+  """Two layers: manual mode gathers each split matrix (a stack of two does not divide over the
+  fsdp x tensor devices)."""
   config = _config(mesh[:3], mode)
   config.mesh.stage = mesh[3]
   if mesh[3] > 1:
     config.train.microbatches = 2
   assert_same_run(engine_run(config, mode, 2), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode', ['auto', 'manual'])
+def test_a_stack_that_divides_is_exchanged_and_equals_it_too(mode):
+  """Four layers over fsdp 2 x tensor 2: manual mode hands each device whole matrices of one
+  layer (all_to_all) instead of gathering."""
+  config = _config((2, 2, 2), mode, num_layers=4)
+  plans = muon_blocks.MatrixBlocks(lay_out(config, 256)).plans
+  assert {plan.stack_dim for plan in plans.values()} == {0}
+  assert_same_run(engine_run(config, mode, 2), single_device_run(_config(num_layers=4), 2))
 
 
 @pytest.mark.slow
@@ -93,35 +108,41 @@ def test_experts_split_over_expert_are_separate_matrices(mode):
 
 @pytest.mark.slow
 def test_blocks_orthogonalized_alone_are_caught(reference, monkeypatch):
-  monkeypatch.setattr(muon_blocks.MatrixBlocks, 'gathered', lambda self, tree: tree)
-  monkeypatch.setattr(muon_blocks.MatrixBlocks, 'cut', lambda self, tree: tree)
+  monkeypatch.setattr(muon_blocks.MatrixBlocks, 'whole', lambda self, tree: tree)
+  monkeypatch.setattr(muon_blocks.MatrixBlocks, 'blocks', lambda self, tree: tree)
   with pytest.raises(AssertionError):
     assert_same_run(engine_run(_config((2, 2, 2), 'manual'), 'manual', 2), reference)
 
 
 @pytest.mark.slow
-def test_manual_mode_gathers_each_split_matrix_and_its_momentum_once():
-  """data 2 x fsdp 2 x tensor 2: the all-gathers Muon adds to AdamW's step are, per device, the
-  update's and the momentum's float32 blocks made whole one split dimension after another (the
-  HLO counts each all-gather's result)."""
-  gathered = {}
+@pytest.mark.parametrize('layers', [2, 4], ids=['gathered', 'exchanged'])
+def test_manual_mode_moves_each_split_matrix_and_its_momentum_once(layers):
+  """data 2 x fsdp 2 x tensor 2: the collectives Muon adds to AdamW's step (the HLO counts each
+  all-gather's and all-to-all's result): gathered, the float32 blocks made whole one split
+  dimension after another; exchanged, the block itself there and back, per split axis."""
+  moved = {}
   for name in ('adamw', 'muon'):
-    config = _config((2, 2, 2), 'manual')
+    config = _config((2, 2, 2), 'manual', num_layers=layers)
     config.optim.name = name
     train_setup, compiled = compiled_train_step(config, 'manual')
-    gathered[name] = sum(row['bytes'] for (kind, _), row in
-                         collective_table(train_setup, compiled).items() if kind == 'all-gather')
+    moved[name] = sum(row['bytes'] for (kind, _), row in
+                      collective_table(train_setup, compiled).items()
+                      if kind in ('all-gather', 'all-to-all'))
   mesh, expected = dict(train_setup.mesh.shape), 0
   for p in train_setup.parameters():
     dims = muon.dimension_numbers(p.logical_axes)
     if dims is None:
       continue
+    plan = muon_blocks.matrix_plan(p.spec, dims, p.shard_shape, mesh)
     size = 4 * math.prod(p.shard_shape)
-    for _, axes in muon_blocks.split_dims(p.spec, dims, mesh):
-      size *= math.prod(mesh[a] for a in axes)
-      expected += 2 * size  # The update and the momentum.
+    for _, axes in plan.splits:
+      if plan.stack_dim is None:
+        size *= math.prod(mesh[a] for a in axes)
+        expected += 2 * size  # The update and the momentum, gathered.
+      else:
+        expected += 4 * size  # Both, there and back.
   assert expected > 0
-  assert gathered['muon'] - gathered['adamw'] == expected
+  assert moved['muon'] - moved['adamw'] == expected
 
 
 @pytest.mark.slow
