@@ -86,8 +86,9 @@ def prepare(workdir: str) -> epath.Path:
 
 def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> None:
   """Refuses to resume a checkpoint whose model or data config differ from this one: the state
-  would not fit, or the run would silently change; so does a learning-rate schedule whose end
-  would move with train.num_steps. Mesh, mode, the optim keys and the model's compute keys
+  would not fit, or the run would silently change; so does another optimizer (optim.name), or a
+  learning-rate schedule whose end would move with train.num_steps. Mesh, mode, the other optim
+  keys and the model's compute keys
   (COMPUTE_KEYS: dtype, remat, matmul precision) may change (but not the circular pipeline's
   layer grouping)."""
   path = workdir / CONFIG_FILE
@@ -106,6 +107,14 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: epath.Path) -> N
     raise ConfigError(
         f'--workdir={workdir} holds checkpoints stored for train.pipeline_repeats={repeats}; '
         f'resume with --config.train.pipeline_repeats={repeats}, or use a new --workdir.')
+  # AdamW's state and Muon's differ in structure: a checkpoint restores only into its own.
+  optimizer = saved.get('optim', {}).get('name', 'adamw')
+  if optimizer != config.optim.name:
+    raise ConfigError(
+        f'--workdir={workdir} holds checkpoints with optim.name={optimizer!r} state; resume '
+        f'with --config.optim.name={optimizer}, or train its weights with '
+        f'optim.name={config.optim.name!r} in a new --workdir with '
+        f'--config.train.init_from={workdir}.')
   _check_schedule_end(config, saved, workdir)
 
 

@@ -119,6 +119,15 @@ def test_runs_shorter_than_their_warmup_share_one_schedule(tmp_path):
     workdir_lib.check_resumable(config, workdir)
 
 
+def test_check_resumable_refuses_another_optimizer(tmp_path):
+  workdir = _saved(tmp_path, 600, -1, 'cosine')
+  config = tiny_config(steps=600)
+  config.optim.name = 'muon'
+  with pytest.raises(ConfigError, match=r"optim.name='adamw' state; resume with "
+                     r'--config.optim.name=adamw, .* --config.train.init_from='):
+    workdir_lib.check_resumable(config, workdir)
+
+
 def _lrs(workdir):
   with open(workdir / 'metrics.jsonl') as f:
     lines = [json.loads(line) for line in f]
