@@ -9,8 +9,11 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from engine.cli.command_line import check_out_prefix, run_command
+from engine import config as config_lib
+from engine.errors import ConfigError
+from engine.plan import search
 from engine.plan.planner import DCN_GB_PER_S, plan
-from engine.plan.report import markdown
+from engine.plan.report import markdown, search_markdown
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
                                           lock_config=False)
@@ -23,6 +26,13 @@ _MESHES = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCO
 _DCN_GB_PER_S = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
                                    'Bandwidth between slices, GB/s (gigabytes) per chip.')
 _OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
+_SEARCH = flags.DEFINE_bool(
+    'search', False, 'Search the meshes, remat policies, micro-batch counts and memory levers '
+    '(engine/plan/search.py) instead of --meshes: estimate every candidate, compile the --top '
+    'fastest that fit. With --out, an interrupted search resumes from OUT.json.')
+_FIXED = flags.DEFINE_list('fixed', [], 'With --search: mesh axes held at a size, AXIS=SIZE '
+                           '(e.g. tensor=1,stage=1).')
+_TOP = flags.DEFINE_integer('top', 4, 'With --search: how many candidates to compile.')
 _MEMORY_BREAKDOWN = flags.DEFINE_bool(
     'memory_breakdown', False, 'Also list, per candidate, the largest buffers of the step\'s '
     'memory at its peak (the compiler\'s memory layout; for a candidate that does not fit too).')
@@ -32,14 +42,19 @@ def main(argv):
   del argv
   check_out_prefix(_OUT.value)
   start = time.perf_counter()
-  result = plan(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _MODES.value, _MESHES.value,
-                _DCN_GB_PER_S.value, _MEMORY_BREAKDOWN.value)
+  if _SEARCH.value:
+    result = search.search(_CONFIG.value, _TOPOLOGY.value, _MODES.value, _fixed_axes(),
+                           _TOP.value, _OUT.value, _DCN_GB_PER_S.value)
+  else:
+    result = plan(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _MODES.value, _MESHES.value,
+                  _DCN_GB_PER_S.value, _MEMORY_BREAKDOWN.value)
   result['wall_s'] = time.perf_counter() - start
   config_arg = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
                     flags.FLAGS['config'].value)
   overrides = [a for a in sys.argv[1:] if a.startswith('--config.')]
   result['plan_command'] = ' '.join(['python -m engine.plan', *sys.argv[1:]])
-  report = markdown(result, config_arg, overrides) + f'\nPlanned in {result["wall_s"]:.0f} s.\n'
+  report = (search_markdown if _SEARCH.value else markdown)(result, config_arg, overrides)
+  report += f'\nPlanned in {result["wall_s"]:.0f} s.\n'
   print(report)
   if _OUT.value:
     with open(_OUT.value + '.md', 'w') as f:
@@ -47,6 +62,24 @@ def main(argv):
     with open(_OUT.value + '.json', 'w') as f:
       json.dump(result, f, indent=1, default=str)
     logging.info('Wrote %s.md and %s.json', _OUT.value, _OUT.value)
+
+
+def _fixed_axes() -> dict[str, int]:
+  """--fixed as {axis: size}, checked before anything compiles."""
+  if _MESHES.value or _NUM_SLICES.value != 1:
+    raise ConfigError('--search finds the meshes of one slice itself: drop --meshes and '
+                      '--num_slices, or drop --search.')
+  if _TOP.value < 1:
+    raise ConfigError(f'--top={_TOP.value} must be at least 1: the candidates to compile.')
+  fixed = {}
+  for item in _FIXED.value:
+    axis, _, size = item.partition('=')
+    if axis not in config_lib.MESH_AXES or not size.isdigit() or int(size) < 1:
+      raise ConfigError(f'--fixed={item!r} must be AXIS=SIZE, AXIS one of '
+                        f'{", ".join(config_lib.MESH_AXES)} and SIZE a positive integer, e.g. '
+                        '--fixed=tensor=1,stage=1.')
+    fixed[axis] = int(size)
+  return fixed
 
 
 if __name__ == '__main__':

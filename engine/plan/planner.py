@@ -22,7 +22,8 @@ gets:
     the expert rows its dispatch pads (engine/plan/step_flops.py), and its row the all-to-all bytes
     per step and device (the experts' exchange), the theory's and the compiled program's;
   - the config (JSON) and the command line that trains it.
-Candidates are ranked by the slower estimate, those that fit first.
+Candidates are ranked by the slower estimate, those that fit first. With --search the candidates
+are found instead of listed (engine/plan/search.py).
 """
 
 from __future__ import annotations
@@ -282,6 +283,13 @@ def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware
   }
 
 
+def rank(rows: list[dict]) -> None:
+  """Sets each row's rank: those that fit first, then by the serial step time."""
+  order = lambda r: (r['status'] != 'fits', r.get('roofline', {}).get('serial_s', math.inf))
+  for place, row in enumerate(sorted(rows, key=order), 1):
+    row['rank'] = place
+
+
 def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, modes: list[str],
          meshes: list[str], dcn_gb_per_s: float = DCN_GB_PER_S,
          memory_breakdown: bool = False) -> dict:
@@ -313,9 +321,7 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
   if all(row['status'] == 'invalid' for row in rows):
     raise ConfigError(f'no candidate can run on {topology}; the first, mesh '
                       f'{rows[0]["mesh"]}: {rows[0]["error"]}')
-  rank = lambda r: (r['status'] != 'fits', r.get('roofline', {}).get('serial_s', math.inf))
-  for place, row in enumerate(sorted(rows, key=rank), 1):
-    row['rank'] = place
+  rank(rows)
   return {'topology': topology, 'num_slices': num_slices, 'chip': hardware.chip.name,
           'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
           'processes': num_processes, 'hbm_bytes_per_device': hardware.hbm_bytes,

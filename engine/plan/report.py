@@ -9,6 +9,7 @@ from engine import chips
 from engine import config as config_lib
 from engine.analysis import verdicts
 from engine.analysis.compare_report import LOWER_BOUND_NOTE, element_types, lower_bound
+from engine.plan import search
 
 
 def train_command(config_arg: str, overrides: list[str], mesh: dict[str, int], mode: str,
@@ -146,3 +147,57 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
                             ml_collections.ConfigDict(r['config']))
     lines += ['', f'Train it: `{command}`', '']
   return '\n'.join(lines)
+
+
+def search_markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
+  """A search's report (engine/plan/search.py): the compiled candidates ranked, each with its
+  estimate beside the compiled numbers and its training command; then the best estimates."""
+  estimates, compiled = result['estimates'], result['candidates']
+  lines = [f'# Search on {result["topology"]}: {result["devices"]} x {result["chip"]} devices, '
+           f'{_gib(result["hbm_bytes_per_device"])} GiB HBM each', '',
+           f'{len(estimates)} candidates estimated over '
+           f'{len({tuple(e["mesh"].values()) for e in estimates})} meshes, '
+           f'{result["fitting_estimates"]} fit by the estimate; the fastest compiled:', '',
+           '| rank | mesh | levers | mode | fits | peak GiB: estimate / compiled | step ms: '
+           'estimate / compiled (serial) | MFU (serial) |',
+           '|---:|---|---|---|---|---|---|---:|']
+  for r in sorted(compiled, key=lambda r: r.get('rank', 0)):
+    e, m, roof = r['estimate'], r.get('memory', {}), r.get('roofline')
+    peak = m.get('peak_estimate_bytes')
+    lines.append(
+        f'| {r.get("rank", "-")} | {r["mesh"]} | {_levers(e["lever"])} | {r["mode"]} | '
+        f'{"**yes**" if r["status"] == "fits" else r["status"]} | '
+        f'{_gib(e["memory_bytes"])} / {_gib(peak)} | {e["serial_s"] * 1e3:.0f} / '
+        f'{roof["serial_s"] * 1e3:.0f} | {100 * r["mfu"]:.1f} % |' if roof else
+        f'| - | {r["mesh"]} | {_levers(e["lever"])} | {r["mode"]} | {r["status"]} | '
+        f'{_gib(e["memory_bytes"])} / {_gib(peak)} | {e["serial_s"] * 1e3:.0f} / - | - |')
+  lines += ['', 'The best estimates (those compiled first):', '',
+            '| mesh | levers | memory GiB | step ms (serial) |', '|---|---|---:|---:|']
+  for e in search.fastest_fitting(estimates, result['hbm_bytes_per_device'])[:12]:
+    mesh = ' x '.join(f'{a} {n}' for a, n in e['mesh'].items() if n > 1) or 'one device'
+    lines.append(f'| {mesh} | {_levers(e["lever"])} | {_gib(e["memory_bytes"])} | '
+                 f'{e["serial_s"] * 1e3:.0f} |')
+  lines += ['', 'Estimates: engine/plan/search.py (memory: the train state as laid out, '
+            'gradients, gathered weights, kept activations, one layer\'s working set and the '
+            'head\'s logits; time: the executed FLOPs at peak plus the communication theory\'s '
+            'bytes over the interconnect). Compiled: as engine.plan (below).', '']
+  for r in sorted(compiled, key=lambda r: r.get('rank', 0)):
+    if r['status'] == 'invalid':
+      continue
+    levers = [f'--config.{k}={v}' for k, v in r['estimate']['lever'].items()]
+    command = train_command(config_arg, [*overrides, *levers], r['mesh_shape'], r['mode'],
+                            ml_collections.ConfigDict(r['config']))
+    lines.append(f'- rank {r.get("rank", "-")}, {r["mesh"]}, {r["mode"]}: `{command}`')
+  return '\n'.join(lines) + '\n'
+
+
+def _levers(lever: dict) -> str:
+  """The settings a searched candidate adds, in a few words."""
+  words = [lever['model.remat'].replace('dots_with_no_batch_dims_saveable', 'dots')]
+  if lever['train.microbatches'] > 1:
+    words.append(f'{lever["train.microbatches"]} micro-batches')
+  if lever['parallelism.optimizer_sharding'] == 'zero1':
+    words.append('zero1')
+  if lever['model.loss_chunks'] > 1:
+    words.append(f'loss in {lever["model.loss_chunks"]}')
+  return ', '.join(words)

@@ -248,6 +248,13 @@ COMMAND_ROWS = {
         ([TINY, V5P, '--modes=bogus'], 2,
          "--modes='bogus' is unknown; choose one of ['auto', 'manual']."),
         ([TINY, V5P, '--dcn_gb_per_s=0'], 2, '--dcn_gb_per_s=0 must be a positive number.'),
+        ([TINY, V5P, '--search', '--fixed=pipeline=2'], 2, "--fixed='pipeline=2' must be "
+         'AXIS=SIZE, AXIS one of data, fsdp, tensor, context, stage, expert and SIZE a positive '
+         'integer, e.g. --fixed=tensor=1,stage=1.'),
+        ([TINY, V5P, '--search', '--meshes=8x1x1'], 2, '--search finds the meshes of one slice '
+         'itself: drop --meshes and --num_slices, or drop --search.'),
+        ([TINY, V5P, '--search', '--top=0'], 2, '--top=0 must be at least 1: the candidates to '
+         'compile.'),
         ([TINY, V5P, '--meshes=3x1x1'], 2, 'no candidate can run on v5p:2x2x2; the first, mesh '
          '3x1x1x1x1x1: mesh: data*fsdp*tensor = 3*1*1 = 3, but there are 8 devices; make the '
          'product 8 or set one axis to -1.'),

@@ -180,6 +180,8 @@ CHECKS = {
     '--config.data.tokenizer=hf --workdir=/tmp/llama_124m_bpe': ACCELERATOR,
     'python -m engine.plan --config=experiments/llama_8b.py --topology=v5p:4x4x8 '
     '--meshes=8x16x1,1x32x4,1x16x1x1x8 --out=/tmp/plan_8b': NO_LIBTPU,
+    'python -m engine.plan --config=experiments/llama_8b.py --topology=v5p:4x4x8 '
+    '--config.model.attention=splash --search --top=4 --out=/tmp/search_8b': NO_LIBTPU,
     # experiments/mixtral_8x7b.py (BUILD.md has its plan table).
     'python -m engine.plan --config=experiments/mixtral_8x7b.py --topology=v5p:4x4x8 '
     '--meshes=1x16x1x1x1x8,4x4x1x1x1x8,1x128x1 --modes=auto,manual --out=/tmp/plan_mixtral':

@@ -1,0 +1,235 @@
+"""engine.plan --search: the layouts that fit an experiment on a topology, found rather than
+listed. Every candidate is estimated analytically; the fastest that fit are compiled.
+
+Candidates: each mesh over data, fsdp, tensor, context, stage and expert whose sizes multiply
+to the topology's devices (the axes --fixed names held), that the engine accepts; x model.remat
+full or dots_with_no_batch_dims_saveable; x micro-batches 1 (with stages: 1x and 2x the stages);
+x ZeRO-1 where a data axis holds replicated parameters; x the chunked loss (8 slices, where they
+divide). The experiment's other settings stay.
+
+The estimate (`estimate`), per device:
+  memory = the train state (parameters and moments, as the layout splits them: exact)
+         + the gradients (float32, split like the parameters)
+         + two layers' weights gathered over fsdp, in the compute dtype
+         + the activations the backward pass keeps: full remat, each local layer's input per
+           micro-batch in flight (all micro-batches under GPipe, the stages' count under 1F1B);
+           dots_with_no_batch_dims_saveable, every projection's output as well
+         + one layer's working set: its inputs, the attention and MLP activations, recomputed
+         + the head's logits for one loss chunk: 1.25 x their float32 size (what the compiled
+           steps of the Llama-8B search hold: docs/benchmarks.md, "Searched plans");
+  time = the FLOPs the step executes / peak + the communication theory's bytes on the wire /
+         the interconnect (engine/plan/planner.py's roofline, the theory in place of compiled
+         collectives), the serial bound.
+Candidates whose memory estimate exceeds HBM are dropped; the others are ranked by time, and the
+best --top are compiled in each mode (planner.plan_candidate), their compiled memory set beside
+the estimate. A search writes its rows to OUT.json as it goes and, rerun with the same flags,
+compiles only what it has not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+
+import ml_collections
+import numpy as np
+from absl import logging
+
+from engine import config as config_lib
+from engine.analysis import comm_theory
+from engine.assemble import VOCABULARY, assemble
+from engine.errors import ConfigError
+from engine.plan import planner
+from engine.plan.step_flops import executed_flops, expert_padding_flops
+
+REMATS = ('full', 'dots_with_no_batch_dims_saveable')
+LOSS_CHUNKS = 8
+# The share of HBM an estimate may fill: the compiler's layout and fragmentation take the rest.
+HBM_SHARE = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+  """What a candidate sets beside its mesh."""
+  remat: str
+  microbatches: int
+  zero1: bool
+  loss_chunks: int
+
+  def values(self) -> dict:
+    return {'model.remat': self.remat, 'train.microbatches': self.microbatches,
+            'parallelism.optimizer_sharding': 'zero1' if self.zero1 else 'params',
+            'model.loss_chunks': self.loss_chunks}
+
+  def flags(self) -> list[str]:
+    return [f'--config.{key}={value}' for key, value in self.values().items()]
+
+
+def meshes(num_devices: int, fixed: dict[str, int]) -> list[dict[str, int]]:
+  """Every assignment of sizes to the mesh axes whose product is `num_devices`, with the
+  `fixed` axes at their sizes."""
+  divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+  found = []
+  for sizes in itertools.product(divisors, repeat=len(config_lib.MESH_AXES)):
+    mesh = dict(zip(config_lib.MESH_AXES, sizes))
+    if math.prod(sizes) == num_devices and all(mesh[a] == n for a, n in fixed.items()):
+      found.append(mesh)
+  return found
+
+
+def levers(config: ml_collections.ConfigDict, mesh: dict[str, int]) -> list[Lever]:
+  stages = mesh['stage']
+  counts = (1,) if stages == 1 else (stages, 2 * stages)
+  zero1 = (False, True) if mesh['data'] > 1 else (False,)
+  local = config.data.seq_len // mesh['context']
+  chunks = (1, LOSS_CHUNKS) if local % LOSS_CHUNKS == 0 else (1,)
+  return [Lever(*choice) for choice in itertools.product(REMATS, counts, zero1, chunks)]
+
+
+def estimate(run, hardware: planner.Hardware) -> dict:
+  """The analytic memory (bytes per device) and serial step time of an assembled candidate."""
+  config, setup = run.config, run.setup
+  mesh = dict(setup.mesh.shape)
+  model, m = setup.model, config.model
+  dtype_bytes = np.dtype(m.dtype).itemsize
+  parameters = setup.parameters()
+  params = sum(p.bytes_per_device for p in parameters)
+  moments = sum(2 * p.bytes_per_device // _moment_split(p, mesh) for p in parameters)
+  state = params + moments
+  gradients = params
+
+  batch_ways = math.prod(mesh[a] for a in setup.rules.mesh_axes('batch', activation=True))
+  local_rows = config.data.global_batch_size // batch_ways
+  stages = mesh['stage']
+  rows = local_rows // config.train.microbatches  # A micro-batch's rows.
+  in_flight = 1 if stages == 1 else (config.train.microbatches if config.train.pipeline_schedule
+                                     == 'gpipe' else min(stages, config.train.microbatches))
+  length = config.data.seq_len // mesh['context']
+  tensor = mesh['tensor']
+  layers = model.num_layers // stages
+  D, F = model.embed_dim, m.mlp_dim
+  heads = m.num_heads
+  kv = m.num_kv_heads if m.num_kv_heads > 0 else heads
+  head_dim = m.head_dim if m.get('head_dim', -1) > 0 else D // heads
+  # The projections' outputs: queries, keys, values, attention out, gate, up, down.
+  widths = (heads + 2 * kv) * head_dim / tensor + D + 2 * F / tensor + D
+  token = rows * length
+  kept_per_layer = token * D * dtype_bytes
+  if m.remat != 'full':
+    kept_per_layer += token * widths * dtype_bytes
+  activations = layers * kept_per_layer * in_flight
+  working = token * (4 * D + 2 * widths) * 4
+  vocab = model.vocab_size / (tensor if setup.rules.mesh_axes('vocab', activation=True) else 1)
+  logits = 1.25 * token * vocab * 4 / config.model.loss_chunks
+  layer_params = sum(p.bytes_per_device for p in parameters if 'layers' in p.logical_axes)
+  gathered = 2 * layer_params / max(layers, 1) * mesh['fsdp'] * dtype_bytes / 4
+  memory = state + gradients + gathered + activations + working + logits
+
+  tokens = config.data.global_batch_size * config.data.seq_len
+  model_flops = model.flops_per_token(config.data.seq_len) * tokens
+  padding = expert_padding_flops(setup, config.parallelism.mode, tokens, config.data.seq_len)
+  theory = comm_theory.expected_bytes(setup, config.data.global_batch_size, config.data.seq_len)
+  table = {key: {'array_bytes': value} for key, value in theory.items()}
+  time = planner.roofline({}, table, hardware, m.dtype, mesh,
+                          executed_flops(model_flops + padding, config, setup)
+                          / hardware.num_devices)
+  return {'memory_bytes': memory, 'state_bytes': state, 'activation_bytes': activations,
+          'logits_bytes': logits, 'serial_s': time['serial_s'], 'compute_s': time['compute_s'],
+          'ici_s': time['ici_s'], 'model_flops': model_flops}
+
+
+def _moment_split(p, mesh: dict[str, int]) -> int:
+  """How many more ways ZeRO-1 splits a parameter's moments than the parameter itself."""
+  from engine.sharding import spec_axes  # pylint: disable=g-import-not-at-top
+  extra = set(spec_axes(p.moment_spec or p.spec)) - set(spec_axes(p.spec))
+  return math.prod(mesh[a] for a in extra)
+
+
+def search(config: ml_collections.ConfigDict, topology: str, modes: list[str], fixed: dict,
+           top: int, out: str | None, dcn_gb_per_s: float = planner.DCN_GB_PER_S) -> dict:
+  """Every candidate estimated, the `top` fastest that fit compiled in each mode; the rows
+  (estimates and compiled plans) written to OUT.json as they come, and read back from it."""
+  devices = planner.topology_devices(topology)
+  hardware = planner.Hardware.of(devices, dcn_gb_per_s)
+  identity = {'config': json.loads(config.to_json()), 'topology': topology, 'fixed': fixed,
+              'modes': list(modes), 'dcn_gb_per_s': dcn_gb_per_s}
+  done = _resumed(out, identity)
+  estimates = done.get('estimates') or _estimates(config, devices, hardware, fixed)
+  fitting = fastest_fitting(estimates, hardware.hbm_bytes)
+  if not fitting:
+    raise ConfigError(f'no candidate on {topology} fits in {hardware.hbm_bytes / 2**30:.1f} GiB '
+                      'by the estimate; fix fewer axes (--fixed), or plan a larger topology.')
+  result = {'identity': identity, 'topology': topology, 'num_slices': 1,
+            'chip': hardware.chip.name,
+            'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
+            'processes': len({d.process_index for d in devices}),
+            'hbm_bytes_per_device': hardware.hbm_bytes, 'dcn_gb_per_s': dcn_gb_per_s,
+            'estimates': estimates, 'fitting_estimates': len(fitting),
+            'candidates': done.get('candidates', [])}
+  _write(out, result)
+  compiled = {(c['key'], c['mode']) for c in result['candidates']}
+  chosen = fitting[:top]
+  count = len(chosen) * len(modes)
+  for e in chosen:
+    candidate = config_lib.with_values(config, {**{f'mesh.{a}': n for a, n in e['mesh'].items()},
+                                                **e['lever']})
+    for mode in modes:
+      if (e['key'], mode) in compiled:
+        continue
+      place = f'searched candidate {len(result["candidates"]) + 1} of {count}'
+      row = planner.plan_candidate(candidate, mode, devices, hardware, place)
+      result['candidates'].append({**row, 'key': e['key'], 'estimate': e})
+      _write(out, result)
+  planner.rank(result['candidates'])
+  return result
+
+
+def fastest_fitting(estimates: list[dict], hbm_bytes: float) -> list[dict]:
+  """The estimates that fit (HBM_SHARE of the chip's HBM), fastest first."""
+  return sorted((e for e in estimates if e['memory_bytes'] <= HBM_SHARE * hbm_bytes),
+                key=lambda e: e['serial_s'])
+
+
+def _estimates(config, devices, hardware, fixed) -> list[dict]:
+  """Every candidate the engine accepts, with its estimate."""
+  rows = []
+  for mesh in meshes(len(devices), fixed):
+    for lever in levers(config, mesh):
+      candidate = config_lib.with_values(config, {**{f'mesh.{a}': n for a, n in mesh.items()},
+                                                  **lever.values()})
+      try:
+        run = assemble(candidate, devices, reads=VOCABULARY)
+      except ConfigError:
+        continue  # The engine refuses it: not a candidate.
+      key = 'x'.join(str(mesh[a]) for a in config_lib.MESH_AXES) + ' ' + ' '.join(lever.flags())
+      rows.append({'key': key, 'mesh': mesh, 'lever': lever.values(),
+                   **estimate(run, hardware)})
+  logging.info('Estimated %d candidates over %d meshes.', len(rows),
+               len({tuple(r['mesh'].values()) for r in rows}))
+  return rows
+
+
+def _resumed(out: str | None, identity: dict) -> dict:
+  """What an earlier search with the same flags wrote to OUT.json ({} without one)."""
+  if not out or not os.path.exists(out + '.json'):
+    return {}
+  with open(out + '.json') as f:
+    done = json.load(f)
+  if done.get('identity') != json.loads(json.dumps(identity)):
+    raise ConfigError(f'--out={out}: {out}.json holds another search (config, topology, --fixed, '
+                      '--modes or --dcn_gb_per_s differ); pass a new --out, or the same flags to '
+                      'resume it.')
+  logging.info('Resuming the search in %s.json: %d compiled candidate(s) kept.', out,
+               len(done.get('candidates', [])))
+  return done
+
+
+def _write(out: str | None, result: dict) -> None:
+  if not out:
+    return
+  with open(out + '.json.tmp', 'w') as f:
+    json.dump(result, f, indent=1, default=str)
+  os.replace(out + '.json.tmp', out + '.json')

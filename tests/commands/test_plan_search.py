@@ -1,0 +1,70 @@
+"""engine.plan --search (engine/plan/search.py): every candidate estimated, the fastest that fit
+compiled for a TPU topology (libtpu's compiler, on CPU), and an interrupted search resumed."""
+
+import math
+
+import pytest
+
+from engine.errors import ConfigError
+from engine.plan import planner, search
+from engine.plan.report import search_markdown
+from tests.commands.test_plan import _config
+
+TOPOLOGY = 'v5p:2x2x1'  # 4 chips: few meshes, quick compiles.
+
+
+def test_the_meshes_are_every_product_of_the_devices_with_the_fixed_axes_held():
+  found = search.meshes(4, {'stage': 1, 'expert': 1})
+  assert all(math.prod(m.values()) == 4 and m['stage'] == m['expert'] == 1 for m in found)
+  # 4 = 2^2 over data, fsdp, tensor, context: 10 ways to place the two factors.
+  assert len(found) == len({tuple(m.values()) for m in found}) == 10
+
+
+@pytest.fixture(scope='module')
+def searched(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp('search') / 'gpt')
+  first = search.search(_config(), TOPOLOGY, ['auto'], {'context': 1}, 1, out)
+  return out, first
+
+
+@pytest.mark.slow
+def test_the_fastest_estimates_that_fit_are_compiled(searched):
+  _, result = searched
+  estimates = result['estimates']
+  assert estimates and all(e['mesh']['context'] == 1 for e in estimates)
+  fitting = sorted((e for e in estimates
+                    if e['memory_bytes'] <= 0.9 * result['hbm_bytes_per_device']),
+                   key=lambda e: e['serial_s'])
+  [row] = result['candidates']
+  assert row['key'] == fitting[0]['key'] and row['status'] == 'fits' and row['rank'] == 1
+  # The train state is laid out, not guessed: the compiled step's arguments hold it.
+  assert row['estimate']['state_bytes'] == pytest.approx(
+      row['memory']['argument_size_in_bytes'], rel=0.01)
+  report = search_markdown(result, 'experiments/tiny.py')
+  assert '--config.model.remat=' in report and f'--config.mesh.data={row["mesh_shape"]["data"]}' \
+      in report
+
+
+@pytest.mark.slow
+def test_a_search_resumes_from_its_json(searched, monkeypatch):
+  """Rerun with --top=2: the first candidate is read back, only the second compiles."""
+  out, first = searched
+  compiled = []
+  original = planner.plan_candidate
+
+  def counted(config, mode, *args, **kwargs):
+    compiled.append((dict(config.mesh), config.model.remat))
+    return original(config, mode, *args, **kwargs)
+
+  monkeypatch.setattr(planner, 'plan_candidate', counted)
+  again = search.search(_config(), TOPOLOGY, ['auto'], {'context': 1}, 2, out)
+  assert len(compiled) == 1 and len(again['candidates']) == 2
+  assert again['candidates'][0]['key'] == first['candidates'][0]['key']
+  assert sorted(r['rank'] for r in again['candidates']) == [1, 2]
+
+
+@pytest.mark.slow
+def test_another_search_in_the_same_json_is_refused(searched):
+  out, _ = searched
+  with pytest.raises(ConfigError, match='holds another search'):
+    search.search(_config(), TOPOLOGY, ['auto'], {'context': 1, 'stage': 1}, 1, out)
