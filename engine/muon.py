@@ -7,7 +7,7 @@ all be projection dimensions (embed, heads, kv_heads, head_dim, mlp, latent). A 
 the residual stream contracts `embed` (its first dimension), one back into it produces `embed`
 (its last), and any other (latent attention's up-projections) contracts its first. Embeddings,
 the head (vocab), norms, biases, positions and the router (an unnamed expert dimension) stay on
-AdamW, as in every Muon recipe.
+AdamW, as Muon's authors and optax's `muon` keep them.
 
 Each matrix's update is optax's: momentum with Nesterov (optax.contrib.scale_by_muon, with
 optim.muon_beta and optim.muon_ns_steps), Newton-Schulz, Keller Jordan's width scale
@@ -21,6 +21,7 @@ whole first (engine/parallel/muon_blocks.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -60,8 +61,9 @@ def scale_by_width(dims) -> optax.GradientTransformation:
     del params
 
     def scaled(update, dim_numbers):
-      fan_in = _size(update.shape, dim_numbers.reduction_axis)
-      fan_out = _size(update.shape, dim_numbers.output_axis)
+      reduction, output = matrix_axes(dim_numbers)
+      fan_in = math.prod(update.shape[a] for a in reduction)
+      fan_out = math.prod(update.shape[a] for a in output)
       return jnp.sqrt(jnp.maximum(1, fan_out / fan_in)) * update
 
     # A masked (AdamW) leaf is an empty node in both trees: nothing to scale.
@@ -90,9 +92,7 @@ def muon(optim_config, schedule: optax.Schedule, adamw: optax.GradientTransforma
   return optax.partition({'muon': matrices, 'adam': adamw}, labels)
 
 
-def _size(shape, axes) -> int:
-  axes = (axes,) if isinstance(axes, int) else axes
-  size = 1
-  for axis in axes:
-    size *= shape[axis]
-  return size
+def matrix_axes(dims: MuonDimensionNumbers) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(reduction dimensions, output dimensions) of dimension numbers, each as a tuple."""
+  as_tuple = lambda axis: (axis,) if isinstance(axis, int) else tuple(axis)
+  return as_tuple(dims.reduction_axis), as_tuple(dims.output_axis)

@@ -28,7 +28,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from engine.muon import is_dims
+from engine.muon import is_dims, matrix_axes
 from engine.sharding import spec_axes
 
 
@@ -44,7 +44,7 @@ class MatrixPlan:
 def matrix_plan(spec: P, dims, local_shape, mesh_shape: dict[str, int]) -> MatrixPlan:
   """The plan for a parameter laid out by `spec` with these Muon dimension numbers, whose block
   on a device has `local_shape`."""
-  matrix = sorted([*_axes(dims.reduction_axis), *_axes(dims.output_axis)])
+  matrix = sorted(sum(matrix_axes(dims), ()))
   splits = []
   for dim in matrix:
     axes = spec_axes(P(spec[dim])) if dim < len(spec) else ()
@@ -118,7 +118,3 @@ class MatrixBlocks:
 def _keyed(tree, is_leaf) -> dict:
   return {jax.tree_util.keystr(path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf)[0]}
-
-
-def _axes(axis) -> tuple[int, ...]:
-  return (axis,) if isinstance(axis, int) else tuple(axis)
