@@ -39,9 +39,7 @@ MESHES = {
     'data, zero1': ((8, 1, 1, 1, 1, 1), {'parallelism.optimizer_sharding': 'zero1'}),
     'data x fsdp x tensor, zero1': ((2, 2, 2, 1, 1, 1), {
         'parallelism.optimizer_sharding': 'zero1'}),
-    'data x fsdp x tensor, muon': ((2, 2, 2, 1, 1, 1), {'optim.name': 'muon'}),
-    'data x fsdp x tensor, muon exchanging its stack': ((2, 2, 2, 1, 1, 1), {
-        'optim.name': 'muon', 'model.num_layers': 4}),
+    # Muon: the layers' matrices gathered over tensor, the experts' exchanged over it.
     'tensor x stage x expert, muon': ((1, 1, 2, 1, 2, 2), {
         'optim.name': 'muon', 'model.name': 'llama', 'model.num_experts': 4,
         'model.moe_mlp_dim': 32, 'train.microbatches': 2}),

@@ -105,7 +105,7 @@ CHECKS = {
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.bubble '
     '--config=experiments/tiny.py:mesh=2x1x1x1x4 --config.model.num_layers=8 '
     '--config.train.microbatches=4 --config.train.pipeline_repeats=2 --microbatches=4,8,12,16':
-        Run('bubble', replace=(('--microbatches=4,8,12,16', '--microbatches=4'),),
+        Run('bubble', replace=(('--microbatches=4,8,12,16', '--microbatches=4,5'),),
             add=('--modes=auto', '--steps=1', '--warmup=0')),
     'python -m engine.plan --config=experiments/llama_8b.py --topology=v5p:4x4x8 '
     '--meshes=8x16x1,1x32x4,1x16x1x1x8 --config.train.microbatches=8 --modes=auto,manual '
