@@ -44,6 +44,7 @@ from engine.assemble import VOCABULARY, assemble
 from engine.errors import ConfigError
 from engine.plan import planner
 from engine.plan.step_flops import executed_flops, expert_padding_flops
+from engine.sharding import spec_axes
 
 REMATS = ('full', 'dots_with_no_batch_dims_saveable')
 LOSS_CHUNKS = 8
@@ -143,7 +144,6 @@ def estimate(run, hardware: planner.Hardware) -> dict:
 
 def _moment_split(p, mesh: dict[str, int]) -> int:
   """How many more ways ZeRO-1 splits a parameter's moments than the parameter itself."""
-  from engine.sharding import spec_axes  # pylint: disable=g-import-not-at-top
   extra = set(spec_axes(p.moment_spec or p.spec)) - set(spec_axes(p.spec))
   return math.prod(mesh[a] for a in extra)
 
