@@ -27,8 +27,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
+from engine import sharding
 from engine.models.layers import FIRST_LAYERS, LAYERS
 
 # Dimensions that index separate matrices: stacked layers, experts, a fused projection's q / k / v.
@@ -51,6 +53,21 @@ def dimension_numbers(logical_axes: tuple[str | None, ...]) -> MuonDimensionNumb
 
 def is_dims(node) -> bool:
   return node is None or isinstance(node, MuonDimensionNumbers)
+
+
+def parameter_dims(state: nnx.State) -> dict:
+  """dimension_numbers of every parameter of a model state (nnx Variables, abstract or not),
+  as a pure dict like the parameters."""
+  return nnx.to_pure_dict(jax.tree.map(
+      lambda v: v.replace(dimension_numbers(sharding.logical_axes_of(v))), state,
+      is_leaf=sharding.is_variable))
+
+
+def partitioned(dims) -> tuple[dict, dict]:
+  """(optax.partition's labels, 'muon' or 'adam' per parameter; the dimension numbers with
+  AdamW's parameters masked, as Muon's part of the partition sees them)."""
+  return (jax.tree.map(lambda d: 'adam' if d is None else 'muon', dims, is_leaf=is_dims),
+          jax.tree.map(lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=is_dims))
 
 
 def scale_by_width(dims) -> optax.GradientTransformation:
@@ -77,9 +94,7 @@ def muon(optim_config, schedule: optax.Schedule, adamw: optax.GradientTransforma
   """Muon on the parameters whose `dims` (a tree like the parameters: dimension_numbers of
   each) are set, `adamw` on the others. `whole(tx)`, manual mode's, runs the orthogonalizing
   part on whole matrices."""
-  labels = jax.tree.map(lambda d: 'adam' if d is None else 'muon', dims, is_leaf=is_dims)
-  matrix_dims = jax.tree.map(lambda d: optax.MaskedNode() if d is None else d, dims,
-                             is_leaf=is_dims)
+  labels, matrix_dims = partitioned(dims)
   orthogonalized = optax.chain(
       scale_by_muon(beta=optim_config.muon_beta, ns_steps=optim_config.muon_ns_steps,
                     weight_dimension_numbers=matrix_dims),

@@ -42,13 +42,12 @@ class Optimizer:
   build: Callable | None = None
   matrix_dims: Any = None  # Muon: each parameter's dimension numbers (None: AdamW's), by path.
 
-  def for_parameters(self, logical_axes) -> Optimizer:
-    """This optimizer for parameters with these logical axes (a tree of tuples like the
-    parameters): Muon learns which are matrices."""
+  def for_parameters(self, state) -> Optimizer:
+    """This optimizer for the parameters of a model state (nnx Variables, abstract or not):
+    Muon learns which are matrices from their logical axes."""
     if self.build is None:
       return self
-    dims = jax.tree.map(muon_lib.dimension_numbers, logical_axes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    dims = muon_lib.parameter_dims(state)
     return dataclasses.replace(self, tx=self.build(dims, None), matrix_dims=dims)
 
   def blockwise(self, whole: Callable) -> optax.GradientTransformation:
@@ -98,18 +97,24 @@ def make_optimizer(optim_config, num_steps: int) -> Optimizer:
   Muon on the matrices Muon takes and this AdamW on the rest, built once the parameters are
   known (Optimizer.for_parameters)."""
   schedule = learning_rate_schedule(optim_config, num_steps)
-  if optim_config.weight_decay_on == 'all':
-    decay_mask = None
-  else:
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  tx = optax.adamw(schedule, b1=optim_config.b1, b2=optim_config.b2,
-                   weight_decay=optim_config.weight_decay, mask=decay_mask)
+  tx = adamw(optim_config, schedule)
   stored = jnp.dtype(optim_config.mu_dtype), jnp.dtype(optim_config.nu_dtype)
   if optim_config.name == 'adamw':
     return Optimizer(stored_moments(tx, *stored), schedule, optim_config.grad_clip_norm)
   build = lambda dims, whole: stored_moments(
       muon_lib.muon(optim_config, schedule, tx, dims, whole), *stored)
   return Optimizer(None, schedule, optim_config.grad_clip_norm, build)
+
+
+def adamw(optim_config, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """optax's AdamW with the optim keys, moments in float32: what optim.name=adamw runs and Muon
+  leaves its other parameters to."""
+  if optim_config.weight_decay_on == 'all':
+    decay_mask = None
+  else:
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.adamw(schedule, b1=optim_config.b1, b2=optim_config.b2,
+                     weight_decay=optim_config.weight_decay, mask=decay_mask)
 
 
 def stored_moments(tx: optax.GradientTransformation, mu_dtype,

@@ -196,10 +196,7 @@ def make_setup(model: ModelSpec, optimizer: Optimizer, mesh: jax.sharding.Mesh, 
       logging.info('%r dimensions %s do not split %d ways: replicated.', name, sizes, ways)
       rules = rules.replicating(name)
   specs = sharding.variable_specs(abstract, rules)
-  logical_axes = jax.tree.map(lambda v: v.replace(sharding.logical_axes_of(v)), abstract,
-                              is_leaf=sharding.is_variable)
   return TrainSetup(
       model=model, graphdef=graphdef, abstract_params=nnx.to_pure_dict(abstract),
-      param_specs=nnx.to_pure_dict(specs),
-      optimizer=optimizer.for_parameters(nnx.to_pure_dict(logical_axes)), mesh=mesh,
-      rules=rules, options=options)
+      param_specs=nnx.to_pure_dict(specs), optimizer=optimizer.for_parameters(abstract),
+      mesh=mesh, rules=rules, options=options)

@@ -12,15 +12,13 @@ Shape suffixes as in engine/parallel/steps.py: `tokens_BL1` is a batch of window
 from __future__ import annotations
 
 import jax
-import ml_collections
 import optax
 from flax import nnx
 
 from engine import muon
 from engine.models import expert_balance
 from engine.models.spec import ModelSpec, logits_aux_loss_and_stats
-from engine.optimizer import learning_rate_schedule, make_optimizer
-from engine.sharding import is_variable, logical_axes_of
+from engine.optimizer import adamw, learning_rate_schedule, make_optimizer
 
 
 class ReferenceRun:
@@ -74,20 +72,13 @@ class ReferenceRun:
 def reference_optimizer(optim_config, num_steps: int, params: nnx.State):
   """The engine's AdamW; for optim.name=muon, optax's own `muon` (optax.contrib) on the matrices
   engine.muon.dimension_numbers names and that AdamW on the rest, in optax's partition."""
-  adamw_config = ml_collections.ConfigDict(optim_config.to_dict())
-  adamw_config.name = 'adamw'
-  adamw = make_optimizer(adamw_config, num_steps).tx
   if optim_config.name != 'muon':
-    return adamw
-  dims = nnx.to_pure_dict(jax.tree.map(
-      lambda v: v.replace(muon.dimension_numbers(logical_axes_of(v))), params,
-      is_leaf=is_variable))
+    return make_optimizer(optim_config, num_steps).tx
   schedule = learning_rate_schedule(optim_config, num_steps)
   ratio = optim_config.muon_learning_rate / optim_config.learning_rate
+  labels, matrix_dims = muon.partitioned(muon.parameter_dims(params))
   matrices = optax.contrib.muon(
       lambda step: schedule(step) * ratio, beta=optim_config.muon_beta,
       ns_steps=optim_config.muon_ns_steps, weight_decay=optim_config.weight_decay,
-      muon_weight_dimension_numbers=jax.tree.map(
-          lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=muon.is_dims))
-  labels = jax.tree.map(lambda d: 'adam' if d is None else 'muon', dims, is_leaf=muon.is_dims)
-  return optax.partition({'muon': matrices, 'adam': adamw}, labels)
+      muon_weight_dimension_numbers=matrix_dims)
+  return optax.partition({'muon': matrices, 'adam': adamw(optim_config, schedule)}, labels)
