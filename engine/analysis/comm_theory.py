@@ -19,6 +19,15 @@ over its executions in one step. Keys are (kind, mesh axes).
   the forward's (XLA:CPU on layers written out, `model.scan_layers=False`: it drops remat's
   optimization barriers, and its common-subexpression elimination then keeps every layer's
   gathered weights alive until the backward pass).
+  A token embedding only the lookup reads (ModelSpec.untied_embeddings), in a step without
+  micro-batches or stages, is never gathered (engine/parallel/manual_ops.py: columns_lookup_axes):
+  the FSDP group's int32 tokens are all-gathered and the rows [batch, length, embed] travel once
+  each way in an all-to-all. Under a chunked loss (model.loss_chunks) the head is not gathered
+  either: it is exchanged to a slice of the vocabulary for every embedding dimension (an
+  all-to-all each way, compute dtype); each chunk's features and int32 targets are all-gathered
+  over the group (again where the chunk's backward pass recomputes it), the features' gradient
+  reduce-scattered, the gathered rows' loss gradients [group x batch, length] all-reduced, and
+  the loss' reductions cover the group's rows.
 - Per layer means per layer a device runs: with pipeline stages, its stage's layers on every
   iteration of the schedule, bubbles included (`executed_layers`).
 - Micro-batches change none of the rest: gradients are synchronised once per optimizer step,
@@ -87,7 +96,7 @@ import numpy as np
 from engine.models.moe_dispatch import capacity
 from engine.models.ops import LAYERS
 from engine import muon
-from engine.parallel import expert_exchange, flat_gather, muon_blocks, zero1
+from engine.parallel import expert_exchange, flat_gather, manual_ops, muon_blocks, zero1
 from engine.parallel.pipeline import SELF_DIFFERENTIATING
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
@@ -119,6 +128,11 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
 
   model = setup.model
   activation = local_batch * seq_len * model.embed_dim * activation_bytes
+  lookup_axes = _ordered(manual_ops.columns_lookup_axes(setup), names)
+  if lookup_axes:  # The group's tokens (int32) gathered, their rows sent home and back.
+    group = math.prod(mesh_shape[a] for a in lookup_axes)
+    expected[('all-gather', lookup_axes)] += group * local_batch * seq_len * 4
+    expected[('all-to-all', lookup_axes)] += 2 * activation
   layers = executed_layers(setup)
   # A row-parallel layer's sum in each forward pass, its column-parallel input's in the backward.
   passes = 3 if _self_differentiating(setup) and rules.mesh_axes(LAYERS) else 2
@@ -154,13 +168,32 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
   if model.experts is not None:
     _add_expert_exchange(setup, expected, local_batch, seq_len, activation_bytes)
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
-  if vocab_parallel:
-    # The embedding's sum in the forward pass; the head's (its input's gradient, the loss'
-    # reductions) on each stage's share where the head is split.
-    head_share = 1 / _stages(setup) if head_split(setup, local_batch, seq_len * context) else 1
-    expected[('all-reduce', vocab_parallel)] += round(
-        activation + head_share * (activation + 3 * local_batch * seq_len * FLOAT32_BYTES))
+  head_slice_axes = _ordered(chunked_head_axes(setup), names)
+  group = math.prod(mesh_shape[a] for a in head_slice_axes)  # The rows a device's loss covers.
+  if head_slice_axes:  # Each chunk's features and targets gathered, again in its backward pass.
+    expected[('all-gather', head_slice_axes)] += 2 * group * (
+        activation + local_batch * seq_len * FLOAT32_BYTES)
+    expected[('reduce-scatter', head_slice_axes)] += activation
+    # The gathered rows' loss gradients summed (each device's loss reads its own rows).
+    expected[('all-reduce', head_slice_axes)] += group * local_batch * seq_len * FLOAT32_BYTES
+  loss_axes = _ordered(vocab_parallel + head_slice_axes, names)
+  # The head's (its input's gradient, the loss' reductions) on each stage's share where the
+  # head is split.
+  head_share = 1 / _stages(setup) if head_split(setup, local_batch, seq_len * context) else 1
+  if vocab_parallel:  # The embedding's sum in the forward pass, the head input's gradient's.
+    expected[('all-reduce', vocab_parallel)] += round(activation + head_share * activation)
+  if loss_axes:  # Max, sum of exponentials, target logit; a chunk's first two again where its
+    # backward pass recomputes it.
+    reductions = 5 if setup.options.loss_chunks > 1 else 3
+    expected[('all-reduce', loss_axes)] += round(
+        head_share * reductions * group * local_batch * seq_len * FLOAT32_BYTES)
   return dict(expected)
+
+
+def chunked_head_axes(setup: TrainSetup) -> tuple[str, ...]:
+  """The axes over which manual mode's chunked loss splits the head by vocabulary
+  (ManualOps.chunk_loss_sum): the table's column-lookup axes, under model.loss_chunks > 1."""
+  return manual_ops.columns_lookup_axes(setup) if setup.options.loss_chunks > 1 else ()
 
 
 def _self_differentiating(setup: TrainSetup) -> bool:
@@ -214,6 +247,8 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
   activation_bytes = np.dtype(setup.options.compute_dtype).itemsize
   head_axes = _ordered(rules.mesh_axes('heads', activation=True), names)
   kv_replicated = not rules.mesh_axes('kv_heads', activation=True)
+  lookup_table = bool(manual_ops.columns_lookup_axes(setup))
+  head_slice_axes = _ordered(chunked_head_axes(setup), names)
   for p in setup.parameters():
     shard_bytes = math.prod(p.shard_shape) * reduce_bytes
     split = set(spec_axes(p.spec))
@@ -243,6 +278,12 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
           size *= math.prod(mesh_shape[a] for a in axes)
           expected[('all-gather', _ordered(axes, names))] += 2 * size
     gathered = _ordered({a for name in p.logical_axes for a in rules.gather_axes(name)}, names)
+    if lookup_table and tuple(p.logical_axes) == manual_ops.EMBEDDING_AXES:
+      gathered = ()  # Looked up on each device's columns: neither gathered nor reduce-scattered.
+    if head_slice_axes and tuple(p.logical_axes) == manual_ops.HEAD_AXES:
+      gathered = ()  # Exchanged to a slice of the vocabulary, and its gradient back.
+      expected[('all-to-all', head_slice_axes)] += (
+          2 * math.prod(p.shard_shape) * activation_bytes)
     if gathered:
       factor = math.prod(mesh_shape[a] for a in gathered)
       regathered = (backward_regather and setup.options.microbatches == 1

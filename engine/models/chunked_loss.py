@@ -28,7 +28,7 @@ def chunked_cross_entropy(head_logits: Callable, features_BLD: jax.Array, target
 
   @jax.checkpoint
   def chunk_sum(x_BlD, targets_Bl, keep_Bl):  # The kept losses' sum (count 1).
-    return ops.cross_entropy(head_logits(x_BlD), targets_Bl, keep_Bl, 1.0)
+    return ops.chunk_loss_sum(head_logits, x_BlD, targets_Bl, keep_Bl)
 
   # The sums come out per chunk, not in a carry: under shard_map a carry would have to start
   # as varying over the same mesh axes as the sums.

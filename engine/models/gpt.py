@@ -172,5 +172,5 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       name='gpt', factory=lambda rngs: GPT(cfg, rngs), vocab_size=vocab_size, separable_head=True,
       embed_dim=cfg.embed_dim, num_layers=cfg.num_layers,
       row_parallel_per_layer=('heads', 'mlp'), flops_per_token=flops_per_token,
-      context_parallel=True,
+      context_parallel=True, untied_embeddings=not cfg.tie_embeddings,
       quantized_params=(matmul_params - vocab_size * D) if cfg.matmul.quantized else 0)

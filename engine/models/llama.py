@@ -275,7 +275,7 @@ def build(model_config, vocab_size: int) -> ModelSpec:
 
   return ModelSpec(
       name='llama', factory=lambda rngs: Llama(cfg, rngs), vocab_size=vocab_size,
-      separable_head=True,
+      separable_head=True, untied_embeddings=True,
       embed_dim=D, num_layers=cfg.num_layers,
       # The routed experts' down projection finishes on the routed rows, not on [B, L, D]
       # (engine.analysis.comm_theory counts it with the experts' exchange).

@@ -138,6 +138,16 @@ class LocalOps:
   def embed_lookup(self, table_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
     return jnp.take(table_VD, tokens_BL, axis=0)
 
+  def for_chunked_loss(self) -> 'LocalOps':
+    """These ops for a loss that calls `chunk_loss_sum` and nothing else on the head (a layout
+    may then lay the head out for it)."""
+    return self
+
+  def chunk_loss_sum(self, head_logits: Callable, x_BlD: jax.Array, targets_Bl: jax.Array,
+                     keep_Bl: jax.Array) -> jax.Array:
+    """The kept losses' sum over one chunk of the positions (engine/models/chunked_loss.py)."""
+    return self.cross_entropy(head_logits(x_BlD), targets_Bl, keep_Bl, 1.0)
+
   def cross_entropy(self, logits_BLV: jax.Array, targets_BL: jax.Array,
                     keep_BL: jax.Array | None = None, count=None) -> jax.Array:
     """Mean next-token cross-entropy in float32; with `keep_BL` (packed documents), the sum

@@ -89,6 +89,11 @@ class ModelSpec:
   # Whether the module defines `features` (or `features_aux_loss_and_stats`) and `head_logits`
   # (above), which a chunked loss needs.
   separable_head: bool = False
+  # Whether the token embedding, the parameter named ('vocab', 'embed'), is read only through
+  # `ops.embed_lookup` and the head, ('embed', 'vocab'), only by `head_logits` (not tied): manual
+  # FSDP then looks tokens up on each device's columns of the table, and a chunked loss splits
+  # the head by vocabulary, rather than gathering either (engine/parallel/manual_ops.py).
+  untied_embeddings: bool = False
   # Latent attention (DeepSeek): what generation caches per layer and position instead of keys
   # and values, (latent size, rotary key size); None: keys and values per key / value head.
   latent_cache: tuple[int, int] | None = None

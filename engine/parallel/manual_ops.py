@@ -6,6 +6,7 @@ collective comes from and why).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import jax
@@ -19,6 +20,9 @@ from engine.parallel.steps import REMAT_POLICIES, map_params_together
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
 
+# The token embedding's and the head's logical axes (ModelSpec.untied_embeddings).
+EMBEDDING_AXES = ('vocab', 'embed')
+HEAD_AXES = ('embed', 'vocab')
 _NOT_KEPT = frozenset({'all_gather', 'split', 'slice', 'squeeze', 'reshape', 'transpose',
                        'convert_element_type'})
 
@@ -52,6 +56,12 @@ class ManualOps(LocalOps):
     self.reduce_dtype = jnp.dtype(setup.options.grad_reduce_dtype)
     self.gather_dtype = setup.options.gather_dtype
     self.gather = gather
+    # The mesh axes whose devices look tokens up on their own columns of the embedding table
+    # (`embed_lookup`); () where it is gathered whole like every other weight.
+    self.lookup_axes = columns_lookup_axes(setup) if gather else ()
+    # The mesh axes over which a chunked loss splits the head by vocabulary (`for_chunked_loss`).
+    self.head_axes = ()
+    self.loss_chunks = setup.options.loss_chunks
     self.flat_gather = setup.options.flat_gather
     # How the dropless dispatch's blocks travel: only their rows in use where the devices can.
     self.expert_exchange = expert_exchange.exchange_kind(setup)
@@ -97,9 +107,48 @@ class ManualOps(LocalOps):
     if self.average_in_backward:
       values = [averaged_in_backward(v, *self.batch_reduction(axes), self.reduce_dtype)
                 for v, axes in zip(values, logical_axes)]
+    # The embedding table stays this device's columns, in its stored dtype (`embed_lookup`);
+    # under a chunked loss the head is exchanged to a slice of the vocabulary (`chunk_loss_sum`).
+    table = [bool(self.lookup_axes) and tuple(axes) == EMBEDDING_AXES for axes in logical_axes]
+    head = [bool(self.head_axes) and tuple(axes) == HEAD_AXES for axes in logical_axes]
+    rest = [i for i in range(len(values)) if not (table[i] or head[i])]
+    prepared = list(values)
     if self.gather:
-      values = self.gathered(values, logical_axes)
-    return [v.astype(self.compute_dtype) for v in values]
+      gathered = self.gathered([values[i] for i in rest], [logical_axes[i] for i in rest])
+      for i, value in zip(rest, gathered):
+        prepared[i] = value
+    for i in (i for i, h in enumerate(head) if h):  # [D / n, V] -> [D, V / n], each way.
+      # In the compute dtype: the exchange sums nothing, and the gradient it sends back is
+      # already in that dtype.
+      prepared[i] = jax.lax.all_to_all(values[i].astype(self.compute_dtype), self.head_axes,
+                                       split_axis=1, concat_axis=0, tiled=True)
+    return [v if t else v.astype(self.compute_dtype) for v, t in zip(prepared, table)]
+
+  def for_chunked_loss(self):
+    ops = copy.copy(self)
+    ops.head_axes = self.lookup_axes  # The same conditions: an untied head split along embed.
+    return ops
+
+  def chunk_loss_sum(self, head_logits, x_BlD, targets_Bl, keep_Bl):
+    if not self.head_axes:
+      return super().chunk_loss_sum(head_logits, x_BlD, targets_Bl, keep_Bl)
+    # The head holds a slice of the vocabulary for every embedding dimension: the group's
+    # features of this chunk are gathered (cast to varying over tensor first, so that the
+    # backward pass reduce-scatters their gradient before summing it over tensor), each device
+    # computes the logits of its slice for all of them, and keeps its own rows' losses. The
+    # gather's transpose sums each row's gradient over the slices; the exchange's sends the
+    # head's gradient home as the gathered head's reduce-scatter would.
+    axes, B = self.head_axes, x_BlD.shape[0]
+    x_BlD = self.column_parallel_input(x_BlD, 'vocab')
+    group_x_GlD = jax.lax.all_gather(x_BlD, axes, axis=0, tiled=True)
+    group_targets_Gl = jax.lax.all_gather(targets_Bl, axes, axis=0, tiled=True)
+    losses_Gl = self._vocab_losses(head_logits(group_x_GlD), group_targets_Gl, axes)
+    return reduce_losses(self._own_rows(losses_Gl, B), keep_Bl, 1.0)
+
+  def _own_rows(self, group_G_, rows: int):
+    """This device's `rows` of rows gathered over the head's axes."""
+    return jax.lax.dynamic_slice_in_dim(group_G_, self.shard_index(self.head_axes) * rows, rows,
+                                        axis=0)
 
   def prepare_params(self, module, skip_stacked=True):
     return map_params_together(module, self._prepared, skip_stacked)
@@ -175,6 +224,21 @@ class ManualOps(LocalOps):
                                   scale_on, scale, implementation, self.segments())
 
   def embed_lookup(self, table_VD, tokens_BL):
+    if not self.lookup_axes:
+      return self._vocab_lookup(table_VD, tokens_BL)
+    # The table split along `embed` stays split: every device of the split looks up all their
+    # tokens on its own columns, and each gets its tokens' whole rows back in one all_to_all.
+    # Its transpose sends the rows' gradients home, so each device's gradient is its columns'
+    # sum over the group's tokens, what the gathered table's reduce-scatter would give, and the
+    # table's whole gradient is never formed.
+    axes = self.lookup_axes
+    group_tokens_GL = jax.lax.all_gather(tokens_BL, axes, axis=0, tiled=True)
+    columns_GLd = self._vocab_lookup(table_VD, group_tokens_GL).astype(self.compute_dtype)
+    return jax.lax.all_to_all(columns_GLd, axes, split_axis=0, concat_axis=2, tiled=True)
+
+  def _vocab_lookup(self, table_VD, tokens_BL):
+    """The rows of `tokens_BL` in a table whole along the vocabulary, or split over `tensor`
+    (a masked lookup on this device's ids, summed over the split)."""
     axes, first = self._vocab_shard(table_VD.shape[0])
     if not axes:
       return super().embed_lookup(table_VD, tokens_BL)
@@ -203,9 +267,15 @@ class ManualOps(LocalOps):
     return jax.lax.pmean(x, self.batch_axes) if self.batch_axes else x
 
   def cross_entropy(self, logits_BLV, targets_BL, keep_BL=None, count=None):
-    axes, first = self._vocab_shard(logits_BLV.shape[-1])
-    if not axes:
+    if not self.rules.mesh_axes('vocab', activation=True):
       return super().cross_entropy(logits_BLV, targets_BL, keep_BL, count)
+    return reduce_losses(self._vocab_losses(logits_BLV, targets_BL), keep_BL, count)
+
+  def _vocab_losses(self, logits_BLV, targets_BL, more_axes=()):
+    """Each position's cross-entropy [B, L] from logits split by vocabulary over tensor, then
+    `more_axes` (row-major: this device's slice is its index over them all)."""
+    axes = self.rules.mesh_axes('vocab', activation=True) + tuple(more_axes)
+    first = self.shard_index(axes) * logits_BLV.shape[-1]
     logits_BLV = logits_BLV.astype(jnp.float32)
     # The max only stabilises the exponentials; it needs no gradient.
     max_BL = jax.lax.pmax(jax.lax.stop_gradient(logits_BLV.max(-1)), axes)
@@ -215,7 +285,21 @@ class ManualOps(LocalOps):
     target_logit_BL = jnp.take_along_axis(
         logits_BLV, jnp.where(mine_BL, local_BL, 0)[..., None], axis=-1)[..., 0]
     target_logit_BL = jax.lax.psum(jnp.where(mine_BL, target_logit_BL, 0.0), axes)
-    return reduce_losses(jnp.log(sum_exp_BL) + max_BL - target_logit_BL, keep_BL, count)
+    return jnp.log(sum_exp_BL) + max_BL - target_logit_BL
+
+
+def columns_lookup_axes(setup: TrainSetup) -> tuple[str, ...]:
+  """The FSDP axes over which manual mode looks tokens up on each device's columns of the
+  embedding table instead of gathering it (ManualOps.embed_lookup): a table only the lookup
+  reads, split along `embed` alone, in a step that gathers weights where it uses them (not once
+  per step for micro-batches or pipeline stages). () otherwise."""
+  if not setup.model.untied_embeddings:
+    return ()
+  if setup.options.microbatches > 1 or setup.rules.mesh_axes('layers'):
+    return ()
+  if setup.rules.gather_axes('vocab'):
+    return ()
+  return tuple(setup.rules.gather_axes('embed'))
 
 
 def averaged_in_backward(param, replicated_axes, scatter_factor, reduce_dtype):

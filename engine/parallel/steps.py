@@ -78,6 +78,8 @@ def next_token_loss(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
 
   `loss_chunks` > 1 (a `separable_head` model): the head and cross-entropy run on that many
   slices of the positions in turn (engine/models/chunked_loss.py)."""
+  if loss_chunks > 1:
+    ops = ops.for_chunked_loss()
   model, ops, inputs_BL, targets_BL, keep_BL = _predictions(params, graphdef, tokens_BL1, ops,
                                                             eos_id)
   if eos_id is not None:

@@ -196,7 +196,7 @@ def fastest_fitting(estimates: list[dict], hbm_bytes: float) -> list[dict]:
 def _estimates(config, devices, hardware, fixed) -> list[dict]:
   """Every candidate the engine accepts, with its estimate."""
   rows = []
-  for mesh in meshes(len(devices), fixed):
+  for mesh in filter(lambda mesh: _may_be_accepted(config, mesh), meshes(len(devices), fixed)):
     for lever in levers(config, mesh):
       candidate = config_lib.with_values(config, {**{f'mesh.{a}': n for a, n in mesh.items()},
                                                   **lever.values()})
@@ -210,6 +210,17 @@ def _estimates(config, devices, hardware, fixed) -> list[dict]:
   logging.info('Estimated %d candidates over %d meshes.', len(rows),
                len({tuple(r['mesh'].values()) for r in rows}))
   return rows
+
+
+def _may_be_accepted(config: ml_collections.ConfigDict, mesh: dict[str, int]) -> bool:
+  """Bounds every mesh the engine accepts meets (it checks more, and exactly, in `assemble`):
+  checked first because a pod has thousands of meshes and assembling one takes milliseconds."""
+  m, data = config.model, config.data
+  experts = m.get('num_experts', 0)
+  return ((mesh['expert'] == 1 or (experts > 0 and experts % mesh['expert'] == 0))
+          and mesh['stage'] <= m.num_layers
+          and mesh['data'] * mesh['fsdp'] <= data.global_batch_size
+          and mesh['context'] <= data.seq_len)
 
 
 def _resumed(out: str | None, identity: dict) -> dict:

@@ -5,8 +5,10 @@ turn (engine/models/chunked_loss.py).
   without packed documents' kept predictions; slicing the targets in blocks while the features
   are strided (the planted bug) fails that.
 - Both modes equal the unchunked single-device run on data x fsdp x tensor (manual mode's
-  cross-entropy over a vocabulary split over tensor), with a sequence split over context, and
-  through a 1F1B pipeline whose head is split over the stages.
+  cross-entropy over a vocabulary split over tensor, and its head split by vocabulary over the
+  fsdp group, each device keeping its own rows' losses: another device's rows, planted, fail),
+  with a sequence split over context, and through a 1F1B pipeline whose head is split over the
+  stages.
 - The compiled step no longer holds the whole batch's float32 logits: its temporaries fall by
   more than 1.5 times their size.
 """
@@ -18,6 +20,7 @@ import pytest
 
 from engine.models import chunked_loss
 from engine.models.ops import LocalOps
+from engine.parallel import manual_ops
 from tests.parity.test_llama import llama_config
 from tests.support.helpers import (assert_same_run, compiled_train_step, engine_run,
                                    single_device_run)
@@ -88,6 +91,19 @@ def test_both_modes_equal_the_unchunked_single_device_run(mesh, chunks, mode, re
   config = llama_config(mesh[:3])
   config.mesh.context, config.model.loss_chunks = mesh[3], chunks
   assert_same_run(engine_run(config, mode, 2), reference)
+
+
+@pytest.mark.slow
+def test_losses_of_the_wrong_rows_fail_the_parity(monkeypatch, reference):
+  """Over fsdp, manual mode's chunks gather the group's features and split the head by
+  vocabulary (ManualOps.chunk_loss_sum; the fsdp mesh above passes through it); each device
+  keeps its own rows' losses. Every device keeping the first device's (the planted bug) fails."""
+  monkeypatch.setattr(manual_ops.ManualOps, '_own_rows', lambda self, group, rows: (
+      jax.lax.dynamic_slice_in_dim(group, 0 * self.shard_index(self.head_axes), rows, axis=0)))
+  config = llama_config((2, 2, 2))
+  config.model.loss_chunks = 4
+  with pytest.raises(AssertionError):
+    assert_same_run(engine_run(config, 'manual', 2), reference)
 
 
 @pytest.mark.slow

@@ -17,6 +17,11 @@ MESHES = {
     'fsdp': ((1, 8, 1, 1, 1, 1), {}),
     'tensor': ((1, 1, 8, 1, 1, 1), {'model.num_heads': 8}),
     'data x fsdp x tensor': ((2, 2, 2, 1, 1, 1), {}),
+    # Llama's untied embedding looked up on each device's columns: tokens and rows exchanged.
+    'data x fsdp x tensor, llama': ((2, 2, 2, 1, 1, 1), {'model.name': 'llama'}),
+    # And its chunked loss: the head exchanged to a slice of the vocabulary, the features gathered.
+    'data x fsdp x tensor, llama, chunked loss': ((2, 2, 2, 1, 1, 1), {
+        'model.name': 'llama', 'model.loss_chunks': 4}),
     'fsdp, per-weight gathers': ((2, 2, 2, 1, 1, 1), {'parallelism.fsdp_gather': 'per_weight'}),
     'fsdp, micro-batches': ((2, 2, 2, 1, 1, 1), {'train.microbatches': 2}),
     'fsdp, int8 gathers': ((2, 2, 2, 1, 1, 1), {'parallelism.gather_dtype': 'int8'}),
