@@ -61,7 +61,6 @@ class ManualOps(LocalOps):
     self.lookup_axes = columns_lookup_axes(setup) if gather else ()
     # The mesh axes over which a chunked loss splits the head by vocabulary (`for_chunked_loss`).
     self.head_axes = ()
-    self.loss_chunks = setup.options.loss_chunks
     self.flat_gather = setup.options.flat_gather
     # How the dropless dispatch's blocks travel: only their rows in use where the devices can.
     self.expert_exchange = expert_exchange.exchange_kind(setup)

@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from engine import config as config_lib
+from engine.assemble import VOCABULARY, assemble
 from engine.errors import ConfigError
 from engine.plan import planner, search
 from engine.plan.report import search_markdown
@@ -18,6 +20,22 @@ def test_the_meshes_are_every_product_of_the_devices_with_the_fixed_axes_held():
   assert all(math.prod(m.values()) == 4 and m['stage'] == m['expert'] == 1 for m in found)
   # 4 = 2^2 over data, fsdp, tensor, context: 10 ways to place the two factors.
   assert len(found) == len({tuple(m.values()) for m in found}) == 10
+
+
+def test_the_quick_bounds_keep_every_mesh_the_engine_accepts():
+  """`_may_be_accepted` runs before assembling each mesh: it may only drop meshes the engine
+  refuses (here a batch of 2 rows, 16 devices and a 4-expert model)."""
+  config = _config()
+  config.data.global_batch_size, config.model.num_experts = 2, 4
+  config.model.name, config.model.moe_mlp_dim = 'llama', 32
+  devices = planner.topology_devices('v5p:2x2x4')
+  dropped = [m for m in search.meshes(len(devices), {})
+             if not search._may_be_accepted(config, m)]
+  assert dropped  # The bounds do drop some here.
+  for mesh in dropped:
+    with pytest.raises(ConfigError):
+      assemble(config_lib.with_values(config, {f'mesh.{a}': n for a, n in mesh.items()}),
+               devices, reads=VOCABULARY)
 
 
 @pytest.fixture(scope='module')

@@ -19,7 +19,7 @@ from tests.support.helpers import (assert_same_run, compiled_train_step, engine_
                                    single_device_run, tiny_config)
 
 STEPS = 2
-MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (4, 1, 2), (2, 4, 1), (1, 2, 4)]
+MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (2, 4, 1), (1, 2, 4)]
 
 
 def llama_config(mesh=(1, 1, 1), kv_heads=8, steps=STEPS):

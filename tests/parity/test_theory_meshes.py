@@ -17,9 +17,9 @@ MESHES = {
     'fsdp': ((1, 8, 1, 1, 1, 1), {}),
     'tensor': ((1, 1, 8, 1, 1, 1), {'model.num_heads': 8}),
     'data x fsdp x tensor': ((2, 2, 2, 1, 1, 1), {}),
-    # Llama's untied embedding looked up on each device's columns: tokens and rows exchanged.
-    'data x fsdp x tensor, llama': ((2, 2, 2, 1, 1, 1), {'model.name': 'llama'}),
-    # And its chunked loss: the head exchanged to a slice of the vocabulary, the features gathered.
+    # Llama's untied embedding looked up on each device's columns (tokens and rows exchanged;
+    # also 'fsdp x expert' below), and its chunked loss' head exchanged to a slice of the
+    # vocabulary, each chunk's features gathered.
     'data x fsdp x tensor, llama, chunked loss': ((2, 2, 2, 1, 1, 1), {
         'model.name': 'llama', 'model.loss_chunks': 4}),
     'fsdp, per-weight gathers': ((2, 2, 2, 1, 1, 1), {'parallelism.fsdp_gather': 'per_weight'}),
