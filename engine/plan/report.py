@@ -167,16 +167,18 @@ def search_markdown(result: dict, config_arg: str, overrides: list[str] = ()) ->
     lines.append(
         f'| {r.get("rank", "-")} | {r["mesh"]} | {_levers(e["lever"])} | {r["mode"]} | '
         f'{"**yes**" if r["status"] == "fits" else r["status"]} | '
-        f'{_gib(e["memory_bytes"])} / {_gib(peak)} | {e["serial_s"] * 1e3:.0f} / '
+        f'{_gib(search.memory_of(e, r["mode"]))} / {_gib(peak)} | {e["serial_s"] * 1e3:.0f} / '
         f'{roof["serial_s"] * 1e3:.0f} | {100 * r["mfu"]:.1f} % |' if roof else
         f'| - | {r["mesh"]} | {_levers(e["lever"])} | {r["mode"]} | {r["status"]} | '
-        f'{_gib(e["memory_bytes"])} / {_gib(peak)} | {e["serial_s"] * 1e3:.0f} / - | - |')
+        f'{_gib(search.memory_of(e, r["mode"]))} / {_gib(peak)} | {e["serial_s"] * 1e3:.0f} / - '
+        '| - |')
   lines += ['', 'The best estimates (those compiled first):', '',
-            '| mesh | levers | memory GiB | step ms (serial) |', '|---|---|---:|---:|']
+            '| mesh | levers | memory GiB: auto / manual | step ms (serial) |',
+            '|---|---|---:|---:|']
   for e in search.fastest_fitting(estimates, result['hbm_bytes_per_device'])[:12]:
     mesh = ' x '.join(f'{a} {n}' for a, n in e['mesh'].items() if n > 1) or 'one device'
-    lines.append(f'| {mesh} | {_levers(e["lever"])} | {_gib(e["memory_bytes"])} | '
-                 f'{e["serial_s"] * 1e3:.0f} |')
+    lines.append(f'| {mesh} | {_levers(e["lever"])} | {_gib(search.memory_of(e, "auto"))} / '
+                 f'{_gib(search.memory_of(e, "manual"))} | {e["serial_s"] * 1e3:.0f} |')
   lines += ['', 'Estimates: engine/plan/search.py (memory: the train state as laid out, '
             'gradients, gathered weights, kept activations, one layer\'s working set and the '
             'head\'s logits; time: the executed FLOPs at peak plus the communication theory\'s '

@@ -17,11 +17,13 @@ The estimate (`estimate`), per device:
          + one layer's working set: its inputs, the attention and MLP activations, recomputed
          + the head's logits for one loss chunk: 1.25 x their float32 size (what the compiled
            steps of the Llama-8B search hold: docs/benchmarks.md, "Searched plans");
+         + in manual mode under ZeRO-1, the parameters once more (float32, as laid out): the
+           updated blocks are gathered into new whole parameters while the step's own are alive;
   time = the FLOPs the step executes / peak + the communication theory's bytes on the wire /
          the interconnect (engine/plan/planner.py's roofline, the theory in place of compiled
          collectives), the serial bound.
-Candidates whose memory estimate exceeds HBM are dropped; the others are ranked by time, and the
-best --top are compiled in each mode (planner.plan_candidate), their compiled memory set beside
+Candidates whose memory estimate exceeds HBM are dropped (per mode); the others are ranked by
+time, and the best --top are compiled in each mode (planner.plan_candidate), their compiled memory set beside
 the estimate. A search writes its rows to OUT.json as it goes and, rerun with the same flags,
 compiles only what it has not.
 """
@@ -50,6 +52,8 @@ REMATS = ('full', 'dots_with_no_batch_dims_saveable')
 LOSS_CHUNKS = 8
 # The share of HBM an estimate may fill: the compiler's layout and fragmentation take the rest.
 HBM_SHARE = 0.9
+# In a search's identity: an OUT.json estimated by another version is not resumed.
+ESTIMATE_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +132,9 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   layer_params = sum(p.bytes_per_device for p in parameters if 'layers' in p.logical_axes)
   gathered = 2 * layer_params / max(layers, 1) * mesh['fsdp'] * dtype_bytes / 4
   memory = state + gradients + gathered + activations + working + logits
+  # Manual ZeRO-1 gathers the updated blocks into new whole parameters while the step's own are
+  # alive: a second float32 copy of them.
+  zero1_copy = params if config.parallelism.optimizer_sharding == 'zero1' else 0
 
   tokens = config.data.global_batch_size * config.data.seq_len
   model_flops = model.flops_per_token(config.data.seq_len) * tokens
@@ -137,7 +144,9 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   time = planner.roofline({}, table, hardware, m.dtype, mesh,
                           executed_flops(model_flops + padding, config, setup)
                           / hardware.num_devices)
-  return {'memory_bytes': memory, 'state_bytes': state, 'activation_bytes': activations,
+  return {'memory_bytes': memory + zero1_copy,
+          'memory_bytes_by_mode': {'auto': memory, 'manual': memory + zero1_copy},
+          'state_bytes': state, 'activation_bytes': activations,
           'logits_bytes': logits, 'serial_s': time['serial_s'], 'compute_s': time['compute_s'],
           'ici_s': time['ici_s'], 'model_flops': model_flops}
 
@@ -155,11 +164,11 @@ def search(config: ml_collections.ConfigDict, topology: str, modes: list[str], f
   devices = planner.topology_devices(topology)
   hardware = planner.Hardware.of(devices, dcn_gb_per_s)
   identity = {'config': json.loads(config.to_json()), 'topology': topology, 'fixed': fixed,
-              'modes': list(modes), 'dcn_gb_per_s': dcn_gb_per_s}
+              'modes': list(modes), 'dcn_gb_per_s': dcn_gb_per_s, 'estimate': ESTIMATE_VERSION}
   done = _resumed(out, identity)
   estimates = done.get('estimates') or _estimates(config, devices, hardware, fixed)
-  fitting = fastest_fitting(estimates, hardware.hbm_bytes)
-  if not fitting:
+  fitting = {mode: fastest_fitting(estimates, hardware.hbm_bytes, mode) for mode in modes}
+  if not any(fitting.values()):
     raise ConfigError(f'no candidate on {topology} fits in {hardware.hbm_bytes / 2**30:.1f} GiB '
                       'by the estimate; fix fewer axes (--fixed), or plan a larger topology.')
   result = {'identity': identity, 'topology': topology, 'num_slices': 1,
@@ -167,18 +176,17 @@ def search(config: ml_collections.ConfigDict, topology: str, modes: list[str], f
             'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
             'processes': len({d.process_index for d in devices}),
             'hbm_bytes_per_device': hardware.hbm_bytes, 'dcn_gb_per_s': dcn_gb_per_s,
-            'estimates': estimates, 'fitting_estimates': len(fitting),
+            'estimates': estimates,
+            'fitting_estimates': len({e['key'] for rows in fitting.values() for e in rows}),
             'candidates': done.get('candidates', [])}
   _write(out, result)
   compiled = {(c['key'], c['mode']) for c in result['candidates']}
-  chosen = fitting[:top]
-  count = len(chosen) * len(modes)
-  for e in chosen:
+  chosen = [(mode, e) for mode in modes for e in fitting[mode][:top]]
+  count = len(chosen)
+  for mode, e in chosen:
     candidate = config_lib.with_values(config, {**{f'mesh.{a}': n for a, n in e['mesh'].items()},
                                                 **e['lever']})
-    for mode in modes:
-      if (e['key'], mode) in compiled:
-        continue
+    if (e['key'], mode) not in compiled:
       place = f'searched candidate {len(result["candidates"]) + 1} of {count}'
       row = planner.plan_candidate(candidate, mode, devices, hardware, place)
       result['candidates'].append({**row, 'key': e['key'], 'estimate': e})
@@ -187,10 +195,18 @@ def search(config: ml_collections.ConfigDict, topology: str, modes: list[str], f
   return result
 
 
-def fastest_fitting(estimates: list[dict], hbm_bytes: float) -> list[dict]:
-  """The estimates that fit (HBM_SHARE of the chip's HBM), fastest first."""
-  return sorted((e for e in estimates if e['memory_bytes'] <= HBM_SHARE * hbm_bytes),
+def fastest_fitting(estimates: list[dict], hbm_bytes: float,
+                    mode: str | None = None) -> list[dict]:
+  """The estimates that fit (HBM_SHARE of the chip's HBM) in `mode` (None: in every mode),
+  fastest first."""
+  return sorted((e for e in estimates if memory_of(e, mode) <= HBM_SHARE * hbm_bytes),
                 key=lambda e: e['serial_s'])
+
+
+def memory_of(estimate_row: dict, mode: str | None = None) -> float:
+  """An estimate's memory per device in `mode` (None: the larger of the modes')."""
+  return (estimate_row['memory_bytes'] if mode is None
+          else estimate_row['memory_bytes_by_mode'][mode])
 
 
 def _estimates(config, devices, hardware, fixed) -> list[dict]:
