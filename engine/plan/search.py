@@ -23,8 +23,8 @@ The estimate (`estimate`), per device:
          the interconnect (engine/plan/planner.py's roofline, the theory in place of compiled
          collectives), the serial bound.
 Candidates whose memory estimate exceeds HBM are dropped (per mode); the others are ranked by
-time, and the best --top are compiled in each mode (planner.plan_candidate), their compiled memory set beside
-the estimate. A search writes its rows to OUT.json as it goes and, rerun with the same flags,
+time, and the best --top are compiled in each mode (planner.plan_candidate), their compiled
+memory set beside the estimate. A search writes its rows to OUT.json as it goes and, rerun with the same flags,
 compiles only what it has not.
 """
 
@@ -144,7 +144,7 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   time = planner.roofline({}, table, hardware, m.dtype, mesh,
                           executed_flops(model_flops + padding, config, setup)
                           / hardware.num_devices)
-  return {'memory_bytes': memory + zero1_copy,
+  return {'memory_bytes': memory + zero1_copy,  # The larger of the modes'.
           'memory_bytes_by_mode': {'auto': memory, 'manual': memory + zero1_copy},
           'state_bytes': state, 'activation_bytes': activations,
           'logits_bytes': logits, 'serial_s': time['serial_s'], 'compute_s': time['compute_s'],
