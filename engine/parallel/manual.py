@@ -8,7 +8,10 @@ The collectives come from the same rules that give auto mode its shardings:
   starts (`ops.layer`, in the layer scan and under remat: one layer's gathered weights alive at a
   time, gathered again in the backward pass), the others once before the model runs. The
   gather's transpose, a `psum_scatter`, reduce-scatters the gradients. The model reads
-  parameters the plain Flax way.
+  parameters the plain Flax way. Two are never gathered where they are used once per step
+  (engine/parallel/manual_ops.py): an untied token embedding, looked up on each device's columns
+  (the group's tokens gathered, the rows exchanged with `all_to_all`), and under a chunked loss
+  an untied head, exchanged to a slice of the vocabulary, each chunk's features gathered.
 - A contraction over a dimension that the activation rules shard (Megatron's row-parallel
   attention-out and MLP-down over `heads` / `mlp` -> tensor) ends with a `psum` over those axes.
   Its column-parallel partner needs nothing in the forward pass; JAX's varying-axes types turn the
