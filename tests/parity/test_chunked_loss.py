@@ -6,7 +6,8 @@ turn (engine/models/chunked_loss.py).
   are strided (the planted bug) fails that.
 - Both modes equal the unchunked single-device run on data x fsdp x tensor (manual mode's
   cross-entropy over a vocabulary split over tensor, and its head split by vocabulary over the
-  fsdp group, each device keeping its own rows' losses: another device's rows, planted, fail),
+  fsdp group, each device keeping its own rows' losses: the first device's kept everywhere,
+  planted, fail),
   with a sequence split over context, and through a 1F1B pipeline whose head is split over the
   stages.
 - The compiled step no longer holds the whole batch's float32 logits: its temporaries fall by
