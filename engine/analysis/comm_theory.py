@@ -102,7 +102,7 @@ from engine.sharding import spec_axes
 from engine.state import TrainSetup
 
 Key = tuple[str, tuple[str, ...]]
-FLOAT32_BYTES = 4
+FLOAT32_BYTES = INT32_BYTES = 4
 # The [E] vectors a mixture of experts' layer averages over the batch (engine/models/moe.py).
 ROUTER_STATISTICS = 2
 
@@ -128,11 +128,6 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
 
   model = setup.model
   activation = local_batch * seq_len * model.embed_dim * activation_bytes
-  lookup_axes = _ordered(manual_ops.columns_lookup_axes(setup), names)
-  if lookup_axes:  # The group's tokens (int32) gathered, their rows sent home and back.
-    group = math.prod(mesh_shape[a] for a in lookup_axes)
-    expected[('all-gather', lookup_axes)] += group * local_batch * seq_len * 4
-    expected[('all-to-all', lookup_axes)] += 2 * activation
   layers = executed_layers(setup)
   # A row-parallel layer's sum in each forward pass, its column-parallel input's in the backward.
   passes = 3 if _self_differentiating(setup) and rules.mesh_axes(LAYERS) else 2
@@ -167,15 +162,32 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
       expected[('all-reduce', stage_axes)] += 2 * activation
   if model.experts is not None:
     _add_expert_exchange(setup, expected, local_batch, seq_len, activation_bytes)
+  _add_embedding_and_loss(setup, expected, local_batch, seq_len, context, activation)
+  return dict(expected)
+
+
+def _add_embedding_and_loss(setup: TrainSetup, expected, local_batch: int, seq_len: int,
+                            context: int, activation: int) -> None:
+  """The token embedding's lookup and the head's loss: manual FSDP's exchanges for an untied
+  embedding and a chunked head, and the vocabulary-parallel sums. `seq_len`: this device's part
+  of each sequence; `activation`: the bytes of one [local batch, seq_len, embed] activation."""
+  mesh_shape, rules = dict(setup.mesh.shape), setup.rules
+  names = tuple(mesh_shape)
+  tokens = local_batch * seq_len  # This device's positions.
+  lookup_axes = _ordered(manual_ops.columns_lookup_axes(setup), names)
+  if lookup_axes:  # The group's tokens gathered, their rows sent home and back.
+    group = math.prod(mesh_shape[a] for a in lookup_axes)
+    expected[('all-gather', lookup_axes)] += group * tokens * INT32_BYTES
+    expected[('all-to-all', lookup_axes)] += 2 * activation
   vocab_parallel = _ordered(rules.mesh_axes('vocab', activation=True), names)
-  head_slice_axes = _ordered(chunked_head_axes(setup), names)
+  head_slice_axes = _ordered(manual_ops.chunked_head_axes(setup), names)
   group = math.prod(mesh_shape[a] for a in head_slice_axes)  # The rows a device's loss covers.
   if head_slice_axes:  # Each chunk's features and targets gathered, again in its backward pass.
     expected[('all-gather', head_slice_axes)] += 2 * group * (
-        activation + local_batch * seq_len * FLOAT32_BYTES)
+        activation + tokens * INT32_BYTES)
     expected[('reduce-scatter', head_slice_axes)] += activation
     # The gathered rows' loss gradients summed (each device's loss reads its own rows).
-    expected[('all-reduce', head_slice_axes)] += group * local_batch * seq_len * FLOAT32_BYTES
+    expected[('all-reduce', head_slice_axes)] += group * tokens * FLOAT32_BYTES
   loss_axes = _ordered(vocab_parallel + head_slice_axes, names)
   # The head's (its input's gradient, the loss' reductions) on each stage's share where the
   # head is split.
@@ -186,14 +198,7 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     # backward pass recomputes it.
     reductions = 5 if setup.options.loss_chunks > 1 else 3
     expected[('all-reduce', loss_axes)] += round(
-        head_share * reductions * group * local_batch * seq_len * FLOAT32_BYTES)
-  return dict(expected)
-
-
-def chunked_head_axes(setup: TrainSetup) -> tuple[str, ...]:
-  """The axes over which manual mode's chunked loss splits the head by vocabulary
-  (ManualOps.chunk_loss_sum): the table's column-lookup axes, under model.loss_chunks > 1."""
-  return manual_ops.columns_lookup_axes(setup) if setup.options.loss_chunks > 1 else ()
+        head_share * reductions * group * tokens * FLOAT32_BYTES)
 
 
 def _self_differentiating(setup: TrainSetup) -> bool:
@@ -248,7 +253,7 @@ def _add_parameter_collectives(setup: TrainSetup, expected, batch_axes,
   head_axes = _ordered(rules.mesh_axes('heads', activation=True), names)
   kv_replicated = not rules.mesh_axes('kv_heads', activation=True)
   lookup_table = bool(manual_ops.columns_lookup_axes(setup))
-  head_slice_axes = _ordered(chunked_head_axes(setup), names)
+  head_slice_axes = _ordered(manual_ops.chunked_head_axes(setup), names)
   for p in setup.parameters():
     shard_bytes = math.prod(p.shard_shape) * reduce_bytes
     split = set(spec_axes(p.spec))

@@ -301,6 +301,12 @@ def columns_lookup_axes(setup: TrainSetup) -> tuple[str, ...]:
   return tuple(setup.rules.gather_axes('embed'))
 
 
+def chunked_head_axes(setup: TrainSetup) -> tuple[str, ...]:
+  """The axes over which a chunked loss splits the head by vocabulary (`for_chunked_loss`,
+  `chunk_loss_sum`): the table's column-lookup axes, under model.loss_chunks > 1."""
+  return columns_lookup_axes(setup) if setup.options.loss_chunks > 1 else ()
+
+
 def averaged_in_backward(param, replicated_axes, scatter_factor, reduce_dtype):
   """`param` as a local copy, varying over `replicated_axes`; the backward pass turns its
   gradient into the batch mean right there (`average_over_batch`)."""

@@ -144,8 +144,7 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   time = planner.roofline({}, table, hardware, m.dtype, mesh,
                           executed_flops(model_flops + padding, config, setup)
                           / hardware.num_devices)
-  return {'memory_bytes': memory + zero1_copy,  # The larger of the modes'.
-          'memory_bytes_by_mode': {'auto': memory, 'manual': memory + zero1_copy},
+  return {'memory_bytes_by_mode': {'auto': memory, 'manual': memory + zero1_copy},
           'state_bytes': state, 'activation_bytes': activations,
           'logits_bytes': logits, 'serial_s': time['serial_s'], 'compute_s': time['compute_s'],
           'ici_s': time['ici_s'], 'model_flops': model_flops}
@@ -205,8 +204,8 @@ def fastest_fitting(estimates: list[dict], hbm_bytes: float,
 
 def memory_of(estimate_row: dict, mode: str | None = None) -> float:
   """An estimate's memory per device in `mode` (None: the larger of the modes')."""
-  return (estimate_row['memory_bytes'] if mode is None
-          else estimate_row['memory_bytes_by_mode'][mode])
+  by_mode = estimate_row['memory_bytes_by_mode']
+  return max(by_mode.values()) if mode is None else by_mode[mode]
 
 
 def _estimates(config, devices, hardware, fixed) -> list[dict]:
