@@ -10,6 +10,12 @@ bandwidth per chip, as the vendors publish them:
 `int8` and `fp8` are the dense int8 (TOPS) and fp8 peaks the same pages list, where the chip has
 the units: no TPU up to v6e lists fp8 (its matmul units take bfloat16 and int8), nor does A100.
 
+`dcn_gb_per_s`, the data-centre network between slices per chip, where published: v5p's page
+lists 50 Gbps per chip; v5e's 6.4 Tbps per 256-chip pod (25 Gbps per chip). `host_gb_per_s`, the
+link to host memory per chip, both directions together, where published: the NVIDIA data sheets'
+PCIe figures. Where a figure is not published the planner assumes one (engine/plan/planner.py),
+and its flags set them.
+
 On TPUs float32 matmuls run at the bfloat16 rate by default (JAX's DEFAULT precision is one
 bfloat16 pass); on NVIDIA GPUs XLA runs them as TF32, whose peak is listed as `float32`.
 MFU is always the model's FLOPs over the peak of the compute dtype: an f32 run on an H100 is
@@ -30,24 +36,26 @@ class Chip:
   hbm_gib: float
   hbm_gb_per_s: float  # GB/s.
   interconnect_gb_per_s: float  # GB/s per chip, all ICI / NVLink links together.
+  dcn_gb_per_s: float | None = None  # GB/s per chip between slices; None: not published.
+  host_gb_per_s: float | None = None  # GB/s per chip to host memory; None: not published.
 
 
 CHIPS = (
     Chip('TPU v4', ('TPU v4',), {'bfloat16': 275, 'float32': 275, 'int8': 275}, 32, 1200, 300),
     Chip('TPU v5e', ('TPU v5 lite', 'TPU v5e'), {'bfloat16': 197, 'float32': 197, 'int8': 393},
-         16, 819, 200),
+         16, 819, 200, dcn_gb_per_s=3.125),
     Chip('TPU v5p', ('TPU v5p', 'TPU v5'), {'bfloat16': 459, 'float32': 459, 'int8': 918}, 95,
-         2765, 600),
+         2765, 600, dcn_gb_per_s=6.25),
     Chip('TPU v6e', ('TPU v6 lite', 'TPU v6e', 'TPU v6'),
          {'bfloat16': 918, 'float32': 918, 'int8': 1836}, 32, 1640, 448),
     Chip('NVIDIA A100', ('A100',), {'bfloat16': 312, 'float32': 156, 'int8': 624}, 80, 2039,
-         600),
+         600, host_gb_per_s=64),
     Chip('NVIDIA H100', ('H100',), {'bfloat16': 989, 'float32': 495, 'int8': 1979, 'fp8': 1979},
-         80, 3350, 900),
+         80, 3350, 900, host_gb_per_s=128),
     Chip('NVIDIA H200', ('H200',), {'bfloat16': 989, 'float32': 495, 'int8': 1979, 'fp8': 1979},
-         141, 4800, 900),
+         141, 4800, 900, host_gb_per_s=128),
     Chip('NVIDIA L4', ('L4',), {'bfloat16': 121, 'float32': 60, 'int8': 242, 'fp8': 242}, 24,
-         300, 64),
+         300, 64, host_gb_per_s=64),
 )
 
 
@@ -92,5 +100,7 @@ matmuls): collective-permutes of shard-sized pieces, about 9/8 of the all-gather
 replace, overlapped with the matmuls (permutes over fsdp are those). Under remat, on CPU as on \
 TPU, (e) some of the forward pass's tensor-parallel all-reduces run again in the backward pass: \
 tensor all-reduce about 1.2 with full remat. (f) Between slices XLA:TPU sends through the \
-data-centre network (Megascale): those collectives are the `dcn` rows, carrying what the \
-theory lists under the data (or fsdp) axis for the part of it that crosses slices."""
+data-centre network (Megascale): the `dcn` rows. The theory splits each collective over an \
+axis that spans slices the same way (comm_theory.between_slices): an all-reduce over data is \
+a reduce-scatter in the slice, the slice's share all-reduced between slices, and an all-gather \
+in the slice."""

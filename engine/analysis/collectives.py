@@ -176,15 +176,21 @@ def _while_trips(hlo_text: str, parsed: list, computation: str,
 
 
 def _collective(instruction: tuple, mesh_shape: dict[str, int], executions: int,
-                computation: str, unknown: tuple[str, ...]) -> Collective | None:
+                computation: str, unknown: tuple[str, ...],
+                slices: int = 1) -> Collective | None:
   """The Collective one parsed instruction runs: a `send` counts only when Megascale's (between
-  TPU slices, over `dcn`); None otherwise."""
+  TPU slices, over `dcn`); None otherwise. A Megascale send carries its collective's operand:
+  its bytes are put in the result's terms, as every other row's are (an all-gather's result is
+  `slices` operands, a reduce-scatter's 1 / `slices` of one; `slices`: the mesh's, which the
+  send spans where one mesh axis crosses them)."""
   name, type_text, op, is_start, rest = instruction
   shapes = _shapes(type_text)
   if op == 'send':
     if not (m := _MEGASCALE.search(rest)):
       return None
     kind, axes = m.group(1).lower().replace('_', '-'), (DCN,)  # ALL_REDUCE -> all-reduce, ...
+    scale = {'all-gather': slices, 'reduce-scatter': 1 / slices}.get(kind, 1)
+    shapes = [(shape, round(size * scale), dtype) for shape, size, dtype in shapes]
   else:
     if is_start and op in ('all-gather', 'collective-permute', 'all-to-all'):
       shapes = _results(type_text, shapes)
@@ -217,6 +223,8 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
   around the loop (a lower bound) and carries the loop's body in `unknown_trip_loops`; one
   warning names every such loop that holds collectives."""
   mesh_shape = dict(mesh.shape)
+  devices = getattr(mesh, 'devices', None)  # None: a mesh's shape alone (one slice).
+  slices = 1 if devices is None else len({getattr(d, 'slice_index', 0) for d in devices.flat})
   computations, entry = _parse(hlo_text)
   parsed = []  # Every instruction, parsed only when a loop lacks a known trip count.
   found: list[Collective] = []
@@ -236,7 +244,8 @@ def count_collectives(hlo_text: str, mesh) -> list[Collective]:
       elif op in ('call', 'conditional'):
         for callee in re.findall(r'(?:to_apply|calls|branch_computations)=\{?%?([\w.\-]+)', rest):
           visit(callee, executions, unknown, depth + 1)
-      elif collective := _collective(instruction, mesh_shape, executions, computation, unknown):
+      elif collective := _collective(instruction, mesh_shape, executions, computation, unknown,
+                                     slices):
         found.append(collective)
 
   visit(entry, 1)

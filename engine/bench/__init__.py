@@ -6,4 +6,7 @@
   baseline_child.py  that checkout's side, a child process run by its path (not imported)
   op_profile.py      each variant's self time per step by op, read from its trace
   grouped_matmul.py  a grouped matmul's time with part of its rows in groups (its own command)
+  host_link.py       the link to host memory, as an offloaded optimizer state uses it (its own
+                     command)
+  timing.py          the median time of a jitted call, for those two
 """

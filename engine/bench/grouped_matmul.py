@@ -17,12 +17,11 @@ multiplies every row by every expert whatever the groups say, which the tiled on
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from engine.bench.timing import median_ms
 from engine.models.tiled_ragged_dot import tiled_ragged_dot
 
 IMPLEMENTATIONS = {'ragged_dot': jax.lax.ragged_dot, 'tiled': tiled_ragged_dot}
@@ -34,16 +33,6 @@ _EXPERTS = flags.DEFINE_integer('experts', 8, 'Groups (experts).')
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per variant.')
 _IMPLEMENTATIONS = flags.DEFINE_list('implementations', ['ragged_dot'],
                                      f'Grouped matmuls to time: {", ".join(IMPLEMENTATIONS)}.')
-
-
-def median_ms(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * sorted(times)[len(times) // 2]
 
 
 def main(argv):

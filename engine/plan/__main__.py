@@ -12,7 +12,7 @@ from engine.cli.command_line import check_out_prefix, run_command
 from engine import config as config_lib
 from engine.errors import ConfigError
 from engine.plan import search
-from engine.plan.planner import DCN_GB_PER_S, plan
+from engine.plan.planner import DCN_GB_PER_S, HOST_GB_PER_S, plan
 from engine.plan.report import markdown, search_markdown
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
@@ -23,13 +23,19 @@ _NUM_SLICES = flags.DEFINE_integer('num_slices', 1, 'Slices joined by the data-c
 _MODES = flags.DEFINE_list('modes', ['auto', 'manual'], 'Modes to compile.')
 _MESHES = flags.DEFINE_list('meshes', [], 'Candidate meshes DATAxFSDPxTENSOR[xCONTEXT[xSTAGE'
                             '[xEXPERT]]]; default: the config\'s own.')
-_DCN_GB_PER_S = flags.DEFINE_float('dcn_gb_per_s', DCN_GB_PER_S,
-                                   'Bandwidth between slices, GB/s (gigabytes) per chip.')
+_DCN_GB_PER_S = flags.DEFINE_float(
+    'dcn_gb_per_s', None, 'Bandwidth between slices, GB/s (gigabytes) per chip; default: the '
+    f'chip\'s published figure (engine/chips.py), else {DCN_GB_PER_S:g}.')
+_HOST_GB_PER_S = flags.DEFINE_float(
+    'host_gb_per_s', None, 'Bandwidth to host memory, GB/s per chip, both directions together '
+    '(offloaded state and activations); default: the chip\'s published figure, else '
+    f'{HOST_GB_PER_S:g}.')
 _OUT = flags.DEFINE_string('out', None, 'Write OUT.md and OUT.json.')
 _SEARCH = flags.DEFINE_bool(
     'search', False, 'Search the meshes, remat policies, micro-batch counts and memory levers '
     '(engine/plan/search.py) instead of --meshes: estimate every candidate, compile the --top '
-    'fastest that fit. With --out, an interrupted search resumes from OUT.json.')
+    'fastest that fit; with --num_slices, also how the data and fsdp axes split between the '
+    'slices. With --out, an interrupted search resumes from OUT.json.')
 _FIXED = flags.DEFINE_list('fixed', [], 'With --search: mesh axes held at a size, AXIS=SIZE '
                            '(e.g. tensor=1,stage=1).')
 _TOP = flags.DEFINE_integer('top', 4, 'With --search: how many candidates to compile.')
@@ -44,10 +50,10 @@ def main(argv):
   start = time.perf_counter()
   if _SEARCH.value:
     result = search.search(_CONFIG.value, _TOPOLOGY.value, _MODES.value, _fixed_axes(),
-                           _TOP.value, _OUT.value, _DCN_GB_PER_S.value)
+                           _TOP.value, _OUT.value, _DCN_GB_PER_S.value, _NUM_SLICES.value)
   else:
     result = plan(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _MODES.value, _MESHES.value,
-                  _DCN_GB_PER_S.value, _MEMORY_BREAKDOWN.value)
+                  _DCN_GB_PER_S.value, _MEMORY_BREAKDOWN.value, _HOST_GB_PER_S.value)
   result['wall_s'] = time.perf_counter() - start
   config_arg = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
                     flags.FLAGS['config'].value)
@@ -66,9 +72,8 @@ def main(argv):
 
 def _fixed_axes() -> dict[str, int]:
   """--fixed as {axis: size}, checked before anything compiles."""
-  if _MESHES.value or _NUM_SLICES.value != 1:
-    raise ConfigError('--search finds the meshes of one slice itself: drop --meshes and '
-                      '--num_slices, or drop --search.')
+  if _MESHES.value:
+    raise ConfigError('--search finds the meshes itself: drop --meshes, or drop --search.')
   if _TOP.value < 1:
     raise ConfigError(f'--top={_TOP.value} must be at least 1: the candidates to compile.')
   fixed = {}

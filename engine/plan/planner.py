@@ -63,9 +63,12 @@ from engine.runtime.progress import phase  # noqa: E402
 from engine.train.metrics import log_memory  # noqa: E402
 
 _TOPOLOGY = re.compile(r'^(v4|v5e|v5p|v6e):(\d+(?:x\d+)+)$')
-# Default bandwidth between slices (data-centre network), GB/s per chip: an assumption, not a
-# published figure; set --dcn_gb_per_s to your network's.
+# What the planner assumes where engine/chips.py has no published figure, GB/s per chip: the
+# data-centre network between slices, and the link to host memory, both directions together
+# (what `python -m engine.bench.host_link` measured on a TPU v5e host: docs/benchmarks.md).
+# Set --dcn_gb_per_s and --host_gb_per_s to your machines'.
 DCN_GB_PER_S = 12.5
+HOST_GB_PER_S = 14.0
 # Bytes each device sends per byte of a collective's result, for a group of n devices on a ring.
 _WIRE_FACTOR = {
     'all-reduce': lambda n: 2 * (n - 1) / n,  # Reduce-scatter, then all-gather.
@@ -110,16 +113,22 @@ class Hardware:
   num_devices: int
   num_slices: int
   dcn_gb_per_s: float
+  host_gb_per_s: float
 
   @classmethod
-  def of(cls, devices, dcn_gb_per_s: float = DCN_GB_PER_S) -> Hardware:
+  def of(cls, devices, dcn_gb_per_s: float | None = None,
+         host_gb_per_s: float | None = None) -> Hardware:
+    """The devices' chip and counts; the bandwidths given, else the chip's published ones, else
+    the planner's assumptions."""
     chip = chips.chip_of(devices[0].device_kind)
     if chip is None:
       raise PlanError(f'{devices[0].device_kind!r} is not in engine/chips.py; add its '
                       'published figures there.')
     places = {(getattr(d, 'slice_index', 0), tuple(d.coords)) for d in devices}
     return cls(chip, len(devices) // len(places), len(devices),
-               validation.count_slices(devices), dcn_gb_per_s)
+               validation.count_slices(devices),
+               dcn_gb_per_s or chip.dcn_gb_per_s or DCN_GB_PER_S,
+               host_gb_per_s or chip.host_gb_per_s or HOST_GB_PER_S)
 
   def per_device(self, per_chip: float) -> float:
     return per_chip / self.devices_per_chip
@@ -129,15 +138,39 @@ class Hardware:
     return self.per_device(self.chip.hbm_gib * 2**30)
 
 
+def slice_shape(mesh_shape: dict[str, int], mesh_config) -> dict[str, int]:
+  """The mesh axes' sizes within one slice: data and fsdp are split over mesh.dcn_data and
+  mesh.dcn_fsdp slices, and a collective's group in a slice spans only its part of them."""
+  return {a: n // mesh_config.get(f'dcn_{a}', 1) for a, n in mesh_shape.items()}
+
+
+def check_bandwidths(dcn_gb_per_s: float | None, host_gb_per_s: float | None) -> None:
+  """--dcn_gb_per_s and --host_gb_per_s, where given, before anything compiles."""
+  for flag, value in (('dcn_gb_per_s', dcn_gb_per_s), ('host_gb_per_s', host_gb_per_s)):
+    if value is not None and not value > 0:
+      raise ConfigError(f'--{flag}={value:g} must be a positive number.')
+
+
+def host_traffic(memory: dict) -> float:
+  """Bytes a step moves over the host link: offloaded activations (model.remat=offload_*) go to
+  host memory in the forward pass and come back in the backward; offloaded optimizer state
+  (parallelism.offload_optimizer) comes to the chip and goes back."""
+  return 2 * (memory.get('host_temp_size_in_bytes', 0)
+              + memory.get('host_argument_size_in_bytes', 0))
+
+
 def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
              mesh_shape: dict[str, int], executed_flops: float,
-             quantized: tuple[str, float] = ('default', 0.0)) -> dict:
+             quantized: tuple[str, float] = ('default', 0.0), host_bytes: float = 0.0) -> dict:
   """Seconds per step for compute, HBM traffic and communication, and the two estimates.
 
   XLA's cost analysis counts a loop body once, so with scanned layers its FLOPs and bytes cover
   one layer of each loop: compute uses `executed_flops` (what the step really runs, per device)
   where that is larger, and the HBM time is a lower bound. `quantized`: (precision, FLOPs per
-  device of the quantized projections), which run at the chip's peak for that precision."""
+  device of the quantized projections), which run at the chip's peak for that precision.
+  `mesh_shape`: the axes' sizes in one slice (`slice_shape`); `dcn` rows span the slices.
+  `host_bytes`: what the step moves over the host link (`host_traffic`), timed like the
+  communication."""
   peak = hardware.per_device(hardware.chip.peak_tflops[dtype] * 1e12)
   flops = max(float(cost.get('flops', 0.0)), executed_flops)
   precision, fast = quantized[0], min(quantized[1], flops)
@@ -157,9 +190,11 @@ def roofline(cost: dict, table: dict, hardware: Hardware, dtype: str,
       comm_s['dcn'] += wire / (hardware.dcn_gb_per_s * 1e9)
     else:
       comm_s['ici'] += wire / hardware.per_device(hardware.chip.interconnect_gb_per_s * 1e9)
-  communication_s = comm_s['ici'] + comm_s['dcn']
+  host_s = host_bytes / hardware.per_device(hardware.host_gb_per_s * 1e9)
+  communication_s = comm_s['ici'] + comm_s['dcn'] + host_s
   return {'compute_s': compute_s, 'memory_s': memory_s, 'ici_s': comm_s['ici'],
-          'dcn_s': comm_s['dcn'], 'overlapped_s': max(compute_s, memory_s, communication_s),
+          'dcn_s': comm_s['dcn'], 'host_s': host_s, 'host_bytes': host_bytes,
+          'overlapped_s': max(compute_s, memory_s, communication_s),
           'serial_s': max(compute_s, memory_s) + communication_s,
           'flops_per_device': flops, 'compiled_flops_per_device': float(cost.get('flops', 0.0)),
           'bytes_accessed_per_device': float(cost.get('bytes accessed', 0.0))}
@@ -243,17 +278,20 @@ def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware
   memory = log_memory(f'{mode} {row["mesh"]} train step', compiled)
   found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
   table = collectives.summarize(found)
-  theory = comm_theory.expected_bytes(train_setup, global_batch, seq_len)
+  theory = comm_theory.between_slices(
+      comm_theory.expected_bytes(train_setup, global_batch, seq_len), mesh_shape, config.mesh)
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   tokens = global_batch * seq_len
   model_flops = train_setup.model.flops_per_token(seq_len) * tokens
   padding = expert_padding_flops(train_setup, mode, tokens, seq_len)
-  estimate = roofline(cost, table, hardware, config.model.dtype, mesh_shape,
+  estimate = roofline(cost, table, hardware, config.model.dtype,
+                      slice_shape(mesh_shape, config.mesh),
                       executed_flops(model_flops + padding, config, train_setup)
                       / hardware.num_devices,
                       (config.model.matmul_precision,
-                       quantized_flops(train_setup, config) / hardware.num_devices))
+                       quantized_flops(train_setup, config) / hardware.num_devices),
+                      host_traffic(memory))
   peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
   fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
   mode_run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
@@ -291,17 +329,16 @@ def rank(rows: list[dict]) -> None:
 
 
 def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, modes: list[str],
-         meshes: list[str], dcn_gb_per_s: float = DCN_GB_PER_S,
-         memory_breakdown: bool = False) -> dict:
+         meshes: list[str], dcn_gb_per_s: float | None = None,
+         memory_breakdown: bool = False, host_gb_per_s: float | None = None) -> dict:
   """Every candidate (mesh x mode) compiled for the topology, ranked (`memory_breakdown`:
   plan_candidate's)."""
   parallel.check_modes(modes, '--modes')
-  if not dcn_gb_per_s > 0:
-    raise ConfigError(f'--dcn_gb_per_s={dcn_gb_per_s:g} must be a positive number.')
+  check_bandwidths(dcn_gb_per_s, host_gb_per_s)
   for mesh in meshes:
     config_lib.parse_mesh(mesh, '--meshes')  # Every mesh string checked before anything compiles.
   devices = topology_devices(topology, num_slices)
-  hardware = Hardware.of(devices, dcn_gb_per_s)
+  hardware = Hardware.of(devices, dcn_gb_per_s, host_gb_per_s)
   precision = config.model.matmul_precision
   if precision != 'default' and precision not in hardware.chip.peak_tflops:
     has = [p for p in ('int8', 'fp8') if p in hardware.chip.peak_tflops]
@@ -325,4 +362,5 @@ def plan(config: ml_collections.ConfigDict, topology: str, num_slices: int, mode
   return {'topology': topology, 'num_slices': num_slices, 'chip': hardware.chip.name,
           'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
           'processes': num_processes, 'hbm_bytes_per_device': hardware.hbm_bytes,
-          'dcn_gb_per_s': dcn_gb_per_s, 'candidates': rows}
+          'dcn_gb_per_s': hardware.dcn_gb_per_s, 'host_gb_per_s': hardware.host_gb_per_s,
+          'candidates': rows}

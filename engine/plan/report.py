@@ -9,7 +9,7 @@ from engine import chips
 from engine import config as config_lib
 from engine.analysis import verdicts
 from engine.analysis.compare_report import LOWER_BOUND_NOTE, element_types, lower_bound
-from engine.plan import search
+from engine.plan import planner, search
 
 
 def train_command(config_arg: str, overrides: list[str], mesh: dict[str, int], mode: str,
@@ -29,42 +29,36 @@ def _gib(n) -> str:
   return '?' if n is None else f'{n / 2**30:.2f}'
 
 
-def _host_bytes(memory: dict) -> int:
-  """Host memory a step keeps: offloaded activations (model.remat=offload_*) and optimizer
-  state (parallelism.offload_optimizer)."""
-  return memory.get('host_temp_size_in_bytes', 0) + memory.get('host_argument_size_in_bytes', 0)
-
-
 def _ranking(result: dict) -> list[str]:
   """The ranking table; with a mixture of experts, a column of the experts' all-to-all bytes."""
   moe = any(r.get('config', {}).get('model', {}).get('num_experts') for r in result['candidates'])
-  host = any(_host_bytes(r.get('memory', {})) for r in result['candidates'])
+  host = any(planner.host_traffic(r.get('memory', {})) for r in result['candidates'])
   exchange = ' all-to-all MiB (theory / compiled) |' if moe else ''
   lines = [
       '| rank | mesh | mode | fits | peak GiB | args GiB | temp GiB |' +
       (' host GiB |' if host else '') + ' TFLOP / device | compute ms '
-      f'| HBM ms | ICI ms | DCN ms | step ms (overlapped - serial) | MFU (serial) |{exchange} '
-      'compile s |',
+      '| HBM ms | ICI ms | DCN ms |' + (' host ms |' if host else '') +
+      f' step ms (overlapped - serial) | MFU (serial) |{exchange} compile s |',
       '|---:|---|---|---|---:|---:|---:|' + '---:|' * host +
-      '---:|---:|---:|---:|---:|---|---:|' + '---:|' * (1 + moe)]
+      '---:|---:|---:|---:|---:|' + '---:|' * host + '---|---:|' + '---:|' * (1 + moe)]
   for r in sorted(result['candidates'], key=lambda r: r.get('rank', 0)):
     if r['status'] == 'invalid':
       lines.append(f'| - | {r["mesh"]} | {r["mode"]} | invalid: {r["error"]} |' +
-                   ' |' * (11 + moe + host))
+                   ' |' * (11 + moe + 2 * host))
       continue
     m, e = r['memory'], r.get('roofline')
     cells = [str(r['rank']), r['mesh'], r['mode'], '**yes**' if r['status'] == 'fits' else 'no',
              _gib(m.get('peak_estimate_bytes')), _gib(m.get('argument_size_in_bytes')),
              _gib(m.get('temp_size_in_bytes'))]
-    if host:
-      cells.append(_gib(_host_bytes(m)))
+    if host:  # What the host keeps: half of what the step moves.
+      cells.append(_gib(planner.host_traffic(m) / 2))
     if e:
       ms = lambda seconds: f'{seconds * 1e3:.3g}'  # Three digits, from microseconds to hours.
       cells += [f'{e["flops_per_device"] / 1e12:.3g}', ms(e['compute_s']), ms(e['memory_s']),
-                ms(e['ici_s']), ms(e['dcn_s']), f'{ms(e["overlapped_s"])} - {ms(e["serial_s"])}',
-                f'{100 * r["mfu"]:.1f} %']
+                ms(e['ici_s']), ms(e['dcn_s']), *([ms(e['host_s'])] if host else []),
+                f'{ms(e["overlapped_s"])} - {ms(e["serial_s"])}', f'{100 * r["mfu"]:.1f} %']
     else:
-      cells += ['-'] * 7
+      cells += ['-'] * (7 + host)
     if moe:
       a2a = r.get('all_to_all_bytes')
       cells.append(f'{a2a["theory"] / 2**20:.1f} / {a2a["compiled"] / 2**20:.1f}' if a2a else '-')
@@ -111,8 +105,10 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
             'step_flops.py; XLA\'s cost analysis counts a scanned layer once), HBM = '
             'compiled bytes accessed / bandwidth (a lower bound, for the same reason), ICI and '
             'DCN = bytes on the wire / bandwidth (ring algorithms; every link of the chip for '
-            'ICI: a lower bound); overlapped = the largest, serial = max(compute, HBM) + '
-            'communication. MFU: the model\'s FLOPs per serial step time, against the compute '
+            f'ICI: a lower bound; DCN at {result.get("dcn_gb_per_s", 0):g} GB/s per chip), host '
+            '= the bytes offloaded state and activations move to host memory and back / the '
+            f'host link ({result.get("host_gb_per_s", 0):g} GB/s per chip); overlapped = the '
+            'largest, serial = max(compute, HBM) + communication (ICI, DCN and host). MFU: the model\'s FLOPs per serial step time, against the compute '
             'dtype\'s peak; with model.matmul_precision int8 or fp8 the quantized projections\' '
             'FLOPs are timed at that precision\'s peak (engine/chips.py).', '']
   lines += [chips.TPU_NOTES, '']
@@ -153,8 +149,9 @@ def search_markdown(result: dict, config_arg: str, overrides: list[str] = ()) ->
   """A search's report (engine/plan/search.py): the compiled candidates ranked, each with its
   estimate beside the compiled numbers and its training command; then the best estimates."""
   estimates, compiled = result['estimates'], result['candidates']
-  lines = [f'# Search on {result["topology"]}: {result["devices"]} x {result["chip"]} devices, '
-           f'{_gib(result["hbm_bytes_per_device"])} GiB HBM each', '',
+  slices = (f' x {result["num_slices"]} slices' if result.get('num_slices', 1) > 1 else '')
+  lines = [f'# Search on {result["topology"]}{slices}: {result["devices"]} x {result["chip"]} '
+           f'devices, {_gib(result["hbm_bytes_per_device"])} GiB HBM each', '',
            f'{len(estimates)} candidates estimated over '
            f'{len({tuple(e["mesh"].values()) for e in estimates})} meshes, '
            f'{result["fitting_estimates"]} fit by the estimate; the fastest compiled:', '',
@@ -182,7 +179,8 @@ def search_markdown(result: dict, config_arg: str, overrides: list[str] = ()) ->
   lines += ['', 'Estimates: engine/plan/search.py (memory: the train state as laid out, '
             'gradients, gathered weights, kept activations, one layer\'s working set and the '
             'head\'s logits; time: the executed FLOPs at peak plus the communication theory\'s '
-            'bytes over the interconnect). Compiled: as engine.plan (below).', '']
+            'bytes over the interconnect, and over several slices their share between slices '
+            f'at {result["dcn_gb_per_s"]:g} GB/s per chip). Compiled: as engine.plan (below).', '']
   for r in sorted(compiled, key=lambda r: r.get('rank', 0)):
     if r['status'] == 'invalid':
       continue
@@ -202,4 +200,6 @@ def _levers(lever: dict) -> str:
     words.append('zero1')
   if lever['model.loss_chunks'] > 1:
     words.append(f'loss in {lever["model.loss_chunks"]}')
+  words += [f'{axis} over {lever[f"mesh.dcn_{axis}"]} slices' for axis in ('data', 'fsdp')
+            if lever.get(f'mesh.dcn_{axis}', 1) > 1]
   return ', '.join(words)

@@ -5,11 +5,14 @@ Candidates: each mesh over data, fsdp, tensor, context, stage and expert whose s
 to the topology's devices (the axes --fixed names held), that the engine accepts; x model.remat
 full or dots_with_no_batch_dims_saveable; x micro-batches 1 (with stages: 1x and 2x the stages);
 x ZeRO-1 where a data axis holds replicated parameters; x the chunked loss (8 slices, where they
-divide). The experiment's other settings stay.
+divide); over several slices (--num_slices), x each split of them between the data and fsdp
+axes (mesh.dcn_data x mesh.dcn_fsdp). The experiment's other settings stay.
 
 The estimate (`estimate`), per device:
   memory = the train state (parameters and moments, as the layout splits them: exact)
-         + the gradients (float32, split like the parameters)
+         + the gradients (float32, split like the parameters; in auto mode under ZeRO-1 half of
+           them: XLA reduce-scatters some to the moments' blocks as the backward pass produces
+           them, and half is what the searches' compiles hold, docs/benchmarks.md)
          + two layers' weights gathered over fsdp, in the compute dtype
          + the activations the backward pass keeps: full remat, each local layer's input per
            micro-batch in flight (all micro-batches under GPipe, the stages' count under 1F1B);
@@ -21,7 +24,9 @@ The estimate (`estimate`), per device:
            updated blocks are gathered into new whole parameters while the step's own are alive;
   time = the FLOPs the step executes / peak + the communication theory's bytes on the wire /
          the interconnect (engine/plan/planner.py's roofline, the theory in place of compiled
-         collectives), the serial bound.
+         collectives; over several slices, each collective across them split into its part in
+         the slice and its part over the data-centre network: comm_theory.between_slices), the
+         serial bound.
 Candidates whose memory estimate exceeds HBM are dropped (per mode); the others are ranked by
 time, and the best --top are compiled in each mode (planner.plan_candidate), their compiled
 memory set beside the estimate. A search writes its rows to OUT.json as it goes and, rerun with the same flags,
@@ -53,21 +58,26 @@ LOSS_CHUNKS = 8
 # The share of HBM an estimate may fill: the compiler's layout and fragmentation take the rest.
 HBM_SHARE = 0.9
 # In a search's identity: an OUT.json estimated by another version is not resumed.
-ESTIMATE_VERSION = 2
+ESTIMATE_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class Lever:
-  """What a candidate sets beside its mesh."""
+  """What a candidate sets beside its mesh (and, over several slices, how its data and fsdp
+  axes split between them)."""
   remat: str
   microbatches: int
   zero1: bool
   loss_chunks: int
+  dcn_data: int = 1
+  dcn_fsdp: int = 1
 
   def values(self) -> dict:
+    slices = ({'mesh.dcn_data': self.dcn_data, 'mesh.dcn_fsdp': self.dcn_fsdp}
+              if self.dcn_data * self.dcn_fsdp > 1 else {})
     return {'model.remat': self.remat, 'train.microbatches': self.microbatches,
             'parallelism.optimizer_sharding': 'zero1' if self.zero1 else 'params',
-            'model.loss_chunks': self.loss_chunks}
+            'model.loss_chunks': self.loss_chunks, **slices}
 
   def flags(self) -> list[str]:
     return [f'--config.{key}={value}' for key, value in self.values().items()]
@@ -85,13 +95,17 @@ def meshes(num_devices: int, fixed: dict[str, int]) -> list[dict[str, int]]:
   return found
 
 
-def levers(config: ml_collections.ConfigDict, mesh: dict[str, int]) -> list[Lever]:
+def levers(config: ml_collections.ConfigDict, mesh: dict[str, int],
+           num_slices: int = 1) -> list[Lever]:
   stages = mesh['stage']
   counts = (1,) if stages == 1 else (stages, 2 * stages)
   zero1 = (False, True) if mesh['data'] > 1 else (False,)
   local = config.data.seq_len // mesh['context']
   chunks = (1, LOSS_CHUNKS) if local % LOSS_CHUNKS == 0 else (1,)
-  return [Lever(*choice) for choice in itertools.product(REMATS, counts, zero1, chunks)]
+  splits = [(d, num_slices // d) for d in range(1, num_slices + 1) if num_slices % d == 0
+            and mesh['data'] % d == 0 and mesh['fsdp'] % (num_slices // d) == 0]
+  return [Lever(*choice, *split) for choice in itertools.product(REMATS, counts, zero1, chunks)
+          for split in splits]
 
 
 def estimate(run, hardware: planner.Hardware) -> dict:
@@ -131,23 +145,27 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   logits = 1.25 * token * vocab * 4 / config.model.loss_chunks
   layer_params = sum(p.bytes_per_device for p in parameters if 'layers' in p.logical_axes)
   gathered = 2 * layer_params / max(layers, 1) * mesh['fsdp'] * dtype_bytes / 4
-  memory = state + gradients + gathered + activations + working + logits
-  # Manual ZeRO-1 gathers the updated blocks into new whole parameters while the step's own are
-  # alive: a second float32 copy of them.
-  zero1_copy = params if config.parallelism.optimizer_sharding == 'zero1' else 0
+  memory = state + gathered + activations + working + logits
+  zero1 = config.parallelism.optimizer_sharding == 'zero1'
+  # Under ZeRO-1 auto mode's gradients are partly reduce-scattered as they are made; manual mode
+  # gathers the updated blocks into new whole parameters while the step's own are alive: a second
+  # float32 copy of them.
+  by_mode = {'auto': memory + (gradients / 2 if zero1 else gradients),
+             'manual': memory + gradients + (params if zero1 else 0)}
 
   tokens = config.data.global_batch_size * config.data.seq_len
   model_flops = model.flops_per_token(config.data.seq_len) * tokens
   padding = expert_padding_flops(setup, config.parallelism.mode, tokens, config.data.seq_len)
   theory = comm_theory.expected_bytes(setup, config.data.global_batch_size, config.data.seq_len)
+  theory = comm_theory.between_slices(theory, mesh, config.mesh)
   table = {key: {'array_bytes': value} for key, value in theory.items()}
-  time = planner.roofline({}, table, hardware, m.dtype, mesh,
+  time = planner.roofline({}, table, hardware, m.dtype, planner.slice_shape(mesh, config.mesh),
                           executed_flops(model_flops + padding, config, setup)
                           / hardware.num_devices)
-  return {'memory_bytes_by_mode': {'auto': memory, 'manual': memory + zero1_copy},
+  return {'memory_bytes_by_mode': by_mode,
           'state_bytes': state, 'activation_bytes': activations,
           'logits_bytes': logits, 'serial_s': time['serial_s'], 'compute_s': time['compute_s'],
-          'ici_s': time['ici_s'], 'model_flops': model_flops}
+          'ici_s': time['ici_s'], 'dcn_s': time['dcn_s'], 'model_flops': model_flops}
 
 
 def _moment_split(p, mesh: dict[str, int]) -> int:
@@ -157,24 +175,28 @@ def _moment_split(p, mesh: dict[str, int]) -> int:
 
 
 def search(config: ml_collections.ConfigDict, topology: str, modes: list[str], fixed: dict,
-           top: int, out: str | None, dcn_gb_per_s: float = planner.DCN_GB_PER_S) -> dict:
-  """Every candidate estimated, the `top` fastest that fit compiled in each mode; the rows
-  (estimates and compiled plans) written to OUT.json as they come, and read back from it."""
-  devices = planner.topology_devices(topology)
+           top: int, out: str | None, dcn_gb_per_s: float | None = None,
+           num_slices: int = 1) -> dict:
+  """Every candidate on `num_slices` slices of `topology` estimated, the `top` fastest that fit
+  compiled in each mode; the rows (estimates and compiled plans) written to OUT.json as they
+  come, and read back from it."""
+  planner.check_bandwidths(dcn_gb_per_s, None)
+  devices = planner.topology_devices(topology, num_slices)
   hardware = planner.Hardware.of(devices, dcn_gb_per_s)
-  identity = {'config': json.loads(config.to_json()), 'topology': topology, 'fixed': fixed,
-              'modes': list(modes), 'dcn_gb_per_s': dcn_gb_per_s, 'estimate': ESTIMATE_VERSION}
+  identity = {'config': json.loads(config.to_json()), 'topology': topology,
+              'num_slices': num_slices, 'fixed': fixed, 'modes': list(modes),
+              'dcn_gb_per_s': hardware.dcn_gb_per_s, 'estimate': ESTIMATE_VERSION}
   done = _resumed(out, identity)
-  estimates = done.get('estimates') or _estimates(config, devices, hardware, fixed)
+  estimates = done.get('estimates') or _estimates(config, devices, hardware, fixed, num_slices)
   fitting = {mode: fastest_fitting(estimates, hardware.hbm_bytes, mode) for mode in modes}
   if not any(fitting.values()):
     raise ConfigError(f'no candidate on {topology} fits in {hardware.hbm_bytes / 2**30:.1f} GiB '
                       'by the estimate; fix fewer axes (--fixed), or plan a larger topology.')
-  result = {'identity': identity, 'topology': topology, 'num_slices': 1,
+  result = {'identity': identity, 'topology': topology, 'num_slices': num_slices,
             'chip': hardware.chip.name,
             'devices': hardware.num_devices, 'devices_per_chip': hardware.devices_per_chip,
             'processes': len({d.process_index for d in devices}),
-            'hbm_bytes_per_device': hardware.hbm_bytes, 'dcn_gb_per_s': dcn_gb_per_s,
+            'hbm_bytes_per_device': hardware.hbm_bytes, 'dcn_gb_per_s': hardware.dcn_gb_per_s,
             'estimates': estimates,
             'fitting_estimates': len({e['key'] for rows in fitting.values() for e in rows}),
             'candidates': done.get('candidates', [])}
@@ -208,11 +230,11 @@ def memory_of(estimate_row: dict, mode: str | None = None) -> float:
   return max(by_mode.values()) if mode is None else by_mode[mode]
 
 
-def _estimates(config, devices, hardware, fixed) -> list[dict]:
+def _estimates(config, devices, hardware, fixed, num_slices: int) -> list[dict]:
   """Every candidate the engine accepts, with its estimate."""
   rows = []
   for mesh in filter(lambda mesh: _may_be_accepted(config, mesh), meshes(len(devices), fixed)):
-    for lever in levers(config, mesh):
+    for lever in levers(config, mesh, num_slices):
       candidate = config_lib.with_values(config, {**{f'mesh.{a}': n for a, n in mesh.items()},
                                                   **lever.values()})
       try:
@@ -245,9 +267,9 @@ def _resumed(out: str | None, identity: dict) -> dict:
   with open(out + '.json') as f:
     done = json.load(f)
   if done.get('identity') != json.loads(json.dumps(identity)):
-    raise ConfigError(f'--out={out}: {out}.json holds another search (config, topology, --fixed, '
-                      '--modes or --dcn_gb_per_s differ); pass a new --out, or the same flags to '
-                      'resume it.')
+    raise ConfigError(f'--out={out}: {out}.json holds another search (config, topology, '
+                      '--num_slices, --fixed, --modes or --dcn_gb_per_s differ); pass a new '
+                      '--out, or the same flags to resume it.')
   logging.info('Resuming the search in %s.json: %d compiled candidate(s) kept.', out,
                len(done.get('candidates', [])))
   return done

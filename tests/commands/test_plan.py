@@ -235,25 +235,12 @@ def test_1f1b_fsdp_gathers_a_stage_per_tick_as_the_theory_counts():
   assert not any(f['kind'] == 'all-gather' and f['reason'] is None for f in row['off_theory'])
 
 
-@pytest.mark.slow
-def test_two_slices_put_data_parallel_traffic_on_the_data_centre_network():
-  config = _config()
-  config.mesh.dcn_data = 2
-  result = plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
-  (row,) = result['candidates']
-  assert result['devices'] == 8 and row['status'] == 'fits'
-  # Gradients all-reduce over data, which spans the two slices: XLA:TPU compiles that to
-  # Megascale sends over the data-centre network (the `dcn` row), as many bytes as the theory's
-  # data all-reduce; fsdp stays inside each slice.
-  table = {(r['kind'], r['axes']): r for r in row['communication']}
-  assert table[('all-reduce', 'dcn')]['manual']['bytes'] == pytest.approx(
-      table[('all-reduce', 'data')]['theory_bytes'], rel=1e-3)
-  assert row['roofline']['dcn_s'] > 0 and row['roofline']['ici_s'] > 0
-  config.mesh.dcn_data = 1  # The slices must be joined along some axis: with no other
-  # candidate, the plan is refused in one line.
+def test_two_slices_are_refused_without_an_axis_across_them():
+  """The slices must be joined along some axis (mesh.dcn_data or mesh.dcn_fsdp): with no other
+  candidate, the plan is refused in one line. (Two slices' traffic: test_plan_search.py.)"""
   with pytest.raises(ConfigError, match=r'no candidate can run on v5p:2x2x1; the first, mesh '
                      r'2x4x1x1x1x1: .*number of TPU slices \(2\)'):
-    plan_lib.plan(config, 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
+    plan_lib.plan(_config(), 'v5p:2x2x1', 2, ['manual'], ['2x4x1'])
 
 
 @pytest.mark.slow
@@ -319,14 +306,22 @@ def test_int8_projections_compile_to_int8_matmuls_timed_at_the_int8_peak():
 @pytest.mark.slow
 def test_offloaded_optimizer_state_shows_in_the_host_column():
   """parallelism.offload_optimizer for TPU v5p: the device arguments lose what the host gains,
-  and the report adds its host GiB column only then."""
+  the roofline times the state's trip to the chip and back over the host link (--host_gb_per_s),
+  and the report adds its host columns only then."""
   rows = {}
   for offload in (False, True):
     config = tiny_config(mesh=(8, 1, 1), steps=2)
     config.parallelism.offload_optimizer = offload
-    result = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['8x1x1'])
+    result = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['8x1x1'], host_gb_per_s=10)
     (rows[offload],) = result['candidates']
-    assert ('host GiB' in plan_report.markdown(result, 'x')) == offload
+    report = plan_report.markdown(result, 'x')
+    assert ('host GiB' in report) == ('host ms' in report) == offload
   moved = (rows[False]['memory']['argument_size_in_bytes'] -
            rows[True]['memory']['argument_size_in_bytes'])
   assert rows[True]['memory']['host_argument_size_in_bytes'] == moved > 0
+  roof = rows[True]['roofline']
+  devices_per_chip = result['devices_per_chip']
+  assert roof['host_s'] == pytest.approx(2 * moved / (10e9 / devices_per_chip), rel=1e-9)
+  assert roof['serial_s'] == pytest.approx(
+      max(roof['compute_s'], roof['memory_s']) + roof['ici_s'] + roof['dcn_s'] + roof['host_s'])
+  assert rows[False]['roofline']['host_s'] == 0

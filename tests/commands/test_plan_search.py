@@ -38,9 +38,10 @@ def test_the_quick_bounds_keep_every_mesh_the_engine_accepts():
                devices, reads=VOCABULARY)
 
 
-def test_manual_zero1_is_estimated_with_a_second_copy_of_the_parameters():
+def test_zero1_is_estimated_per_mode():
   """Manual ZeRO-1 gathers the updated blocks into new parameters while the step's own are
-  alive (the 70B search's compiles: docs/benchmarks.md); auto mode's estimate has no copy."""
+  alive: a second copy of them; auto mode's XLA reduce-scatters gradients as they are made: half
+  of them (the searches' compiles: docs/benchmarks.md)."""
   devices = planner.topology_devices(TOPOLOGY)
   hardware = planner.Hardware.of(devices)
   by_sharding = {}
@@ -49,11 +50,14 @@ def test_manual_zero1_is_estimated_with_a_second_copy_of_the_parameters():
         'mesh.data': 4, 'mesh.fsdp': 1, 'mesh.tensor': 1,
         'parallelism.optimizer_sharding': sharding})
     run = assemble(config, devices, reads=VOCABULARY)
-    by_sharding[sharding] = search.estimate(run, hardware)['memory_bytes_by_mode']
+    estimate = search.estimate(run, hardware)
+    by_sharding[sharding] = {mode: memory - estimate['state_bytes']  # Beside the train state.
+                             for mode, memory in estimate['memory_bytes_by_mode'].items()}
   params = sum(p.bytes_per_device for p in run.setup.parameters())
-  zero1 = by_sharding['zero1']
-  assert zero1['manual'] - zero1['auto'] == params
-  assert by_sharding['params']['manual'] == by_sharding['params']['auto']
+  zero1, replicated = by_sharding['zero1'], by_sharding['params']
+  assert zero1['manual'] - replicated['manual'] == pytest.approx(params)
+  assert replicated['auto'] - zero1['auto'] == pytest.approx(params / 2)
+  assert replicated['manual'] == replicated['auto']
 
 
 @pytest.fixture(scope='module')
@@ -104,3 +108,50 @@ def test_another_search_in_the_same_json_is_refused(searched):
   out, _ = searched
   with pytest.raises(ConfigError, match='holds another search'):
     search.search(_config(), TOPOLOGY, ['auto'], {'context': 1, 'stage': 1}, 1, out)
+
+
+@pytest.fixture(scope='module')
+def two_slices():
+  """Manual data 4 x fsdp 2 over two slices: the search tries both splits of the slices."""
+  fixed = {'data': 4, 'fsdp': 2, 'tensor': 1, 'context': 1, 'stage': 1, 'expert': 1}
+  return search.search(_config(), TOPOLOGY, ['manual'], fixed, 1, None, num_slices=2)
+
+
+@pytest.mark.slow
+def test_two_slices_are_searched_over_each_split_and_their_traffic_is_the_theorys(two_slices):
+  """Each mesh is tried with the slices across data and across fsdp; the compiled step's
+  gradient all-reduce over data runs as the theory splits it (comm_theory.between_slices): a
+  reduce-scatter in the slice, the slice's share all-reduced between slices (XLA:TPU's
+  data-centre network sends, the `dcn` rows), an all-gather in the slice; and the estimate's
+  time between slices is the compiled step's."""
+  splits = {(e['lever']['mesh.dcn_data'], e['lever']['mesh.dcn_fsdp'])
+            for e in two_slices['estimates']}
+  assert splits == {(2, 1), (1, 2)} and two_slices['devices'] == 8
+  [row] = two_slices['candidates']
+  assert row['status'] == 'fits' and row['config']['mesh']['dcn_data'] == 2
+  assert row['estimate']['lever']['parallelism.optimizer_sharding'] == 'params'
+  table = {(r['kind'], r['axes']): r for r in row['communication']}
+  for key in (('all-reduce', 'dcn'), ('reduce-scatter', 'data'), ('all-gather', 'data')):
+    assert table[key]['manual']['ratio'] == pytest.approx(1, abs=0.01), key
+  # Between slices: the data all-reduce's share (every gradient over the 2 devices in a slice).
+  gradients = sum(p.bytes_per_device for p in assemble(
+      config_lib.with_values(_config(), {'mesh.data': 4, 'mesh.fsdp': 2,
+                                         'mesh.dcn_data': 2}), planner.topology_devices(
+          TOPOLOGY, 2), reads=VOCABULARY).setup.parameters())
+  assert table[('all-reduce', 'dcn')]['theory_bytes'] == pytest.approx(gradients / 2, rel=0.01)
+  assert row['estimate']['dcn_s'] == pytest.approx(row['roofline']['dcn_s'], rel=0.02)
+
+
+@pytest.mark.slow
+def test_zero1_across_slices_gathers_and_scatters_between_them_as_the_theory_says():
+  """ZeRO-1 over data split across two slices: the updated parameters' all-gather and the
+  gradients' reduce-scatter cross the slices as Megascale sends of their operands (a shard, a
+  whole input), counted in their results' terms like every other row: the theory's bytes."""
+  devices = planner.topology_devices(TOPOLOGY, 2)
+  config = config_lib.with_values(_config(), {
+      'mesh.data': 4, 'mesh.fsdp': 2, 'mesh.dcn_data': 2,
+      'parallelism.optimizer_sharding': 'zero1'})
+  row = planner.plan_candidate(config, 'manual', devices, planner.Hardware.of(devices))
+  table = {(r['kind'], r['axes']): r for r in row['communication']}
+  for key in (('all-gather', 'dcn'), ('reduce-scatter', 'dcn')):
+    assert table[key]['manual']['ratio'] == pytest.approx(1, abs=0.01), key

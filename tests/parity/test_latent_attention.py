@@ -115,14 +115,13 @@ def mla_config(mesh=(1, 1, 1), mode='auto', deepseek=False, dense_layers=0):
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_latent_attention_matches_single_device(mode):
   """data 2 x fsdp 2 x tensor 2 (each device 2 of the 4 heads) and data 2 x tensor 2 x stage
-  2 with 2 micro-batches; DeepSeek-V3's block on expert 2 x fsdp 2 x tensor 2."""
+  2 with 2 micro-batches. (DeepSeek-V3's block on expert 2 x fsdp 2 x tensor 2: below, after
+  a dense layer.)"""
   reference = single_device_run(mla_config(), 2)
   assert_same_run(engine_run(mla_config((2, 2, 2), mode), mode, 2), reference)
   staged = mla_config((2, 1, 2, 1, 2), mode)
   staged.train.microbatches = 2
   assert_same_run(engine_run(staged, mode, 2), reference)
-  assert_same_run(engine_run(mla_config((1, 2, 2, 1, 1, 2), mode, True), mode, 2),
-                  single_device_run(mla_config(deepseek=True), 2))
 
 
 @pytest.mark.slow

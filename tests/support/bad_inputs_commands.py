@@ -169,6 +169,12 @@ COMMAND_ROWS = {
          'config.json is not valid JSON (Expecting value: line 1 column 11 (char 10)); it is not '
          'a file a training run wrote: restore it, or pass another --workdir.'),
     ],
+    'engine.bench.host_link': [
+        ([], 2, "cpu devices have no link to host memory to measure (a CPU's device memory is the "
+         "host's); run this on a TPU or GPU."),
+        (['--mib=256,0'], 2, '--mib=256,0 must list positive integers (MiB) and --repeats=7 be '
+         'at least 1.'),
+    ],
     'engine.bench': [
         ([], 2, '--config is required: Experiment config file.'),
         ([TINY, '--modes=bogus'], 2, "--modes='bogus' is unknown; choose one of ['auto', "
@@ -248,11 +254,12 @@ COMMAND_ROWS = {
         ([TINY, V5P, '--modes=bogus'], 2,
          "--modes='bogus' is unknown; choose one of ['auto', 'manual']."),
         ([TINY, V5P, '--dcn_gb_per_s=0'], 2, '--dcn_gb_per_s=0 must be a positive number.'),
+        ([TINY, V5P, '--host_gb_per_s=-1'], 2, '--host_gb_per_s=-1 must be a positive number.'),
         ([TINY, V5P, '--search', '--fixed=pipeline=2'], 2, "--fixed='pipeline=2' must be "
          'AXIS=SIZE, AXIS one of data, fsdp, tensor, context, stage, expert and SIZE a positive '
          'integer, e.g. --fixed=tensor=1,stage=1.'),
-        ([TINY, V5P, '--search', '--meshes=8x1x1'], 2, '--search finds the meshes of one slice '
-         'itself: drop --meshes and --num_slices, or drop --search.'),
+        ([TINY, V5P, '--search', '--meshes=8x1x1'], 2, '--search finds the meshes itself: drop '
+         '--meshes, or drop --search.'),
         ([TINY, V5P, '--search', '--top=0'], 2, '--top=0 must be at least 1: the candidates to '
          'compile.'),
         ([TINY, V5P, '--meshes=3x1x1'], 2, 'no candidate can run on v5p:2x2x2; the first, mesh '
