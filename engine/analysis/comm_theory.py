@@ -192,8 +192,8 @@ def between_slices(expected: dict[Key, int], mesh_shape: dict[str, int],
         'reduce-scatter': (size, size * slices), 'all-to-all': (size, size)}[kind]
     split[(kind, (DCN,))] += between
     if group > 1 and kind == 'all-reduce':  # Reduce-scattered in the slice, gathered after.
-      split[('reduce-scatter', axes)] += size // group
-      split[('all-gather', axes)] += size
+      split[('reduce-scatter', axes)] += between
+      split[('all-gather', axes)] += within
     elif group > 1:
       split[(kind, axes)] += within
   return dict(split)

@@ -50,7 +50,8 @@ def main(argv):
   start = time.perf_counter()
   if _SEARCH.value:
     result = search.search(_CONFIG.value, _TOPOLOGY.value, _MODES.value, _fixed_axes(),
-                           _TOP.value, _OUT.value, _DCN_GB_PER_S.value, _NUM_SLICES.value)
+                           _TOP.value, _OUT.value, _DCN_GB_PER_S.value, _NUM_SLICES.value,
+                           _HOST_GB_PER_S.value)
   else:
     result = plan(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, _MODES.value, _MESHES.value,
                   _DCN_GB_PER_S.value, _MEMORY_BREAKDOWN.value, _HOST_GB_PER_S.value)

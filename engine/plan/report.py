@@ -108,9 +108,10 @@ def markdown(result: dict, config_arg: str, overrides: list[str] = ()) -> str:
             f'ICI: a lower bound; DCN at {result.get("dcn_gb_per_s", 0):g} GB/s per chip), host '
             '= the bytes offloaded state and activations move to host memory and back / the '
             f'host link ({result.get("host_gb_per_s", 0):g} GB/s per chip); overlapped = the '
-            'largest, serial = max(compute, HBM) + communication (ICI, DCN and host). MFU: the model\'s FLOPs per serial step time, against the compute '
-            'dtype\'s peak; with model.matmul_precision int8 or fp8 the quantized projections\' '
-            'FLOPs are timed at that precision\'s peak (engine/chips.py).', '']
+            'largest, serial = max(compute, HBM) + communication (ICI, DCN and host). MFU: the '
+            'model\'s FLOPs per serial step time, against the compute dtype\'s peak; with '
+            'model.matmul_precision int8 or fp8 the quantized projections\' FLOPs are timed at '
+            'that precision\'s peak (engine/chips.py).', '']
   lines += [chips.TPU_NOTES, '']
   if any(r['status'] == 'does not fit' and 'peak_memory' not in r for r in result['candidates']):
     lines += ['A candidate does not fit: `--memory_breakdown` lists the buffers that make its '

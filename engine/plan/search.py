@@ -9,7 +9,8 @@ divide); over several slices (--num_slices), x each split of them between the da
 axes (mesh.dcn_data x mesh.dcn_fsdp). The experiment's other settings stay.
 
 The estimate (`estimate`), per device:
-  memory = the train state (parameters and moments, as the layout splits them: exact)
+  memory = the train state (parameters and moments, as the layout splits them: exact; the
+           moments in host memory with parallelism.offload_optimizer)
          + the gradients (float32, split like the parameters; in auto mode under ZeRO-1 half of
            them: XLA reduce-scatters some to the moments' blocks as the backward pass produces
            them, and half is what the searches' compiles hold, docs/benchmarks.md)
@@ -25,12 +26,13 @@ The estimate (`estimate`), per device:
   time = the FLOPs the step executes / peak + the communication theory's bytes on the wire /
          the interconnect (engine/plan/planner.py's roofline, the theory in place of compiled
          collectives; over several slices, each collective across them split into its part in
-         the slice and its part over the data-centre network: comm_theory.between_slices), the
-         serial bound.
+         the slice and its part over the data-centre network: comm_theory.between_slices; with
+         parallelism.offload_optimizer, the moments' trip to the chip and back over the host
+         link), the serial bound.
 Candidates whose memory estimate exceeds HBM are dropped (per mode); the others are ranked by
 time, and the best --top are compiled in each mode (planner.plan_candidate), their compiled
-memory set beside the estimate. A search writes its rows to OUT.json as it goes and, rerun with the same flags,
-compiles only what it has not.
+memory set beside the estimate. A search writes its rows to OUT.json as it goes and, rerun with
+the same flags, compiles only what it has not.
 """
 
 from __future__ import annotations
@@ -117,7 +119,10 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   parameters = setup.parameters()
   params = sum(p.bytes_per_device for p in parameters)
   moments = sum(2 * p.bytes_per_device // _moment_split(p, mesh) for p in parameters)
-  state = params + moments
+  # parallelism.offload_optimizer keeps the moments in host memory: each step brings them to
+  # the chip and back over the host link.
+  offloaded = moments if config.parallelism.offload_optimizer else 0
+  state = params + moments - offloaded
   gradients = params
 
   batch_ways = math.prod(mesh[a] for a in setup.rules.mesh_axes('batch', activation=True))
@@ -161,7 +166,7 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   table = {key: {'array_bytes': value} for key, value in theory.items()}
   time = planner.roofline({}, table, hardware, m.dtype, planner.slice_shape(mesh, config.mesh),
                           executed_flops(model_flops + padding, config, setup)
-                          / hardware.num_devices)
+                          / hardware.num_devices, host_bytes=2 * offloaded)
   return {'memory_bytes_by_mode': by_mode,
           'state_bytes': state, 'activation_bytes': activations,
           'logits_bytes': logits, 'serial_s': time['serial_s'], 'compute_s': time['compute_s'],
@@ -176,16 +181,17 @@ def _moment_split(p, mesh: dict[str, int]) -> int:
 
 def search(config: ml_collections.ConfigDict, topology: str, modes: list[str], fixed: dict,
            top: int, out: str | None, dcn_gb_per_s: float | None = None,
-           num_slices: int = 1) -> dict:
+           num_slices: int = 1, host_gb_per_s: float | None = None) -> dict:
   """Every candidate on `num_slices` slices of `topology` estimated, the `top` fastest that fit
   compiled in each mode; the rows (estimates and compiled plans) written to OUT.json as they
   come, and read back from it."""
-  planner.check_bandwidths(dcn_gb_per_s, None)
+  planner.check_bandwidths(dcn_gb_per_s, host_gb_per_s)
   devices = planner.topology_devices(topology, num_slices)
-  hardware = planner.Hardware.of(devices, dcn_gb_per_s)
+  hardware = planner.Hardware.of(devices, dcn_gb_per_s, host_gb_per_s)
   identity = {'config': json.loads(config.to_json()), 'topology': topology,
               'num_slices': num_slices, 'fixed': fixed, 'modes': list(modes),
-              'dcn_gb_per_s': hardware.dcn_gb_per_s, 'estimate': ESTIMATE_VERSION}
+              'dcn_gb_per_s': hardware.dcn_gb_per_s, 'host_gb_per_s': hardware.host_gb_per_s,
+              'estimate': ESTIMATE_VERSION}
   done = _resumed(out, identity)
   estimates = done.get('estimates') or _estimates(config, devices, hardware, fixed, num_slices)
   fitting = {mode: fastest_fitting(estimates, hardware.hbm_bytes, mode) for mode in modes}
@@ -268,8 +274,8 @@ def _resumed(out: str | None, identity: dict) -> dict:
     done = json.load(f)
   if done.get('identity') != json.loads(json.dumps(identity)):
     raise ConfigError(f'--out={out}: {out}.json holds another search (config, topology, '
-                      '--num_slices, --fixed, --modes or --dcn_gb_per_s differ); pass a new '
-                      '--out, or the same flags to resume it.')
+                      '--num_slices, --fixed, --modes or a bandwidth differ); pass a new --out, '
+                      'or the same flags to resume it.')
   logging.info('Resuming the search in %s.json: %d compiled candidate(s) kept.', out,
                len(done.get('candidates', [])))
   return done

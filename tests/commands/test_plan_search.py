@@ -60,6 +60,28 @@ def test_zero1_is_estimated_per_mode():
   assert replicated['manual'] == replicated['auto']
 
 
+def test_an_offloaded_optimizer_state_is_estimated_on_the_host_link():
+  """parallelism.offload_optimizer: the moments leave the chip's memory estimate, and their trip
+  to the chip and back is timed at the host link's bandwidth."""
+  devices = planner.topology_devices(TOPOLOGY)
+  hardware = planner.Hardware.of(devices, host_gb_per_s=10)
+  estimates = {}
+  for offload in (False, True):
+    config = config_lib.with_values(_config(), {
+        'mesh.data': 4, 'mesh.fsdp': 1, 'mesh.tensor': 1,
+        'parallelism.offload_optimizer': offload})
+    run = assemble(config, devices, reads=VOCABULARY)
+    estimates[offload] = search.estimate(run, hardware)
+  params = sum(p.bytes_per_device for p in run.setup.parameters())
+  moments = estimates[False]['state_bytes'] - params
+  assert estimates[True]['state_bytes'] == params and moments == 2 * params
+  for mode in ('auto', 'manual'):
+    assert (estimates[False]['memory_bytes_by_mode'][mode]
+            - estimates[True]['memory_bytes_by_mode'][mode]) == moments
+  assert estimates[True]['serial_s'] - estimates[False]['serial_s'] == pytest.approx(
+      2 * moments / 10e9)
+
+
 @pytest.fixture(scope='module')
 def searched(tmp_path_factory):
   out = str(tmp_path_factory.mktemp('search') / 'gpt')
