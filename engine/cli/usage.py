@@ -41,6 +41,11 @@ COMMANDS = {
         'Times the training step of every mode and mesh side by side and prints a table '
         '(written to PREFIX.md and PREFIX.json with --out).',
         'Timing modes and meshes'),
+    'engine.bench.host_link': (
+        'python -m engine.bench.host_link [--mib=256,1024] [--repeats=7]',
+        'Times the link between a TPU or GPU and host memory as an offloaded optimizer state '
+        'uses it (host -> chip -> host, the host buffer donated) and prints a table.',
+        'The link to host memory'),
     'engine.plan': (
         'python -m engine.plan --config=EXPERIMENT --topology=VERSION:SHAPE [--meshes=M1,M2] '
         '[--out=PREFIX]',

@@ -110,6 +110,9 @@ CHECKS = {
     'python -m engine.plan --config=experiments/llama_8b.py --topology=v5p:4x4x8 '
     '--meshes=8x16x1,1x32x4,1x16x1x1x8 --config.train.microbatches=8 --modes=auto,manual '
     '--out=/tmp/plan_8b': NO_LIBTPU,
+    'python -m engine.bench.host_link --mib=256,1024':
+        Skip('needs a TPU or GPU: a CPU\'s device memory is the host\'s (its refusal on CPU is a '
+             'row of bad_inputs.md)'),
     'python -m engine.bench.grouped_matmul':
         Run('grouped_matmul', add=('--rows=256', '--width=64', '--hidden=32', '--repeats=2')),
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.show_layout '

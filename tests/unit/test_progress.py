@@ -123,7 +123,8 @@ def test_the_plan_names_each_candidate_of_how_many(monkeypatch):
     return {'status': 'fits', 'roofline': {'serial_s': 1.0}}
 
   chip = types.SimpleNamespace(name='chip')
-  hardware = types.SimpleNamespace(chip=chip, num_devices=8, devices_per_chip=1, hbm_bytes=1)
+  hardware = types.SimpleNamespace(chip=chip, num_devices=8, devices_per_chip=1, hbm_bytes=1,
+                                   dcn_gb_per_s=1.0, host_gb_per_s=1.0)
   monkeypatch.setattr(planner, 'topology_devices', lambda *_: [])
   monkeypatch.setattr(planner.Hardware, 'of', lambda *_: hardware)
   monkeypatch.setattr(planner, 'plan_candidate', candidate)
