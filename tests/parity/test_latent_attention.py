@@ -127,10 +127,13 @@ def test_latent_attention_matches_single_device(mode):
 @pytest.mark.slow
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_dense_first_layers_match_single_device(mode):
-  """DeepSeek-V3's blocks after a dense one on expert 2 x fsdp 2 x tensor 2, and on data 2 x
-  stage 2 x expert 2 with 2 micro-batches (the dense layer runs before the pipeline)."""
+  """DeepSeek-V3's blocks after a dense one on expert 2 x fsdp 2 x tensor 2, and in manual mode
+  on data 2 x stage 2 x expert 2 with 2 micro-batches (the dense layer runs before the
+  pipeline; the pipeline's code is auto mode's too, whose stages run latent attention above)."""
   reference = single_device_run(mla_config(deepseek=True, dense_layers=1), 2)
   assert_same_run(engine_run(mla_config((1, 2, 2, 1, 1, 2), mode, True, 1), mode, 2), reference)
+  if mode == 'auto':
+    return
   staged = mla_config((2, 1, 1, 1, 2, 2), mode, True, 1)
   staged.train.microbatches = 2
   assert_same_run(engine_run(staged, mode, 2), reference)
