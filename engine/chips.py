@@ -101,6 +101,6 @@ replace, overlapped with the matmuls (permutes over fsdp are those). Under remat
 TPU, (e) some of the forward pass's tensor-parallel all-reduces run again in the backward pass: \
 tensor all-reduce about 1.2 with full remat. (f) Between slices XLA:TPU sends through the \
 data-centre network (Megascale): the `dcn` rows. The theory splits each collective over an \
-axis that spans slices the same way (comm_theory.between_slices): an all-reduce over data is \
+axis that spans slices the same way (engine/analysis/slices.py): an all-reduce over data is \
 a reduce-scatter in the slice, the slice's share all-reduced between slices, and an all-gather \
 in the slice."""

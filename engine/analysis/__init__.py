@@ -6,6 +6,7 @@ imports them.
   hlo_loops.py       reads the trip counts of compiled loops that do not record them (TPU)
   hlo_matmuls.py     the matrix products of a compiled program, by operand types
   comm_theory.py     the bytes a layout should move, from the model's spec and the rules
+  slices.py          that theory as a step over several slices runs it (its data-centre share)
   verdicts.py        which collectives move bytes off their theory, and the known reasons why
   benchmark.py       step time, FLOP/s, memory and collectives of modes x meshes, interleaved
                      in one run (command: python -m engine.bench)

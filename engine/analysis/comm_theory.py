@@ -78,13 +78,6 @@ over its executions in one step. Keys are (kind, mesh axes).
   The router's batch statistics (the load-balancing loss' two [E] means) are averaged over the
   batch axes in every execution of a layer, float32; with pipeline stages each micro-batch's
   per-layer loads [layers, E] travel with its activations and are broadcast with its output.
-- Several slices (mesh.dcn_data, mesh.dcn_fsdp; `between_slices`): a collective over an axis
-  split across slices runs in two levels, as XLA:TPU lowers it: inside each slice over the
-  interconnect and between slices over the data-centre network (the `dcn` pseudo axis). An
-  all-reduce of B bytes over a group of g devices in each of n slices is a reduce-scatter in
-  the slice (B / g), an all-reduce of that shard between slices and an all-gather in the slice
-  (B); an all-gather sends the slice's B / g between slices first; a reduce-scatter of a B-byte
-  shard reduces B n in the slice, then B between slices; an all-to-all's B go both ways.
 Scalar reductions (loss, gradient norms) are left out: they are a few bytes.
 
 Dtypes follow manual mode's design: gradient reductions and the FSDP gathers they transpose in
@@ -100,7 +93,6 @@ import math
 
 import numpy as np
 
-from engine.analysis.collectives import DCN
 from engine.models.moe_dispatch import capacity
 from engine.models.ops import LAYERS
 from engine import muon
@@ -172,31 +164,6 @@ def expected_bytes(setup: TrainSetup, global_batch: int, seq_len: int,
     _add_expert_exchange(setup, expected, local_batch, seq_len, activation_bytes)
   _add_embedding_and_loss(setup, expected, local_batch, seq_len, context, activation)
   return dict(expected)
-
-
-def between_slices(expected: dict[Key, int], mesh_shape: dict[str, int],
-                   mesh_config) -> dict[Key, int]:
-  """`expected` as a step over several slices runs it: each collective over an axis split across
-  slices (mesh.dcn_data, mesh.dcn_fsdp of `mesh_config`) as its part in the slice (same key: its
-  group is then the slice's part of the axes) and its part between slices (the `dcn` axis)."""
-  dcn = {axis: mesh_config.get(f'dcn_{axis}', 1) for axis in ('data', 'fsdp')}
-  split: dict[Key, int] = collections.defaultdict(int)
-  for (kind, axes), size in expected.items():
-    slices = math.prod(dcn.get(a, 1) for a in axes)
-    if slices == 1 or kind == 'collective-permute':
-      split[(kind, axes)] += size
-      continue
-    group = math.prod(mesh_shape[a] for a in axes) // slices  # Devices in each slice.
-    between, within = {  # The result's bytes between slices, and in each slice.
-        'all-reduce': (size // group, size), 'all-gather': (size // group, size),
-        'reduce-scatter': (size, size * slices), 'all-to-all': (size, size)}[kind]
-    split[(kind, (DCN,))] += between
-    if group > 1 and kind == 'all-reduce':  # Reduce-scattered in the slice, gathered after.
-      split[('reduce-scatter', axes)] += between
-      split[('all-gather', axes)] += within
-    elif group > 1:
-      split[(kind, axes)] += within
-  return dict(split)
 
 
 def _add_embedding_and_loss(setup: TrainSetup, expected, local_batch: int, seq_len: int,

@@ -50,7 +50,7 @@ from absl import logging  # noqa: E402
 
 from engine import chips, parallel, validation  # noqa: E402
 from engine import config as config_lib  # noqa: E402
-from engine.analysis import benchmark, collectives, comm_theory, verdicts  # noqa: E402
+from engine.analysis import benchmark, collectives, comm_theory, slices, verdicts  # noqa: E402
 from engine.analysis.comparison import communication_table  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
@@ -278,8 +278,8 @@ def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware
   memory = log_memory(f'{mode} {row["mesh"]} train step', compiled)
   found = collectives.count_collectives(compiled.as_text(), train_setup.mesh)
   table = collectives.summarize(found)
-  theory = comm_theory.between_slices(
-      comm_theory.expected_bytes(train_setup, global_batch, seq_len), mesh_shape, config.mesh)
+  theory = slices.split(comm_theory.expected_bytes(train_setup, global_batch, seq_len),
+                        mesh_shape, config.mesh)
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   tokens = global_batch * seq_len

@@ -26,7 +26,7 @@ The estimate (`estimate`), per device:
   time = the FLOPs the step executes / peak + the communication theory's bytes on the wire /
          the interconnect (engine/plan/planner.py's roofline, the theory in place of compiled
          collectives; over several slices, each collective across them split into its part in
-         the slice and its part over the data-centre network: comm_theory.between_slices; with
+         the slice and its part over the data-centre network: engine/analysis/slices.py; with
          parallelism.offload_optimizer, the moments' trip to the chip and back over the host
          link), the serial bound.
 Candidates whose memory estimate exceeds HBM are dropped (per mode); the others are ranked by
@@ -48,7 +48,7 @@ import numpy as np
 from absl import logging
 
 from engine import config as config_lib
-from engine.analysis import comm_theory
+from engine.analysis import comm_theory, slices
 from engine.assemble import VOCABULARY, assemble
 from engine.errors import ConfigError
 from engine.plan import planner
@@ -75,11 +75,11 @@ class Lever:
   dcn_fsdp: int = 1
 
   def values(self) -> dict:
-    slices = ({'mesh.dcn_data': self.dcn_data, 'mesh.dcn_fsdp': self.dcn_fsdp}
+    across = ({'mesh.dcn_data': self.dcn_data, 'mesh.dcn_fsdp': self.dcn_fsdp}
               if self.dcn_data * self.dcn_fsdp > 1 else {})
     return {'model.remat': self.remat, 'train.microbatches': self.microbatches,
             'parallelism.optimizer_sharding': 'zero1' if self.zero1 else 'params',
-            'model.loss_chunks': self.loss_chunks, **slices}
+            'model.loss_chunks': self.loss_chunks, **across}
 
   def flags(self) -> list[str]:
     return [f'--config.{key}={value}' for key, value in self.values().items()]
@@ -114,24 +114,45 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   """The analytic memory (bytes per device) and serial step time of an assembled candidate."""
   config, setup = run.config, run.setup
   mesh = dict(setup.mesh.shape)
-  model, m = setup.model, config.model
-  dtype_bytes = np.dtype(m.dtype).itemsize
+  params, state, offloaded = _train_state(config, setup, mesh)
+  transient = _transient_memory(config, setup, mesh)
+  memory = state + sum(transient.values())
+  gradients = params  # Float32, split like the parameters.
+  zero1 = config.parallelism.optimizer_sharding == 'zero1'
+  # Under ZeRO-1 auto mode's gradients are partly reduce-scattered as they are made; manual mode
+  # gathers the updated blocks into new whole parameters while the step's own are alive: a second
+  # float32 copy of them.
+  by_mode = {'auto': memory + (gradients / 2 if zero1 else gradients),
+             'manual': memory + gradients + (params if zero1 else 0)}
+  time, model_flops = _step_time(config, setup, mesh, hardware, host_bytes=2 * offloaded)
+  return {'memory_bytes_by_mode': by_mode,
+          'state_bytes': state, 'activation_bytes': transient['activations'],
+          'logits_bytes': transient['logits'], 'serial_s': time['serial_s'],
+          'compute_s': time['compute_s'], 'ici_s': time['ici_s'], 'dcn_s': time['dcn_s'],
+          'model_flops': model_flops}
+
+
+def _train_state(config, setup, mesh: dict[str, int]) -> tuple[float, float, float]:
+  """(the parameters, the train state on the chip, the moments offloaded), bytes per device."""
   parameters = setup.parameters()
   params = sum(p.bytes_per_device for p in parameters)
   moments = sum(2 * p.bytes_per_device // _moment_split(p, mesh) for p in parameters)
   # parallelism.offload_optimizer keeps the moments in host memory: each step brings them to
   # the chip and back over the host link.
   offloaded = moments if config.parallelism.offload_optimizer else 0
-  state = params + moments - offloaded
-  gradients = params
+  return params, params + moments - offloaded, offloaded
 
+
+def _transient_memory(config, setup, mesh: dict[str, int]) -> dict[str, float]:
+  """What the step holds beside its state, bytes per device: the activations the backward pass
+  keeps, one layer's working set, the head's logits and the weights gathered over fsdp."""
+  model, m = setup.model, config.model
+  dtype_bytes = np.dtype(m.dtype).itemsize
   batch_ways = math.prod(mesh[a] for a in setup.rules.mesh_axes('batch', activation=True))
-  local_rows = config.data.global_batch_size // batch_ways
   stages = mesh['stage']
-  rows = local_rows // config.train.microbatches  # A micro-batch's rows.
+  rows = config.data.global_batch_size // batch_ways // config.train.microbatches
   in_flight = 1 if stages == 1 else (config.train.microbatches if config.train.pipeline_schedule
                                      == 'gpipe' else min(stages, config.train.microbatches))
-  length = config.data.seq_len // mesh['context']
   tensor = mesh['tensor']
   layers = model.num_layers // stages
   D, F = model.embed_dim, m.mlp_dim
@@ -140,37 +161,33 @@ def estimate(run, hardware: planner.Hardware) -> dict:
   head_dim = m.head_dim if m.get('head_dim', -1) > 0 else D // heads
   # The projections' outputs: queries, keys, values, attention out, gate, up, down.
   widths = (heads + 2 * kv) * head_dim / tensor + D + 2 * F / tensor + D
-  token = rows * length
+  token = rows * (config.data.seq_len // mesh['context'])  # A micro-batch's tokens.
   kept_per_layer = token * D * dtype_bytes
   if m.remat != 'full':
     kept_per_layer += token * widths * dtype_bytes
-  activations = layers * kept_per_layer * in_flight
-  working = token * (4 * D + 2 * widths) * 4
   vocab = model.vocab_size / (tensor if setup.rules.mesh_axes('vocab', activation=True) else 1)
-  logits = 1.25 * token * vocab * 4 / config.model.loss_chunks
-  layer_params = sum(p.bytes_per_device for p in parameters if 'layers' in p.logical_axes)
-  gathered = 2 * layer_params / max(layers, 1) * mesh['fsdp'] * dtype_bytes / 4
-  memory = state + gathered + activations + working + logits
-  zero1 = config.parallelism.optimizer_sharding == 'zero1'
-  # Under ZeRO-1 auto mode's gradients are partly reduce-scattered as they are made; manual mode
-  # gathers the updated blocks into new whole parameters while the step's own are alive: a second
-  # float32 copy of them.
-  by_mode = {'auto': memory + (gradients / 2 if zero1 else gradients),
-             'manual': memory + gradients + (params if zero1 else 0)}
+  layer_params = sum(p.bytes_per_device for p in setup.parameters()
+                     if 'layers' in p.logical_axes)
+  return {'activations': layers * kept_per_layer * in_flight,
+          'working': token * (4 * D + 2 * widths) * 4,
+          'logits': 1.25 * token * vocab * 4 / config.model.loss_chunks,
+          'gathered': 2 * layer_params / max(layers, 1) * mesh['fsdp'] * dtype_bytes / 4}
 
+
+def _step_time(config, setup, mesh: dict[str, int], hardware: planner.Hardware,
+               host_bytes: float) -> tuple[dict, float]:
+  """(the roofline of the executed FLOPs and the theory's collectives, the model's FLOPs)."""
   tokens = config.data.global_batch_size * config.data.seq_len
-  model_flops = model.flops_per_token(config.data.seq_len) * tokens
+  model_flops = setup.model.flops_per_token(config.data.seq_len) * tokens
   padding = expert_padding_flops(setup, config.parallelism.mode, tokens, config.data.seq_len)
-  theory = comm_theory.expected_bytes(setup, config.data.global_batch_size, config.data.seq_len)
-  theory = comm_theory.between_slices(theory, mesh, config.mesh)
+  theory = slices.split(comm_theory.expected_bytes(setup, config.data.global_batch_size,
+                                                   config.data.seq_len), mesh, config.mesh)
   table = {key: {'array_bytes': value} for key, value in theory.items()}
-  time = planner.roofline({}, table, hardware, m.dtype, planner.slice_shape(mesh, config.mesh),
+  time = planner.roofline({}, table, hardware, config.model.dtype,
+                          planner.slice_shape(mesh, config.mesh),
                           executed_flops(model_flops + padding, config, setup)
-                          / hardware.num_devices, host_bytes=2 * offloaded)
-  return {'memory_bytes_by_mode': by_mode,
-          'state_bytes': state, 'activation_bytes': activations,
-          'logits_bytes': logits, 'serial_s': time['serial_s'], 'compute_s': time['compute_s'],
-          'ici_s': time['ici_s'], 'dcn_s': time['dcn_s'], 'model_flops': model_flops}
+                          / hardware.num_devices, host_bytes=host_bytes)
+  return time, model_flops
 
 
 def _moment_split(p, mesh: dict[str, int]) -> int:

@@ -142,7 +142,7 @@ def two_slices():
 @pytest.mark.slow
 def test_two_slices_are_searched_over_each_split_and_their_traffic_is_the_theorys(two_slices):
   """Each mesh is tried with the slices across data and across fsdp; the compiled step's
-  gradient all-reduce over data runs as the theory splits it (comm_theory.between_slices): a
+  gradient all-reduce over data runs as the theory splits it (engine/analysis/slices.py): a
   reduce-scatter in the slice, the slice's share all-reduced between slices (XLA:TPU's
   data-centre network sends, the `dcn` rows), an all-gather in the slice; and the estimate's
   time between slices is the compiled step's."""
