@@ -3,6 +3,7 @@ returns the config it adjusted and leaves its input alone, the mode reaches the 
 an argument, and an older run's config.json is upgraded by one table (run_dir.ADDED_KEYS)."""
 
 import json
+import pathlib
 
 import jax
 import pytest
@@ -154,3 +155,40 @@ def test_an_old_run_resumes_with_the_keys_it_lacked(tmp_path):
   other = with_values(tiny_config(), {'model.sliding_window': 8})
   with pytest.raises(ConfigError, match='different model config'):
     run_dir.check_resumable(other, run_dir.resolve(str(tmp_path)))
+
+
+def _earlier_configs():
+  """The default config.json of every earlier schema (each distinct set of keys the engine's
+  history wrote, oldest first), as recorded in tests/support/earlier_configs.jsonl."""
+  path = pathlib.Path(__file__).parents[1] / 'support' / 'earlier_configs.jsonl'
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize('earlier', _earlier_configs(), ids=lambda e: e['written'])
+def test_every_earlier_schema_is_read_and_resumed(tmp_path, earlier):
+  """A run directory of each earlier schema: every key of today's schema is read back (no
+  KeyError in the commands that read it), and resuming it with its own values is no 'different
+  model config'."""
+  saved = earlier['config']
+  (tmp_path / run_dir.CONFIG_FILE).write_text(json.dumps(saved))
+  config = run_dir.read_run_config(str(tmp_path))
+  schema = set(_flat(json.loads(default_config().to_json())))
+  assert schema <= set(_flat(json.loads(config.to_json()))), schema - set(_flat(config))
+  own = {key: value for key, value in _flat(saved).items() if key in schema}
+  run_dir.check_resumable(with_values(default_config(), own), run_dir.resolve(str(tmp_path)))
+  assembled = assemble.assemble_finished_run(str(tmp_path), '1x1x1', reads=assemble.VOCABULARY)
+  assert assembled.config.model.num_experts == 0
+
+
+def _flat(config) -> dict:
+  config = config if isinstance(config, dict) else json.loads(config.to_json())
+  return {f'{section}.{key}': value for section, values in config.items()
+          if isinstance(values, dict) for key, value in values.items()}
+
+
+def test_every_key_added_since_the_first_schema_has_a_row():
+  """A key added to the schema fails here until ADDED_KEYS says what older runs did without it."""
+  first = set(_flat(_earlier_configs()[0]['config']))
+  added = set(_flat(default_config())) - first
+  assert added == set(run_dir.ADDED_KEYS), (added - set(run_dir.ADDED_KEYS),
+                                            set(run_dir.ADDED_KEYS) - added)
