@@ -9,6 +9,7 @@ batch of step s is records [s*B, (s+1)*B) of that shuffled stream; process p rea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import grain
@@ -66,8 +67,8 @@ def load_shards(data_config) -> Corpus:
   """The shard sets of `data.shards` (engine.data.prepare's output), opened and checked against
   their meta.json and the run's data.tokenizer (engine/data/shard_meta.py), not read."""
   sets = [(shards_lib.TokenStream(d), w) for d, w in shards_lib.parse_sets(data_config.shards)]
-  files = [shard_meta.check_tokenizer(s.meta, s.directory, data_config, shards_lib.sha256)
-           for s, _ in sets]
+  files = [shard_meta.check_tokenizer(s.meta, s.directory, data_config, shards_lib.sha256,
+                                      functools.partial(s.record, 0)) for s, _ in sets]
   recorded = {(s.meta['tokenizer']['kind'], s.meta['tokenizer']['vocab_size'],
                s.meta['tokenizer']['eos_id']) for s, _ in sets}
   if len(recorded) > 1 or len({shards_lib.sha256(f) for f in files if f}) > 1:

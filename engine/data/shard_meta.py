@@ -6,13 +6,17 @@ vocabulary; each shard file present, inside the set, and of the recorded size; t
 id below the vocabulary. Against the run (`check_tokenizer`): the tokenizer kind is data.tokenizer,
 and its file (data.tokenizer_path, else the one recorded) is the one the set was written with: the
 same SHA-256 where meta.json records it (sets written by older versions of engine.data.prepare lack
-it), and the same vocabulary and end- / beginning-of-text ids. Each file's SHA-256 and record count
+it), the same vocabulary and end- / beginning-of-text ids, and the same text decoded from the
+set's first record (`decoded_sha256`, which only the tokenizer that wrote the ids reproduces: ids
+of another tokenizer under a copied or edited meta.json decode to other text; older sets lack it).
+Each file's SHA-256 and record count
 are checked when the reader first opens it, and every record's ids as it is read
 (engine/data/shards.py). Every mismatch is one ConfigError naming the file and the fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -135,9 +139,16 @@ def read_meta(directory: str) -> tuple[dict, list[str]]:
   return meta, _check_files(meta, directory, path)
 
 
-def check_tokenizer(meta: dict, directory: str, data_config, sha256) -> str:
+def decoded_sha256(tokenizer, first_record) -> str:
+  """The SHA-256 of the text `first_record`'s ids decode to with `tokenizer`."""
+  text = tokenizer.decode(first_record)
+  return hashlib.sha256(text.encode('utf-8', errors='surrogatepass')).hexdigest()
+
+
+def check_tokenizer(meta: dict, directory: str, data_config, sha256, first_record) -> str:
   """That the run names the tokenizer the set was written with; returns the file that decodes
-  (data.tokenizer_path, else the recorded one; '' for bytes)."""
+  (data.tokenizer_path, else the recorded one; '' for bytes). `first_record`: a function reading
+  the set's first record, for the decoded text's check."""
   from engine.data import tokenizers  # pylint: disable=g-import-not-at-top
   recorded = meta['tokenizer']
   kind, recorded_path = recorded['kind'], recorded.get('path', '')
@@ -148,6 +159,8 @@ def check_tokenizer(meta: dict, directory: str, data_config, sha256) -> str:
           f'{data_config.tokenizer!r}', f'pass {flags}, or rerun engine.data.prepare with the '
           "run's tokenizer")
   if kind not in FILE_KINDS:
+    _check_decoded(recorded, tokenizers.load(kind, ''), directory, first_record, 'the byte '
+                   'tokenizer')
     return ''
   file = data_config.tokenizer_path or recorded_path
   named = 'data.tokenizer_path' if data_config.tokenizer_path else f'its {META}'
@@ -166,4 +179,14 @@ def check_tokenizer(meta: dict, directory: str, data_config, sha256) -> str:
     raise ConfigError(f'data.shards: tokenizer {file} ({named}) ' + mismatch.format(
         repr(directory), f'vocabulary, end- and beginning-of-text ids {found}, {META}: {want}')
         + '.')
+  _check_decoded(recorded, loaded, directory, first_record, f'tokenizer {file} ({named})')
   return file
+
+
+def _check_decoded(recorded: dict, tokenizer, directory: str, first_record, which: str) -> None:
+  if 'decoded_sha256' in recorded and decoded_sha256(
+      tokenizer, first_record()) != recorded['decoded_sha256']:
+    _fail(repr(directory), f'holds ids that {which} does not decode to the text they were '
+          f'written from (the first record\'s decoded SHA-256 differs from the one {META} '
+          'records): the set was written with another tokenizer than its meta.json names',
+          f'{PREPARE} with the tokenizer to train with')

@@ -156,6 +156,11 @@ def prepare(inputs: list[str], kind: str, path: str, out: str, processes: int = 
     meta = writer.close({'tokenizer': recorded, 'num_documents': len(documents),
                          'input_bytes': total_bytes, 'inputs': inputs,
                          'seconds': time.perf_counter() - start})
+    # What only this tokenizer's ids reproduce (shard_meta.check_tokenizer), read back from the
+    # written set.
+    recorded['decoded_sha256'] = shard_meta.decoded_sha256(
+        tokenizer, shards.TokenStream(tmp).record(0))
+    shards.write_meta(tmp, meta)
     _install(tmp, out)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)

@@ -82,10 +82,15 @@ class Writer:
     meta = dict(meta, format=FORMAT, dtype=np.dtype(self.dtype).name,
                 record_tokens=self.record_tokens, shards=self.shards,
                 num_tokens=sum(s['tokens'] for s in self.shards))
-    with open(os.path.join(self.directory, META + '.tmp'), 'w') as f:
-      json.dump(meta, f, indent=1)
-    os.replace(os.path.join(self.directory, META + '.tmp'), os.path.join(self.directory, META))
+    write_meta(self.directory, meta)
     return meta
+
+
+def write_meta(directory: str, meta: dict) -> None:
+  """DIRECTORY/meta.json, whole or not at all."""
+  with open(os.path.join(directory, META + '.tmp'), 'w') as f:
+    json.dump(meta, f, indent=1)
+  os.replace(os.path.join(directory, META + '.tmp'), os.path.join(directory, META))
 
 
 def sha256(path: str) -> str:
@@ -153,6 +158,14 @@ class TokenStream:
     self.num_tokens = self.meta['num_tokens']
     self.vocab_size = self.meta['tokenizer']['vocab_size']
     self._records = Records(self.meta, files)
+
+  @property
+  def identity(self) -> str:
+    """The set's content as one SHA-256: its shards' digests and layout. A set written again
+    from the same text with the same tokenizer keeps it; any other set has another."""
+    content = [self.meta['dtype'], self.record_tokens,
+               [(s['sha256'], s['records'], s['tokens']) for s in self.meta['shards']]]
+    return hashlib.sha256(json.dumps(content).encode()).hexdigest()
 
   def record(self, index: int) -> np.ndarray:
     """Record `index` of the stream, its length and ids checked."""

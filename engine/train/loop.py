@@ -27,6 +27,7 @@ from engine.runtime.progress import phase
 from engine.hf import load as hf
 from engine.workdir import lock as run_lock
 from engine.workdir import summary as run_summary
+from engine.workdir import shard_sets as run_shard_sets
 from engine.workdir import tokenizer as run_tokenizer
 from engine.workdir import run_dir as workdir_lib
 from engine.assemble import Run, assemble
@@ -70,6 +71,7 @@ def resume_step(run: Run, checkpointer: Checkpointer, workdir) -> int | None:
   if start_step is not None:
     workdir_lib.check_resumable(config, workdir)
     run_tokenizer.check_resumed(run.tokenizer, workdir)
+    run_shard_sets.check_resumed(run.corpus, workdir)
   return start_step
 
 
@@ -248,7 +250,8 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
                sharding.bytes_per_device(state['params']) / 2**20)
   train_step, eval_step = compile_steps(run, memory)
   # The workdir keeps the tokenizer, so that the finished run needs no file outside it.
-  workdir_lib.write_config(config, workdir, run_tokenizer.save(run.tokenizer, workdir))
+  workdir_lib.write_config(config, workdir, run_tokenizer.save(run.tokenizer, workdir),
+                           run_shard_sets.record(run.corpus))
   num_steps = config.train.num_steps
   mesh = run.setup.mesh
   writer = MetricsWriter(workdir, num_steps, config.data.global_batch_size * config.data.seq_len,

@@ -218,6 +218,7 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
                       'not a config a training run wrote: restore it, or pass the --workdir of '
                       'a training run.')
   saved.pop('tokenizer', None)  # The kept tokenizer's record (engine/workdir/tokenizer.py).
+  saved.pop('shard_sets', None)  # The data's identity (engine/workdir/shard_sets.py).
   return upgrade(ml_collections.ConfigDict(saved))
 
 
@@ -247,13 +248,15 @@ def upgrade(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def write_config(config: ml_collections.ConfigDict, workdir: epath.Path,
-                 tokenizer: dict | None = None) -> None:
+                 tokenizer: dict | None = None, shard_sets: dict | None = None) -> None:
   """Records the config once the run is known to start (never for a run that failed early),
-  with `tokenizer`, the record of the tokenizer the workdir keeps (engine/workdir/tokenizer.py)."""
+  with `tokenizer`, the record of the tokenizer the workdir keeps (engine/workdir/tokenizer.py),
+  and `shard_sets`, the identities of the sets it trains on (engine/workdir/shard_sets.py)."""
   if jax.process_index() == 0:
     saved = json.loads(config.to_json())
-    if tokenizer is not None:
-      saved['tokenizer'] = tokenizer
+    for key, value in (('tokenizer', tokenizer), ('shard_sets', shard_sets)):
+      if value is not None:
+        saved[key] = value
     write_text_atomically(workdir / CONFIG_FILE, json.dumps(saved, indent=2))
 
 

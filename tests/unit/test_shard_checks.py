@@ -17,6 +17,8 @@ from engine.errors import ConfigError
 from engine.data import shards
 from engine.data.shard_writer import prepare
 from engine.data.bpe_trainer import train as train_bpe
+from engine.config import with_values
+from engine.workdir import run_dir, shard_sets
 from tests.support.helpers import tiny_config
 
 
@@ -152,6 +154,16 @@ def test_the_run_must_name_the_tokenizer_the_set_was_written_with(sets, bpe, tex
   relabelled = _copy(sets, 'byte', tmp_path / 'a', name_bpe)
   with pytest.raises(ConfigError, match="written with the hf tokenizer, but data.tokenizer='byte'"):
     data.load_corpus(_config(relabelled), 0)
+  # ... and with the data.tokenizer=hf that refusal suggests: byte ids do not decode to the text
+  # the set recorded, so they never train as BPE ids.
+  with pytest.raises(ConfigError, match="holds ids that tokenizer .* does not decode to the text "
+                     "they were written from .*; rerun python -m engine.data.prepare"):
+    data.load_corpus(_config(relabelled, 'hf'), 0)
+  # BPE shards relabelled as bytes pass the vocabulary checks only where every id is below 256.
+  with pytest.raises(ConfigError, match='outside the vocabulary of 256|does not decode'):
+    data.load_corpus(_config(_copy(sets, 'hf', tmp_path / 'c', lambda m: m.update(
+        tokenizer=json.loads((sets / 'byte' / 'meta.json').read_text())['tokenizer'],
+        dtype='uint16'))), 0)
   other = str(tmp_path / 'other.json')
   train_bpe([text.read_text()[::-1]], 300, other)
   with pytest.raises(ConfigError, match=re.escape(f'tokenizer {other} (data.tokenizer_path) is '
@@ -170,6 +182,27 @@ def test_the_run_must_name_the_tokenizer_the_set_was_written_with(sets, bpe, tex
   train_bpe([text.read_text()], 280, other)
   with pytest.raises(ConfigError, match=r'vocabulary, end- and beginning-of-text ids \(280'):
     data.load_corpus(_config(old, 'hf', other), 0)
+
+
+def test_a_set_written_again_under_a_run_is_refused_on_resume(text, tmp_path):
+  """The workdir records each set's identity: a resume on a set written again from other text
+  is refused naming it; written again from the same text, it resumes."""
+  out, workdir = tmp_path / 'set', run_dir.resolve(str(tmp_path / 'run'))
+  workdir.mkdir()
+  _prepare([text], out)
+  config = with_values(tiny_config(), {'data.source': 'shards', 'data.shards': str(out),
+                                       'data.seq_len': 16, 'data.tokenizer': 'byte'})
+  corpus = data.load_corpus(config.data, 0)
+  run_dir.write_config(config, workdir, shard_sets=shard_sets.record(corpus))
+  _prepare([text], out, overwrite=True)  # The same text again: the same data.
+  shard_sets.check_resumed(data.load_corpus(config.data, 0), workdir)
+  other = tmp_path / 'other.txt'
+  other.write_text(text.read_text()[::-1])
+  _prepare([other], out, overwrite=True)
+  with pytest.raises(ConfigError, match=re.escape(f"data.shards: '{out}' was written again since "
+                                                  f'--workdir={workdir} trained on it')):
+    shard_sets.check_resumed(data.load_corpus(config.data, 0), workdir)
+  assert 'shard_sets' not in run_dir.read_run_config(str(workdir))  # The config alone.
 
 
 @pytest.mark.parametrize('weight', ['nan', 'inf', '-inf', '0'])
