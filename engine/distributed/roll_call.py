@@ -8,7 +8,8 @@ Security model (docs/multihost.md): process 0 listens only on the coordinator's 
 (the host of --coordinator_address, resolved), never on every interface. Every process holds a
 run key: from ENGINE_RUN_TOKEN (a secret; launch/local.py gives every process the same random
 one) or, where none is set, derived from the port and the process count, which keeps out port
-scanners, stray clients and other runs but not someone who reads this file. Process 0 sends
+scanners, stray clients and other runs but not someone who reads this file: without a token,
+processes start only where the coordinator is a loopback address (one machine). Process 0 sends
 each connection a fresh nonce; a process answers with its index and an HMAC of both nonces, so
 the key never crosses the wire and an answer cannot be replayed; process 0's final answer carries
 an HMAC too, so a process trusts only the real process 0. A connection that does not complete a
@@ -80,10 +81,18 @@ def await_peers(coordinator_address: str, num_processes: int, process_id: int,
   host, port = coordinator_address.rsplit(':', 1)
   host, port = host.strip('[]'), int(port)
   token = token if token is not None else os.environ.get(TOKEN_VARIABLE, '')
+  if not token and not _is_loopback(host):
+    # The derived key is no secret: a stranger who computes it would be admitted as a process.
+    raise ValueError(
+        f'--coordinator_address={coordinator_address} reaches beyond this machine, and '
+        f'{TOKEN_VARIABLE} is not set, so any process that knows the protocol could join the run; '
+        f'export the same secret in every process (export {TOKEN_VARIABLE}=$(python -c "import '
+        'secrets; print(secrets.token_hex(32))"), shared with every host), or start the '
+        'processes with python -m launch.local.')
   key = run_key(port, num_processes, token)
   deadline = time.monotonic() + timeout_s
   if process_id == 0:
-    _call_the_roll(_listen(host, port, bool(token)), key, num_processes, deadline, timeout_s)
+    _call_the_roll(_listen(host, port), key, num_processes, deadline, timeout_s)
     return
   while True:
     try:
@@ -154,7 +163,17 @@ class _Pending:
   received: bytes = b''
 
 
-def _listen(host: str, port: int, secret: bool) -> socket.socket:
+def _is_loopback(host: str) -> bool:
+  """Whether every address `host` resolves to is this machine's loopback (an unresolvable host
+  counts as one: process 0 names it in its own error, and no stranger reaches it)."""
+  try:
+    addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+  except socket.gaierror:
+    return True
+  return all(ipaddress.ip_address(a.split('%')[0]).is_loopback for a in addresses)
+
+
+def _listen(host: str, port: int) -> socket.socket:
   """Process 0's listening socket on the coordinator's address (not every interface)."""
   try:
     family, _, _, _, address = socket.getaddrinfo(host, port + 1, type=socket.SOCK_STREAM)[0]
@@ -174,10 +193,6 @@ def _listen(host: str, port: int, secret: bool) -> socket.socket:
         f'process 0 cannot listen on {address[0]} port {port + 1} (the coordinator\'s port + 1) '
         f'to see that every process started: {error.strerror}; choose a --coordinator_address '
         'port whose next port is free too.') from None
-  if not secret and not ipaddress.ip_address(address[0].split('%')[0]).is_loopback:
-    logging.warning('%s is not set: the start-up roll call on %s port %d checks a key derived '
-                    'from the port and the process count, which a stranger can guess; set it '
-                    'to the same secret for every process.', TOKEN_VARIABLE, address[0], port + 1)
   return server
 
 

@@ -100,6 +100,12 @@ BAD_INPUTS = [
      '--process_id=2 must be below --num_processes=2: processes are numbered 0 to 1.'),
     ([TINY, RUN, '--coordinator_address=localhost:1234'], 2, '--coordinator_address needs '
      '--num_processes and --process_id too (or JAX_NUM_PROCESSES and JAX_PROCESS_ID).'),
+    ([TINY, RUN, '--coordinator_address=192.0.2.1:1234', '--num_processes=2', '--process_id=1'],
+     2, '--coordinator_address=192.0.2.1:1234 reaches beyond this machine, and ENGINE_RUN_TOKEN is '
+     'not set, so any process that knows the protocol could join the run; export the same secret '
+     'in every process (export ENGINE_RUN_TOKEN=$(python -c "import secrets; print(secrets.'
+     'token_hex(32))"), shared with every host), or start the processes with python -m '
+     'launch.local.'),
     ([TINY, RUN, '--heartbeat_timeout_s=0'], 2,
      '--heartbeat_timeout_s=0 must be at least 1 (seconds).'),
     # The experiment file and its arguments.

@@ -203,16 +203,24 @@ def test_a_coordinator_address_of_another_machine_is_one_clear_error():
   assert zero.seconds < 1
 
 
-@pytest.mark.parametrize('host,secret,warned', [('0.0.0.0', False, True), ('0.0.0.0', True, False),
-                                               ('127.0.0.1', False, False)])
-def test_listening_beyond_loopback_without_a_secret_is_a_warning(host, secret, warned,
-                                                                 monkeypatch):
-  warnings = []
-  monkeypatch.setattr(roll_call.logging, 'warning', lambda *args: warnings.append(args))
-  with roll_call._listen(host, local.free_port(), secret):  # pylint: disable=protected-access
-    pass
-  assert bool(warnings) == warned
-  assert not warnings or warnings[0][1] == 'ENGINE_RUN_TOKEN'
+@pytest.mark.parametrize('index', [0, 1])
+@pytest.mark.parametrize('host', ['0.0.0.0', '192.0.2.1'])
+def test_processes_beyond_loopback_without_a_secret_are_refused(host, index):
+  """Without ENGINE_RUN_TOKEN the run key is derived, no secret: a stranger who computes it would
+  be admitted. Every process refuses at once, before listening or connecting."""
+  port = local.free_port()
+  process = Process(port, 2, index, 10, token='', host=host)
+  assert str(process.result()).startswith(
+      f'--coordinator_address={host}:{port} reaches beyond this machine, and ENGINE_RUN_TOKEN is '
+      'not set')
+  assert isinstance(process.error, ValueError) and process.seconds < 1
+
+
+@pytest.mark.parametrize('host', ['127.0.0.1', 'localhost'])
+def test_loopback_processes_start_without_a_secret(host):
+  port = local.free_port()
+  processes = [Process(port, 2, i, 10, token='', host=host) for i in range(2)]
+  assert [p.result() for p in processes] == [None, None]
 
 
 def test_a_process_with_another_token_is_told_at_once_and_named_by_process_0():
