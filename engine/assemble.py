@@ -25,7 +25,7 @@ from engine import data, models, parallel, validation
 from engine.hf import load as hf
 from engine.workdir import tokenizer as run_tokenizer
 from engine.workdir import run_dir as workdir_lib
-from engine.data import tokenizers
+from engine.data import text_files, tokenizers
 from engine.mesh import make_mesh
 from engine.optimizer import make_optimizer
 from engine.parallel import pipeline
@@ -181,7 +181,9 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
   the reads other than CORPUS; `training=False` skips the checks that only a train step needs (the
   batch's split, the pipeline schedule), for a finished run's generation and export."""
   devices = list(devices if devices is not None else jax.devices())
-  config = check(config, devices, training=training, reads_text=reads != VOCABULARY)
+  # The text is read for the corpus, or for a character vocabulary not given already loaded.
+  reads_text = reads == CORPUS or (tokenizer is None and config.data.tokenizer == 'char')
+  config = check(config, devices, training=training, reads_text=reads_text)
   if corpus is None and reads == CORPUS:
     corpus = data.load_corpus(config.data, config.seed)
   if corpus is not None and reads != TOKENIZER:
@@ -196,6 +198,24 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
   return Run(config, train_setup, corpus, tokenizer)
 
 
+def _check_run_text(workdir: str, data_config, reads: str, kept) -> None:
+  """A finished run's training text, where this command still needs it, checked in the run's
+  terms (the commands that read a finished run have no --config.data.path to fix it with): the
+  held-out split, or a character vocabulary the workdir keeps no copy of (an older run)."""
+  if data_config.source != 'file':
+    return
+  if reads == CORPUS:
+    why = 'the held-out split is read from it'
+  elif kept is None and data_config.tokenizer == 'char':
+    why = ("the workdir keeps no copy of the run's character vocabulary (the run predates the "
+           'copy), so it is read from that text')
+  else:
+    return
+  text_files.check_file(data_config.path,
+                        f"--workdir={workdir}: the run's text, data.path={data_config.path!r},",
+                        f'{why}: put the file back at that path.')
+
+
 def assemble_finished_run(workdir: str, mesh: str, where: str = '--mesh',
                           reads: str = TOKENIZER) -> Run:
   """A finished run's config (WORKDIR/config.json) laid out on `mesh` (a mesh string, on the
@@ -205,6 +225,7 @@ def assemble_finished_run(workdir: str, mesh: str, where: str = '--mesh',
   read for the others."""
   recorded = workdir_lib.read_run_config(workdir)
   kept = run_tokenizer.load_kept(workdir, workdir_lib.read_saved(workdir))
+  _check_run_text(workdir, recorded.data, reads, kept)
   values = {
       'train.init_from': '',  # The parameters are the workdir's own checkpoint's.
       'mesh.dcn_data': 1, 'mesh.dcn_fsdp': 1, **config_lib.mesh_values(mesh, where)}

@@ -215,6 +215,17 @@ def default_config() -> ml_collections.ConfigDict:
   # Start from the parameters (not the optimizer state) of another run's latest checkpoint:
   # that run's --workdir. Used only when this workdir has no checkpoint yet.
   c.train.init_from = ''
+  # JAX's persistent compilation cache, so that a restart reads the compiled programs back
+  # (engine/runtime/compile_cache.py): '' WORKDIR/compile_cache (or JAX_COMPILATION_CACHE_DIR
+  # where set), 'none' no cache, or a directory shared by runs (local or gs://...).
+  c.train.compile_cache_dir = ''
+  # A step (or evaluation, or save) that has not finished after this many seconds ends the run
+  # with one error line naming the processes that did not reach it, each process's Python stacks
+  # in WORKDIR/stacks/ (engine/train/watchdog.py); 0: never. The first step is not timed.
+  c.train.hang_timeout_s = 1800.0
+  # Several processes: warn when a process's host time per step (its own work, not waiting for
+  # the devices) exceeds this factor times the median of the others'; 0: never.
+  c.train.straggler_factor = 2.0
   return c
 
 

@@ -11,11 +11,14 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+from engine import assemble
 from engine.cli import config_help
 from engine.distributed import startup as distributed
+from engine.train import goodput
 from engine.train import loop as train
 from engine.errors import CheckpointError, ConfigError, DISK_FULL, is_disk_full
 from engine.train.finiteness import NonFiniteError
@@ -38,8 +41,8 @@ _DEBUG = flags.DEFINE_bool('debug', False, 'Show the traceback of the errors the
                            'in one line (bad config, a step that is not finite).')
 _PRINT_CONFIG = flags.DEFINE_bool(
     'print_config', False, 'Print every config key with its value (the experiment and the '
-    'overrides applied) and its help, then exit; nothing is written or compiled, and --workdir '
-    'is not needed.')
+    'overrides applied) and its help, then exit: 0, or 2 with the error line of a value a run '
+    'on this machine would refuse; nothing is written or compiled, and --workdir is not needed.')
 # --workdir is required unless --print_config: engine.cli checks both on argv.
 flags.mark_flags_as_required(['config'])
 
@@ -58,15 +61,18 @@ def _load_config():
 
 
 def _print_config() -> None:
-  """--print_config: the config as the run would use it, before anything starts."""
+  """--print_config: the config as the run would use it, before anything starts; then the
+  check a run makes first (engine.assemble.check, on this machine's devices; it writes and
+  compiles nothing), so that a value the run would refuse gets the run's error line."""
   config = _load_config()
   try:
     config_help.check_known_keys(config)
+    print(config_help.format_config(config), flush=True)
+    assemble.check(config, jax.devices())
   except ConfigError as error:
     if _DEBUG.value:
       raise
     fail(str(error))
-  print(config_help.format_config(config))
 
 
 def main(argv):
@@ -94,7 +100,7 @@ def main(argv):
     fail(str(error), 1)
   config = _load_config()
   try:
-    train.train(config, _WORKDIR.value)
+    train.train(config, _WORKDIR.value, started=_STARTED)
   except (ConfigError, NonFiniteError, CheckpointError) as error:
     if _DEBUG.value:
       raise
@@ -133,5 +139,8 @@ def run(argv: Sequence[str]) -> int:
     sys.argv = saved
 
 
+_STARTED = None  # The command's start, for the goodput (None: when train starts, as in tests).
+
 if __name__ == '__main__':
+  _STARTED = goodput.process_started()
   app.run(main, flags_parser=parse_flags)

@@ -124,8 +124,11 @@ class TrainSetup:
     abstract_opt = jax.eval_shape(self.optimizer.tx.init, self.abstract_params)
     # A partitioned optimizer's (Muon's) state masks the parameters the other part updates.
     masked = lambda x: isinstance(x, optax.MaskedNode)
+    # The init on placeholders traced, not run: run, it would compile its counters' zeros, and
+    # bad input found after the layout (a damaged train.init_from) must come before any compile.
     opt_specs = optax.tree_map_params(
-        self.optimizer.tx, lambda leaf, spec: leaf if masked(leaf) else spec, abstract_opt,
+        lambda placeholder: jax.eval_shape(self.optimizer.tx.init, placeholder),
+        lambda leaf, spec: leaf if masked(leaf) else spec, abstract_opt,
         self.moment_specs(), transform_non_params=lambda _: P(),
         is_leaf=lambda x: isinstance(x, P) or masked(x))
     return {'step': P(), 'params': self.param_specs, 'opt_state': opt_specs}

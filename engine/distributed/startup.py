@@ -170,28 +170,40 @@ _WAIT_FOR_OTHERS_S = 5.0  # How long process 0 waits for the others to read a re
 _OWN_REPORT_S = 2.0  # How long a process given another's bad-input report waits to find its own.
 
 
-def _client():
+def client():
+  """jax.distributed's client of the coordinator's key-value store (None in one process)."""
   from jax._src import distributed as jax_distributed  # The runtime's key-value store.
   return jax_distributed.global_state.client
+
+_EXIT_HOOKS: list = []  # Called (each failure ignored) when a failure ends this process.
+
+
+def add_exit_hook(hook) -> None:
+  """`hook()` runs before a failure reported by any process ends this one (the watchdog writes
+  this process's Python stacks)."""
+  _EXIT_HOOKS.append(hook)
 
 
 def _leave(code: int) -> None:
   """Exits at once; a process other than 0 first says it has read the report, process 0 waits
   (bounded) for the others to say so and go. Orbax's and JAX's threads may be blocked in
   barriers that a failed process never reaches: an ordinary exit would wait for them."""
+  for hook in _EXIT_HOOKS:
+    with contextlib.suppress(Exception):
+      hook()
   sys.stdout.flush()
   sys.stderr.flush()
-  me, client = jax.process_index(), _client()
+  me, store = jax.process_index(), client()
   if me != 0:
     with contextlib.suppress(Exception):
-      client.key_value_set(f'{_SEEN_KEY}{me}', '1')
+      store.key_value_set(f'{_SEEN_KEY}{me}', '1')
     os._exit(code)  # pylint: disable=protected-access
   deadline = time.monotonic() + _WAIT_FOR_OTHERS_S
   for other in range(1, jax.process_count()):
     remaining_ms = int(1000 * (deadline - time.monotonic()))
     if remaining_ms > 0:
       with contextlib.suppress(Exception):
-        client.blocking_key_value_get(f'{_SEEN_KEY}{other}', remaining_ms)
+        store.blocking_key_value_get(f'{_SEEN_KEY}{other}', remaining_ms)
   time.sleep(0.5)  # Each says so just before it exits.
   os._exit(code)  # pylint: disable=protected-access
 
@@ -211,7 +223,7 @@ def _watch_for_failures() -> None:
   def watch():
     while not stop.is_set():
       try:
-        report = _client().blocking_key_value_get(_FAILURE_KEY, 500)
+        report = client().blocking_key_value_get(_FAILURE_KEY, 500)
       except Exception as error:  # noqa: BLE001
         if 'DEADLINE_EXCEEDED' in str(error):
           continue
@@ -247,5 +259,5 @@ def fail_run(message: str, code: int) -> None:
     os._exit(code)  # pylint: disable=protected-access
   print(f'error: {message}', file=sys.stderr, flush=True)
   with contextlib.suppress(Exception):  # Another process reported first, or process 0 is gone.
-    _client().key_value_set(_FAILURE_KEY, f'{jax.process_index()}\n{code}\n{message}')
+    client().key_value_set(_FAILURE_KEY, f'{jax.process_index()}\n{code}\n{message}')
   _leave(code)

@@ -7,4 +7,6 @@
   preemption.py  SIGTERM / SIGINT end the run after a checkpoint, every process at one step
   profiling.py   a jax.profiler trace of a range of steps
   samples.py     text sampled from the model every train.sample_every steps
+  goodput.py     the share of the wall time in productive steps, the rest by cause
+  watchdog.py    a run that makes no progress ends naming whom it waits for; stragglers
 """

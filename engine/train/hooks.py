@@ -32,6 +32,9 @@ class Hook:
   'grad_norm', 'learning_rate', ...). `stopping`: the run stops after this step (a preemption),
   with a checkpoint of it."""
 
+  # The cause of badput (engine/train/goodput.py) its `at_sync` time is; None: productive.
+  badput_cause: str | None = None
+
   def before_dispatch(self, step: int, state) -> None:
     """Just before the step is dispatched; `state` is the one it starts from."""
 
@@ -71,6 +74,8 @@ class Evaluation(Hook):
   """The eval step on the same fixed held-out batches every time, so losses compare: at every
   train.eval_every-th step and the last, not at a preemption's."""
 
+  badput_cause = 'evaluation'
+
   def __init__(self, run, eval_step, *, guard, writer, result):
     config = run.config
     self.every, self.num_steps = config.train.eval_every, config.train.num_steps
@@ -99,6 +104,8 @@ class Evaluation(Hook):
 class Checkpoints(Hook):
   """The workdir's Checkpointer (engine/workdir/checkpoint.py) as a hook: a save every
   train.checkpoint_every steps, and of the last step or a preemption's."""
+
+  badput_cause = 'checkpoints'
 
   def __init__(self, checkpointer, train_iterator, num_steps: int):
     self.checkpointer, self.train_iterator = checkpointer, train_iterator

@@ -27,6 +27,7 @@ from engine.runtime.progress import phase
 from engine.hf import load as hf
 from engine.workdir import lock as run_lock
 from engine.workdir import summary as run_summary
+from engine.runtime import compile_cache
 from engine.workdir import shard_sets as run_shard_sets
 from engine.workdir import tokenizer as run_tokenizer
 from engine.workdir import run_dir as workdir_lib
@@ -34,7 +35,10 @@ from engine.assemble import Run, assemble
 from engine.optimizer import schedule_end
 from engine.parallel import expert_exchange
 from engine.workdir.checkpoint import Checkpointer, restore_params
+from engine.train import goodput as goodput_lib
 from engine.train.finiteness import FinitenessGuard
+from engine.train.goodput import Goodput
+from engine.train.watchdog import Watchdog
 from engine.train.hooks import Checkpoints, Evaluation, Hook, close_all
 from engine.train.metrics import DeferredMetrics, MetricsWriter, log_memory
 from engine.train.preemption import PreemptionWatch
@@ -72,6 +76,9 @@ def resume_step(run: Run, checkpointer: Checkpointer, workdir) -> int | None:
     workdir_lib.check_resumable(config, workdir)
     run_tokenizer.check_resumed(run.tokenizer, workdir)
     run_shard_sets.check_resumed(run.corpus, workdir)
+    change = workdir_lib.layout_change(config, workdir)
+    if change:
+      logging.info('Resuming from step %d on another layout: %s.', start_step, change)
   return start_step
 
 
@@ -95,15 +102,16 @@ def initial_state(run: Run, checkpointer: Checkpointer, train_iterator,
 
 
 def loop_hooks(*, profiler: StepProfiler, guard: FinitenessGuard, evaluation: Hook,
-               sampler: Hook, checkpoints: Hook, metrics: Hook) -> list[Hook]:
+               sampler: Hook, checkpoints: Hook, metrics: Hook, watchdog: Hook) -> list[Hook]:
   """The loop's hooks in the order they are called (engine/train/hooks.py), closed in reverse.
 
   The guard comes before the evaluation, the sampler and the checkpoints: a step that is not
   finite is never evaluated, sampled or saved; and before the metrics, which never log a step
   that stopped the run. The profiler comes first, so that its trace ends with the step; the
-  metrics last, so that they close first: the final log line comes before the last save's wait.
+  metrics next, so that they close first: the final log line comes before the last save's wait;
+  the watchdog last: it beats once the others are done, and stops before the final waits.
   """
-  return [profiler, guard, evaluation, sampler, checkpoints, metrics]
+  return [profiler, guard, evaluation, sampler, checkpoints, metrics, watchdog]
 
 
 def global_batches(run: Run, train_iterator):
@@ -122,6 +130,8 @@ class StepLoop:
   train_step: Callable  # Compiled: (state, batch) -> (state, metrics).
   preemption: PreemptionWatch
   pause: Callable[[], contextlib.AbstractContextManager]  # Time left out of the throughput.
+  goodput: Goodput  # Where the attempt's time goes.
+  watchdog: Watchdog  # Also the last of `hooks`: its `waiting` wraps the waits for the devices.
   result: TrainResult
   hooks: list[Hook]  # In the order of loop_hooks.
 
@@ -137,29 +147,35 @@ class StepLoop:
       # The signals go back before a finished run's last save is waited for (a SIGTERM there
       # stops at once, as outside a run), after a failed run's saves were left to finish.
       self.preemption.close()
-    close_all(self.hooks, None)
+    with self.goodput.timed('checkpoints'):  # Mostly the wait for the last save.
+      close_all(self.hooks, None)
 
   def _steps(self, state, start_step: int) -> None:
     # Gloo's CPU collectives across processes hang with two steps in flight (seen with 2
     # processes x 4 devices, within the first 50 steps); there, the next step is dispatched
     # only once this one is done. Accelerators keep the overlap.
     lockstep = jax.process_count() > 1 and jax.default_backend() == 'cpu'
+    self.goodput.loop_started()
     for step in range(start_step + 1, self.num_steps + 1):
-      tokens = next(self.batches)
+      with self.goodput.timed('data'):
+        tokens = next(self.batches)
       for hook in self.hooks:
         hook.before_dispatch(step, state)
-      state, metrics = self.train_step(state, tokens)
-      if lockstep:
-        jax.block_until_ready(state)
+      with self.watchdog.waiting():
+        state, metrics = self.train_step(state, tokens)
+        if lockstep:
+          jax.block_until_ready(state)
       for hook in self.hooks:
         hook.after_dispatch(step, state, metrics)
       stopping = self.preemption.stop_after(step)
       if any(hook.wants_sync(step, stopping) for hook in self.hooks):
         # The step itself counts towards throughput; the eval, the sample and the save do not.
-        jax.block_until_ready(state)
+        with self.watchdog.waiting():
+          jax.block_until_ready(state)
         with self.pause():
           for hook in self.hooks:
-            hook.at_sync(step, state, stopping)
+            with self.goodput.timed(hook.badput_cause):
+              hook.at_sync(step, state, stopping)
       self.result.final_step = step
       if stopping:
         break
@@ -225,19 +241,24 @@ def _already_finished(config, checkpointer: Checkpointer, workdir, step: int) ->
   return TrainResult({}, {}, {}, step, {})
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
-  """Trains (or resumes) the experiment `config` in `workdir` (a local path or gs://...)."""
+def train(config: ml_collections.ConfigDict, workdir: str,
+          started: float | None = None) -> TrainResult:
+  """Trains (or resumes) the experiment `config` in `workdir` (a local path or gs://...);
+  `started`: when the command started (time.time(); default now), for the goodput."""
+  started = time.time() if started is None else started
   run = assemble(config)
   sampler = Sampler(run)  # Its prompt is checked here, before anything is written.
   workdir = workdir_lib.prepare(workdir)  # After validation: a bad config leaves no workdir.
   # One run per workdir: a second is refused here, before it writes or compiles anything.
-  with run_lock.hold(workdir):
-    return _train(run, workdir, sampler)
+  with run_lock.hold(workdir), compile_cache.use(config.train.compile_cache_dir,
+                                                 workdir) as compiled:
+    return _train(run, workdir, sampler, compiled, started)
 
 
-def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
+def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
+           started: float) -> TrainResult:
   """The loop's phases, in a workdir this run holds."""
-  config, started = run.config, time.perf_counter()
+  config = run.config
   _log_start(run)
   train_iterator = data.train_iterator(run.corpus, config.data, config.seed)
   checkpointer = Checkpointer(workdir / 'checkpoints', config.train.checkpoint_every,
@@ -249,9 +270,11 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
   logging.info('Parameters per device: %.2f MiB',
                sharding.bytes_per_device(state['params']) / 2**20)
   train_step, eval_step = compile_steps(run, memory)
+  logging.info('Compilation: %s', compiled.describe())
   # The workdir keeps the tokenizer, so that the finished run needs no file outside it.
-  workdir_lib.write_config(config, workdir, run_tokenizer.save(run.tokenizer, workdir),
-                           run_shard_sets.record(run.corpus))
+  workdir_lib.write_config(config, workdir, tokenizer=run_tokenizer.save(run.tokenizer, workdir),
+                           shard_sets=run_shard_sets.record(run.corpus),
+                           layout=workdir_lib.layout(config))
   num_steps = config.train.num_steps
   mesh = run.setup.mesh
   writer = MetricsWriter(workdir, num_steps, config.data.global_batch_size * config.data.seq_len,
@@ -260,26 +283,37 @@ def _train(run: Run, workdir, sampler: Sampler) -> TrainResult:
                              jax.devices()[0].device_kind, config.model.dtype, mesh.size))
   peak_memory = run_summary.PeakMemory(memory['train_step'].get('peak_estimate_bytes'))
   result = TrainResult({}, {}, {}, start_step, memory)
+  goodput = Goodput(workdir, start_step, started)
+  watchdog = Watchdog(workdir, config.train.hang_timeout_s, config.train.straggler_factor,
+                      config.train.log_every, start_step)
   guard = FinitenessGuard(config.train.skip_nonfinite_steps, checkpointer, workdir)
   result.skipped_steps = guard.skipped
   writer.start_clock(start_step)
   preemption = PreemptionWatch()
   loop = StepLoop(
       num_steps=num_steps, batches=global_batches(run, train_iterator), train_step=train_step,
-      preemption=preemption, pause=writer.pause, result=result,
+      preemption=preemption, pause=writer.pause, goodput=goodput, watchdog=watchdog,
+      result=result,
       hooks=loop_hooks(
           profiler=StepProfiler(config.train.profile_steps, num_steps, start_step, workdir),
           guard=guard,
           evaluation=Evaluation(run, eval_step, guard=guard, writer=writer, result=result),
           sampler=sampler,
           checkpoints=Checkpoints(checkpointer, train_iterator, num_steps),
-          metrics=DeferredMetrics(writer, result, config.train.log_every, num_steps, peak_memory)))
-  loop(state, start_step)
+          metrics=DeferredMetrics(writer, result, config.train.log_every, num_steps, peak_memory,
+                                  goodput),
+          watchdog=watchdog))
+  try:
+    loop(state, start_step)
+  finally:  # A failed attempt's time counts too.
+    totals = goodput.update(result.final_step)
   _final_report(config, checkpointer, preemption, result)
+  logging.info('Goodput: %s', goodput_lib.describe(totals))
   writer.close()
   result.summary = run_summary.write(
       workdir, status='preempted' if result.preempted else 'finished',
       final_step=result.final_step, num_steps=num_steps, peak_memory=peak_memory.read(),
-      wall_s=time.perf_counter() - started, mode=config.parallelism.mode,
-      mesh=run_summary.mesh_string(dict(mesh.shape)), model=run.setup.model.name)
+      wall_s=time.time() - started, mode=config.parallelism.mode,
+      mesh=run_summary.mesh_string(dict(mesh.shape)), model=run.setup.model.name,
+      goodput=totals, compilation=compiled.record())
   return result

@@ -115,11 +115,12 @@ class DeferredMetrics(Hook):
   """Logs every log_every-th step's metrics, fetched once the next step is dispatched, with the
   mean loss of the steps since the previous log point (their losses stay on the device until
   then: no host sync per step). `result` (the loop's TrainResult) keeps what was logged;
-  `peak_memory.read()` gives the peak bytes so far (or None)."""
+  `peak_memory.read()` gives the peak bytes so far (or None); `goodput` (the attempt's Goodput,
+  engine/train/goodput.py) is recorded at each log point and its share logged with it."""
 
   def __init__(self, writer: MetricsWriter, result, log_every: int, num_steps: int,
-               peak_memory):
-    self.writer, self.result = writer, result
+               peak_memory, goodput=None):
+    self.writer, self.result, self.goodput = writer, result, goodput
     self.log_every, self.num_steps = log_every, num_steps
     self.peak_memory = peak_memory
     self._pending = None
@@ -153,6 +154,11 @@ class DeferredMetrics(Hook):
     peak_bytes, _ = self.peak_memory.read()
     if peak_bytes is not None:
       extra['train/peak_memory_bytes'] = peak_bytes
+    if self.goodput is not None:
+      totals = self.goodput.update(step)
+      if totals['goodput'] is not None:
+        extra['goodput/share'] = totals['goodput']
+        extra.update({f'badput/{cause}_s': s for cause, s in totals['badput_s'].items()})
     self.writer.log_train(step, mean_loss, float(metrics['learning_rate']), grad_norm, extra)
     self.result.train_losses[step] = loss
     self.result.train_interval_losses[step] = mean_loss

@@ -59,6 +59,8 @@ class Sampler(Hook):
   """Decodes the prompt every train.sample_every steps (0: never) and logs the text; not at a
   preemption's step, which only checkpoints."""
 
+  badput_cause = 'evaluation'
+
   def __init__(self, run):
     config = run.config
     self.every = config.train.sample_every

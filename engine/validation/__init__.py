@@ -55,8 +55,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   naming key and fix. `num_slices` > 1 (several TPU slices): the dcn axes split the mesh by
   slice, not by process. `training=False` (a finished run laid out for generation or export)
   skips what only a train step needs: the batch's split and the pipeline schedule;
-  `reads_text=False` (a command that needs only the vocabulary, such as engine.plan) does not
-  ask for data.path's file; `platform` (the devices', e.g. 'cpu') tailors the fix a mesh too
+  `reads_text=False` (a command that reads no text: only the vocabulary of a subword or byte
+  tokenizer, such as engine.plan, or a finished run's kept tokenizer) does not ask for
+  data.path's file; `platform` (the devices', e.g. 'cpu') tailors the fix a mesh too
   large for them gets."""
   config_help.check_known_keys(config)
   if config.model.name not in models.MODELS:
@@ -65,7 +66,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   parallel.check_modes(config.parallelism.mode)
   check_model(config.model)
   check_offload_platform(config, platform)
-  check_data(config.data, config.model, reads_text or config.data.tokenizer == 'char')
+  check_data(config.data, config.model, reads_text)
   check_optim(config.optim)
   check_train(config.train)
   check_sample_keys(config.train, num_processes if training else 1)  # Samples only in training.

@@ -44,4 +44,17 @@ def check_train(train: ConfigDict) -> None:
                                     'pipeline_repeats'])
   if train.init_from:
     _check_init_from(train.init_from)
+  for key, meaning in (('hang_timeout_s', 'seconds a step may take'),
+                       ('straggler_factor', 'times the median host time of the other processes')):
+    if not train[key] >= 0:  # NaN too.
+      raise ConfigError(f'train.{key}={train[key]} must be >= 0 ({meaning}; 0 turns the check '
+                        'off).')
+  if 0 < train.straggler_factor <= 1:
+    raise ConfigError(f'train.straggler_factor={train.straggler_factor} would name a process '
+                      'no slower than the others; pass a factor above 1 (e.g. 2), or 0 for no '
+                      'straggler warnings.')
+  cache = train.compile_cache_dir
+  if cache and '://' not in cache and os.path.exists(cache) and not os.path.isdir(cache):
+    raise ConfigError(f'train.compile_cache_dir={cache!r} is a file; pass a directory for the '
+                      "compiled programs, '' for WORKDIR/compile_cache, or 'none' for no cache.")
   parse_profile_steps(train.profile_steps, train.num_steps)

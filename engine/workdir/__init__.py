@@ -3,6 +3,7 @@
   run_dir.py     the directory itself (local or gs://), config.json written and read back
   lock.py        one run per workdir at a time
   tokenizer.py   the copy of the tokenizer the run trained with
+  shard_sets.py  the identity of the shard sets the run trains on
   checkpoint.py  Orbax checkpoints of the state and the data position, checked on restore
   summary.py     summary.json and the loss curve, written at the end
 """

@@ -90,6 +90,7 @@ class Checkpointer:
     self.save_every = save_every
     self._saving_step = None  # The step whose save is in flight.
     self._closed = False
+    self._made = False  # Whether save() made sure the directory exists.
     self.blocked_s: list[float] = []  # Per save: how long the loop waited for it.
     self.asynchronous = asynchronous
     if asynchronous:
@@ -106,7 +107,9 @@ class Checkpointer:
         item_names=('state', 'data'),
         item_handlers={'state': ocp.StandardCheckpointHandler(),
                        'data': ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+        # Not created here: a run that stops before its first save (bad input found late, such
+        # as a damaged train.init_from) leaves no checkpoints/ behind; save() creates it.
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
                                              cleanup_tmp_directories=True, **when))
 
   def latest_step(self) -> int | None:
@@ -127,6 +130,9 @@ class Checkpointer:
     self._finish()  # Orbax would wait for the previous save anyway; this reports its failure.
     self._saving_step = step
     try:
+      if not self._made:  # Each process makes it (exist_ok): no barrier needed.
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._made = True
       saved = self.manager.save(
           step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                         data=ocp.args.JsonSave(data_iterator.get_state())),
@@ -341,7 +347,8 @@ def restore_params(workdir: str, abstract_params):
   cause = find_damage(directory / str(step))
   if cause is not None:
     raise CheckpointError(f'train.init_from={workdir!r}: the checkpoint of step {step} is '
-                          f'damaged: {cause}.')
+                          f'damaged: {cause}; put back an intact copy of its files, or pass '
+                          'another run\'s --workdir as train.init_from.')
   saved = manager.item_metadata(step)['state']
   saved = getattr(saved, 'tree', saved)['params']
   wanted = dict(jax.tree_util.tree_leaves_with_path(abstract_params))

@@ -1,8 +1,9 @@
 """The run's working directory: checks, the recorded config, and paths that may be remote.
 
 Every read and write of the workdir goes through `etils.epath` (as Orbax's do), so a workdir may be
-a local path or a bucket URI such as gs://bucket/run (remote schemes need their filesystem package:
-gcsfs for gs://, see docs/training.md). Local paths are made absolute; URIs are kept as given.
+a local path or a bucket URI such as gs://bucket/run (which needs the gcs extra's packages, see
+docs/training.md; other schemes are refused: REMOTE_SCHEMES). Local paths are made absolute; URIs
+are kept as given.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import ml_collections
 from etils import epath
 
+from engine import config as config_lib
 from engine.errors import ConfigError
 
 CONFIG_FILE = 'config.json'
@@ -99,6 +101,9 @@ ADDED_KEYS = {
     'optim.muon_learning_rate': 0.02,
     'optim.muon_beta': 0.95,
     'optim.muon_ns_steps': 5,
+    'train.compile_cache_dir': 'none',
+    'train.hang_timeout_s': 0.0,
+    'train.straggler_factor': 0.0,
 }
 
 
@@ -106,10 +111,36 @@ def is_remote(path: str | epath.Path) -> bool:
   return '://' in str(path)
 
 
-def resolve(path: str | epath.Path) -> epath.Path:
-  """`path` as an epath.Path: local paths made absolute, URIs (gs://...) untouched."""
-  path = epath.Path(path)
-  return path if is_remote(path) else path.expanduser().absolute()
+def resolve(path: str | epath.Path, what: str = '--workdir') -> epath.Path:
+  """`path` as an epath.Path: local paths made absolute, URIs (gs://...) untouched, once they
+  are known to be reachable (check_uri; `what` names the flag in its error)."""
+  if not is_remote(path):
+    return epath.Path(path).expanduser().absolute()
+  check_uri(str(path), what)
+  return epath.Path(path)
+
+
+# The URI schemes a workdir may use: the setup.cfg extra that brings the packages etils.epath
+# reaches each through (Orbax and tensorboardX use them too), and those packages.
+REMOTE_SCHEMES = {'gs': ('gcs', 'gcsfs and google-cloud-storage')}
+
+
+def check_uri(uri: str, what: str = '--workdir') -> None:
+  """Refuses, in one line, a URI of a scheme the engine does not support, or one whose packages
+  are missing (etils.epath raises ImportError only at the first access, so that access is made
+  here)."""
+  scheme = uri.partition('://')[0]
+  if scheme not in REMOTE_SCHEMES:
+    supported = ' or '.join(f'{s}://' for s in REMOTE_SCHEMES)
+    raise ConfigError(f'{what}={uri}: {scheme}:// is not supported; pass a local path or a '
+                      f'{supported} URI.')
+  try:
+    epath.Path(uri).exists()
+  except ImportError:
+    extra, packages = REMOTE_SCHEMES[scheme]
+    raise ConfigError(f'{what}={uri}: {scheme}:// paths need {packages} (the {extra} extra), '
+                      f'which are not installed; install them with pip install -e ".[{extra}]", '
+                      'or pass a local path.') from None
 
 
 def prepare(workdir: str) -> epath.Path:
@@ -217,8 +248,8 @@ def read_run_config(workdir: str) -> ml_collections.ConfigDict:
     raise ConfigError(f'--workdir={workdir}: {CONFIG_FILE} has no {missing[0]} section; it is '
                       'not a config a training run wrote: restore it, or pass the --workdir of '
                       'a training run.')
-  saved.pop('tokenizer', None)  # The kept tokenizer's record (engine/workdir/tokenizer.py).
-  saved.pop('shard_sets', None)  # The data's identity (engine/workdir/shard_sets.py).
+  for key in RECORDS:
+    saved.pop(key, None)
   return upgrade(ml_collections.ConfigDict(saved))
 
 
@@ -247,17 +278,42 @@ def upgrade(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return upgraded
 
 
-def write_config(config: ml_collections.ConfigDict, workdir: epath.Path,
-                 tokenizer: dict | None = None, shard_sets: dict | None = None) -> None:
+# config.json's records beside the config: the kept tokenizer (engine/workdir/tokenizer.py), the
+# shard sets' identities (engine/workdir/shard_sets.py), the processes and mesh the run last
+# started on (`layout`: a resume elsewhere says what changed).
+RECORDS = ('tokenizer', 'shard_sets', 'layout')
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: epath.Path, **records) -> None:
   """Records the config once the run is known to start (never for a run that failed early),
-  with `tokenizer`, the record of the tokenizer the workdir keeps (engine/workdir/tokenizer.py),
-  and `shard_sets`, the identities of the sets it trains on (engine/workdir/shard_sets.py)."""
+  with `records` (RECORDS; None values left out)."""
   if jax.process_index() == 0:
     saved = json.loads(config.to_json())
-    for key, value in (('tokenizer', tokenizer), ('shard_sets', shard_sets)):
-      if value is not None:
-        saved[key] = value
+    saved.update({key: value for key, value in records.items() if value is not None})
     write_text_atomically(workdir / CONFIG_FILE, json.dumps(saved, indent=2))
+
+
+def layout(config: ml_collections.ConfigDict) -> dict:
+  """config.json's `layout`: this start's processes, devices, mesh and mode."""
+  return {'processes': jax.process_count(), 'devices': jax.device_count(),
+          'mesh': config_lib.format_mesh(dict(config.mesh)), 'mode': config.parallelism.mode}
+
+
+def layout_change(config: ml_collections.ConfigDict, workdir: epath.Path) -> str | None:
+  """How this start's layout differs from the one config.json records ('2 processes x 4 devices,
+  mesh 2x2x2, auto mode -> 1 process x 8 devices, mesh 2x2x2, manual mode'), None if it does
+  not or none is recorded."""
+  path = workdir / CONFIG_FILE
+  before = json.loads(path.read_text()).get('layout') if path.exists() else None
+  now = layout(config)
+  if not before or before == now:
+    return None
+
+  def describe(facts: dict) -> str:
+    processes = facts['processes']
+    return (f'{processes} process{"es" if processes > 1 else ""} x '
+            f'{facts["devices"] // processes} devices, mesh {facts["mesh"]}, {facts["mode"]} mode')
+  return f'{describe(before)} -> {describe(now)}'
 
 
 def write_text_atomically(path: epath.Path, text: str) -> None:

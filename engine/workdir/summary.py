@@ -27,7 +27,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 # The keys of summary.json (engine's sweep tools read them).
 SUMMARY_KEYS = ('status', 'final_step', 'num_steps', 'final_train_loss', 'final_eval_loss',
                 'best_eval_loss', 'best_eval_step', 'eval_perplexity', 'tokens_per_s', 'mfu',
-                'peak_memory_bytes', 'peak_memory_source', 'wall_s', 'mode', 'mesh', 'model')
+                'peak_memory_bytes', 'peak_memory_source', 'wall_s', 'mode', 'mesh', 'model',
+                'goodput', 'badput_s', 'attempts', 'compilation')
 
 
 def peak_flops_of_devices(device_kind: str, dtype: str, num_devices: int) -> float | None:
@@ -108,12 +109,17 @@ def figures(records: list[dict]) -> dict:
 
 def summarize(records: list[dict], *, status: str, final_step: int, num_steps: int,
               peak_memory: tuple[int | None, str], wall_s: float, mode: str, mesh: str,
-              model: str) -> dict:
-  """summary.json's contents from metrics.jsonl's records and the run's facts."""
+              model: str, goodput: dict | None = None, compilation: dict | None = None) -> dict:
+  """summary.json's contents from metrics.jsonl's records and the run's facts (`goodput`:
+  engine/train/goodput.py's account of all attempts; `compilation`: this attempt's programs,
+  engine/runtime/compile_cache.py)."""
+  goodput = goodput or {}
   return {
       'status': status, 'final_step': final_step, 'num_steps': num_steps, **figures(records),
       'peak_memory_bytes': peak_memory[0], 'peak_memory_source': peak_memory[1],
-      'wall_s': wall_s, 'mode': mode, 'mesh': mesh, 'model': model}
+      'wall_s': wall_s, 'mode': mode, 'mesh': mesh, 'model': model,
+      'goodput': goodput.get('goodput'), 'badput_s': goodput.get('badput_s'),
+      'attempts': goodput.get('attempts'), 'compilation': compilation}
 
 
 def plot_loss_curve(records: list[dict], path: epath.Path) -> None:

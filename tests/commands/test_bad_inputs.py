@@ -81,6 +81,19 @@ def test_the_command_line_gets_the_same_line(row, tmp_path):
   check_nothing_written(before, snapshot(tmp_path))
 
 
+def test_a_gs_workdir_without_the_gcs_extra_says_what_to_install(capfd, monkeypatch, compiles):
+  """gcsfs hidden, as without the gcs extra (etils.epath raises ImportError at the first access):
+  not a table row, which a machine with the extra would send to a bucket."""
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setitem(sys.modules, 'gcsfs', None)
+  code = engine_main.run([TINY, '--workdir=gs://bucket/run'])
+  out, err = capfd.readouterr()
+  check_output(out + err, code, 2, '--workdir=gs://bucket/run: gs:// paths need gcsfs and '
+               'google-cloud-storage (the gcs extra), which are not installed; install them with '
+               'pip install -e ".[gcs]", or pass a local path.')
+  assert not compiles
+
+
 def test_debug_shows_the_traceback_instead(tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)
   with pytest.raises(ConfigError, match='optim.b2=1.5'):

@@ -1,9 +1,9 @@
 """What a user sees on the happy path, as the real command lines (forked from one process that
 imported JAX and the engine once: tests/support/forked_commands.py), on conftest.py's finished
 run: generate, evaluate and export with their defaults print no library warning; generate samples
-by default (a seed changes the sample) and is greedy at --temperature=0; a rerun of the finished
-run writes nothing, exits 0 and says how to train further, and that advice works; --help exits 0
-with the command's usage."""
+by default (a seed changes the sample), is greedy at --temperature=0 and takes a --top_k past the
+vocabulary as every token; a rerun of the finished run writes nothing, exits 0 and says how to
+train further, and that advice works; --help exits 0 with the command's usage."""
 
 import json
 import os
@@ -60,6 +60,8 @@ def outputs(finished_run, tmp_path_factory):
       'generate seed 1': ('engine.generate', [run, PROMPT, '--seed=1']),
       'greedy': ('engine.generate', [run, PROMPT, '--temperature=0']),
       'greedy seed 1': ('engine.generate', [run, PROMPT, '--temperature=0', '--seed=1']),
+      'every token': ('engine.generate', [run, PROMPT, '--top_k=0']),
+      'top_k past the vocabulary': ('engine.generate', [run, PROMPT, '--top_k=100000']),
       'evaluate': ('engine.evaluate', [run]),
       'export': ('engine.export', [run, f'--out={scratch}/hf']),
       'rerun': ('engine.main', [*FINISHED_RUN_ARGV, run]),
@@ -101,6 +103,12 @@ def test_generate_samples_by_default_and_is_greedy_at_temperature_zero(outputs):
   assert samples['greedy'] == samples['greedy seed 1']  # Greedy ignores the seed,
   assert samples['generate'] != samples['generate seed 1']  # the default draws do not,
   assert samples['generate'] != samples['greedy']  # and differ from greedy.
+
+
+@pytest.mark.slow
+def test_a_top_k_past_the_vocabulary_restricts_nothing(outputs):
+  found = outputs[0]
+  assert _sample(found['top_k past the vocabulary']) == _sample(found['every token'])
 
 
 @pytest.mark.slow

@@ -64,25 +64,28 @@ def _assert_logged_match(workdir, steps, reference):
                              reference.grad_norms[index], rtol=ATOL, atol=0)
 
 
-def test_2_processes_auto_match_and_resume_in_1_process(reference, tmp_path):
+def test_a_run_resumes_on_other_process_counts_and_modes_exactly(reference, tmp_path, caplog):
+  """2 processes x 4 devices (auto) -> 1 x 8 (manual) -> 4 x 2 (auto), each leg from the last
+  one's checkpoint, data position included: the losses are the single-device run's throughout,
+  and each resume says in one line what changed."""
   proc = _launch(2, 4, 'mode=auto,steps=4', tmp_path)
   assert '[p0]' in proc.stdout and 'process 1 of 2' in proc.stdout
   _assert_logged_match(tmp_path, [1, 2, 3, 4], reference)
   # Only process 0 writes metrics: one line per step, not two.
   assert sorted(_logged_losses(tmp_path)) == [1, 2, 3, 4]
   # The 2-process checkpoint resumes in this single process (8 devices), in the other mode.
-  resumed = train(multihost_experiment.get_config('mode=manual,steps=6'), str(tmp_path))
+  with caplog.at_level('INFO', logger='absl'):
+    resumed = train(multihost_experiment.get_config('mode=manual,steps=6'), str(tmp_path))
+  assert ('Resuming from step 4 on another layout: 2 processes x 4 devices, mesh 2x2x2, auto mode '
+          '-> 1 process x 8 devices, mesh 2x2x2, manual mode.') in caplog.messages
   assert sorted(resumed.train_losses) == [5, 6]
   np.testing.assert_allclose([resumed.train_losses[s] for s in (5, 6)], reference.losses[4:6],
                              atol=ATOL)
-
-
-def test_4_processes_manual_resume_a_1_process_checkpoint(reference, tmp_path):
-  first = train(multihost_experiment.get_config('mode=manual,steps=2'), str(tmp_path))
-  np.testing.assert_allclose([first.train_losses[s] for s in (1, 2)], reference.losses[:2],
-                             atol=ATOL)
-  _launch(4, 2, 'mode=manual,steps=4', tmp_path)
-  _assert_logged_match(tmp_path, [3, 4], reference)
+  # And that checkpoint on 4 processes x 2 devices.
+  proc = _launch(4, 2, 'mode=auto,steps=8', tmp_path)
+  assert ('Resuming from step 6 on another layout: 1 process x 8 devices, mesh 2x2x2, manual mode '
+          '-> 4 processes x 2 devices, mesh 2x2x2, auto mode.') in proc.stdout + proc.stderr
+  _assert_logged_match(tmp_path, [5, 6, 7, 8], reference)
 
 
 @pytest.mark.parametrize('processes, devices, arg', [

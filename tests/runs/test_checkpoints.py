@@ -174,6 +174,11 @@ def test_kill_9_loses_only_the_steps_after_the_last_checkpoint(tmp_path):
                       if 'train/loss' in line]
   assert losses(tmp_path) == losses(tmp_path / 'full')
   assert not [d for d in os.listdir(checkpoints) if not d.isdigit()]
+  # The goodput counts both attempts: the killed one's steps after the checkpoint as lost.
+  attempts = json.loads((tmp_path / 'goodput.json').read_text())['attempts']
+  assert len(attempts) == 2 and attempts[1]['first_step'] == latest
+  lost = json.loads((tmp_path / 'summary.json').read_text())['badput_s']['lost_steps']
+  assert (lost > 0) == (attempts[0]['last_step'] > latest)
 
 
 @pytest.fixture

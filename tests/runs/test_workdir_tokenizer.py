@@ -12,7 +12,8 @@ from etils import epath
 
 from engine import data
 from engine.workdir import tokenizer as run_tokenizer
-from engine.assemble import CORPUS, VOCABULARY, assemble_finished_run
+from engine.assemble import CORPUS, TOKENIZER, VOCABULARY, assemble_finished_run
+from engine.config import default_config
 from engine.errors import ConfigError
 from engine.data import tokenizers as tokenizer_lib
 from engine.data.shard_writer import prepare
@@ -117,3 +118,19 @@ def test_a_char_vocabulary_is_kept_and_loaded(tmp_path):
   assert loaded.chars == chars.chars and loaded.decode(chars.encode(TEXT)) == TEXT
   assert run_tokenizer.save(tokenizer_lib.ByteTokenizer(), epath.Path(tmp_path)) is None
   assert run_tokenizer.load_kept(str(tmp_path), {}) is None  # An older run: no copy.
+
+
+def test_a_char_run_needs_its_text_no_more_than_its_kept_vocabulary(tmp_path):
+  """A run of data.tokenizer=char on a text file that is gone since: generation and export read
+  the kept vocabulary, and only the held-out split asks for the text, in the run's terms."""
+  chars = tokenizer_lib.CharTokenizer(''.join(sorted(set(TEXT))))
+  saved = json.loads(default_config().to_json())
+  saved['data'].update(source='file', tokenizer='char', path=str(tmp_path / 'gone.txt'))
+  saved['tokenizer'] = run_tokenizer.save(chars, epath.Path(tmp_path))
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  for reads in (TOKENIZER, VOCABULARY):  # engine.generate's, engine.export's.
+    run = assemble_finished_run(str(tmp_path), '1x1x1', reads=reads)
+    assert run.tokenizer.chars == chars.chars and run.setup.model.vocab_size >= len(chars.chars)
+  with pytest.raises(ConfigError, match=rf"^--workdir={tmp_path}: the run's text, data.path="
+                     r"'.*gone.txt', does not exist; the held-out split is read from it"):
+    assemble_finished_run(str(tmp_path), '1x1x1', reads=CORPUS)

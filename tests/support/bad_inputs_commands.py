@@ -30,6 +30,14 @@ def _kept_run(sha256: str) -> str:
   return json.dumps(saved)
 
 
+def _old_char_run() -> str:
+  """The config.json of a run of a character vocabulary on a text file that is gone since, from
+  before runs kept their vocabulary (no tokenizer record)."""
+  saved = json.loads(default_config().to_json())
+  saved['data'].update(source='file', tokenizer='char', path='no_such_corpus.txt')
+  return json.dumps(saved)
+
+
 # What each row's scratch directory $T holds (text, or bytes).
 COMMAND_SCRATCH = {
     'notes.txt': 'keep me',
@@ -44,6 +52,7 @@ COMMAND_SCRATCH = {
     'damaged_tokenizer_run/config.json': _kept_run('0' * 64),
     'damaged_tokenizer_run/tokenizer/tokenizer.json': '{}',
     'moe_run/config.json': _moe_run(),
+    'old_char_run/config.json': _old_char_run(),
     'hf_export/config.json': '{}',  # What an earlier export left: replaced whole, not refused.
     'not_executable.sh': 'echo hi\n',
     'hello.txt': 'hello world\n',
@@ -62,6 +71,9 @@ TOKENIZER_CHECK = '--transformers_python=/bin/true'  # Never run: the rows fail 
 MESH_FORMAT = ('a mesh is DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]], 3 to 6 integers joined by '
                'x (axes not given are 1); e.g. 2x2x2, 2x1x1x2x2 for context 2 and stage 2, or '
                '1x1x1x1x1x4 for expert 4 (-1: the devices the other axes leave, e.g. -1x1x2).')
+OLD_CHAR_RUN = ("--workdir=$T/old_char_run: the run's text, data.path='no_such_corpus.txt', does "
+                'not exist; ')
+UNSUPPORTED = 'is not supported; pass a local path or a gs:// URI.'
 NOT_A_RUN = ('$T/not_a_run: config.json has no data section; it is not a config a training run '
              'wrote: restore it, or pass the --workdir of a training run.')
 UTF8 = ('is not UTF-8 text: byte 3 (0xe9, line 1, column 4) is not valid UTF-8; convert the file '
@@ -118,6 +130,11 @@ COMMAND_ROWS = {
          '--workdir=$T/damaged_tokenizer_run: $T/damaged_tokenizer_run/tokenizer/tokenizer.json '
          "does not match the SHA-256 that config.json records for the run's tokenizer; restore "
          'the file the run trained with.'),
+        (['--workdir=$T/old_char_run', '--prompt=hi'], 2, f"{OLD_CHAR_RUN}the workdir keeps no "
+         "copy of the run's character vocabulary (the run predates the copy), so it is read from "
+         'that text: put the file back at that path.'),
+        (['--workdir=s3://bucket/run', '--prompt=hi'], 2,
+         f'--workdir=s3://bucket/run: s3:// {UNSUPPORTED}'),
         ([RUN, '--prompt=hi', 'extra'], 2, "unexpected arguments ['extra']; everything is given "
          'as a flag, --name=value.'),
         ([RUN, '--promt=hi'], 2, '--promt is not a flag (did you mean --prompt?); python -m '
@@ -140,6 +157,9 @@ COMMAND_ROWS = {
         ([RUN, '--text_file=$T/short.txt', '--batch=0'], 2, '--batch=0 must be at least 1.'),
         ([RUN, '--text_file=$T/short.txt', '--mesh=3x'], 2, f'--mesh=3x: {MESH_FORMAT}'),
         (['--workdir=$T/not_a_run', '--text_file=$T/short.txt'], 2, f'--workdir={NOT_A_RUN}'),
+        (['--workdir=$T/old_char_run'], 2,
+         f'{OLD_CHAR_RUN}the held-out split is read from it: put the file back at that path.'),
+        (['--workdir=foo://x'], 2, f'--workdir=foo://x: foo:// {UNSUPPORTED}'),
     ],
     'engine.export': [
         ([RUN], 2, '--out is required: Directory to write.'),
@@ -153,7 +173,7 @@ COMMAND_ROWS = {
          '--out=/tmp/hf_export.'),
         ([RUN, '--out=$T/notes.txt'], 2, '--out=$T/notes.txt is a file; pass a directory to '
          'write.'),
-        ([RUN, '--out=$T'], 2, "--out=$T holds 16 entries that are not a Hugging Face "
+        ([RUN, '--out=$T'], 2, "--out=$T holds 17 entries that are not a Hugging Face "
          "checkpoint's, e.g. 'damaged_tokenizer_run'; pass a new or empty directory (an earlier "
          'export there is replaced whole).'),
         ([RUN, '--out=$T/notes.txt/export'], 2, '--out=$T/notes.txt/export: $T/notes.txt is not '
@@ -168,6 +188,8 @@ COMMAND_ROWS = {
         (['--workdir=$T/garbled_run', '--out=$T/export'], 2, '--workdir=$T/garbled_run: '
          'config.json is not valid JSON (Expecting value: line 1 column 11 (char 10)); it is not '
          'a file a training run wrote: restore it, or pass another --workdir.'),
+        (['--workdir=s3://bucket/run', '--out=$T/export'], 2,
+         f'--workdir=s3://bucket/run: s3:// {UNSUPPORTED}'),
     ],
     'engine.bench.host_link': [
         ([], 2, "cpu devices have no link to host memory to measure (a CPU's device memory is the "

@@ -58,6 +58,8 @@ SCRATCH = {
                            '  config.model.num_layer = 4\n  return config\n'),
     'broken_experiment.py': 'def get_config(arg=None):\n  return defaults()\n',
     'unfinished_run/checkpoints/100.orbax-checkpoint-tmp-1/': None,  # A save cut short.
+    # A complete checkpoint whose files are gone since (its checksums name one).
+    'damaged_run/checkpoints/2/checksums.json': json.dumps({'state/manifest.ocdbt': [120, 7]}),
     # Hugging Face checkpoints the engine does not compute exactly, or that are incomplete.
     'hf_yarn/config.json': json.dumps(dict(
         HF_LLAMA, rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e4})),
@@ -250,6 +252,10 @@ BAD_INPUTS = [
     # Values that would train wrong, or not at all.
     ([TINY, RUN, '--config.optim.b2=1.5'], 2, 'optim.b2=1.5 must lie in [0, 1): it is how much of '
      'its running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to 0.999).'),
+    # --print_config lists the config (stdout), then refuses the value as the run would.
+    ([TINY, '--config.optim.b2=1.5', '--print_config'], 2, 'optim.b2=1.5 must lie in [0, 1): it '
+     'is how much of its running average Adam keeps each step (usual: b1=0.9, b2 from 0.95 to '
+     '0.999).'),
     ([TINY, RUN, '--config.optim.learning_rate=nan'], 2,
      'optim.learning_rate=nan is not a finite number; give one.'),
     ([TINY, RUN, '--config.optim.b1=1e400'], 2, 'optim.b1=inf is not a finite number; give one.'),
@@ -300,6 +306,14 @@ BAD_INPUTS = [
      'optim.decay_steps=200 has no effect with optim.schedule=constant (it never decays); leave '
      'decay_steps at -1, or choose optim.schedule=cosine or wsd.'),
     ([TINY, RUN, '--config.train.num_steps=0'], 2, 'train.num_steps=0 must be positive.'),
+    ([TINY, RUN, '--config.train.hang_timeout_s=-1'], 2, 'train.hang_timeout_s=-1.0 must be >= 0 '
+     '(seconds a step may take; 0 turns the check off).'),
+    ([TINY, RUN, '--config.train.straggler_factor=0.5'], 2, 'train.straggler_factor=0.5 would '
+     'name a process no slower than the others; pass a factor above 1 (e.g. 2), or 0 for no '
+     'straggler warnings.'),
+    ([TINY, RUN, '--config.train.compile_cache_dir=$T/notes.txt'], 2,
+     "train.compile_cache_dir='$T/notes.txt' is a file; pass a directory for the compiled "
+     "programs, '' for WORKDIR/compile_cache, or 'none' for no cache."),
     ([TINY, RUN, '--config.train.profile_steps=5'], 2, "train.profile_steps='5' must be A:B, "
      'the first and last step to trace, e.g. 10:12.'),
     ([TINY, RUN, '--config.train.profile_steps=12:10'], 2, "train.profile_steps='12:10' must "
@@ -418,6 +432,10 @@ BAD_INPUTS = [
     # The workdir, and the run to start from.
     ([TINY, '--workdir=$T/notes.txt'], 2, '--workdir=$T/notes.txt is a file, not a directory; pass '
      'a new path or the directory of the run to resume.'),
+    ([TINY, '--workdir=s3://bucket/run'], 2, '--workdir=s3://bucket/run: s3:// is not supported; '
+     'pass a local path or a gs:// URI.'),
+    ([TINY, '--workdir=foo://x'], 2,
+     '--workdir=foo://x: foo:// is not supported; pass a local path or a gs:// URI.'),
     ([TINY, '--workdir=$T/notes.txt/run'], 2, '--workdir=$T/notes.txt/run cannot be written (Not a '
      'directory); pass a path under a writable directory, or fix its permissions.'),
     ([TINY, RUN, '--config.train.init_from=$T/no_such_run'], 2, "train.init_from='$T/no_such_run' "
@@ -425,6 +443,11 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.train.init_from=$T/unfinished_run'], 2,
      "train.init_from='$T/unfinished_run' holds no complete checkpoint; pass the --workdir of a "
      'run that saved one.'),
+    # Found once the workdir is known to be a fresh run; it is left without a checkpoints/.
+    ([TINY, RUN, '--config.train.init_from=$T/damaged_run'], 1,
+     "train.init_from='$T/damaged_run': the checkpoint of step 2 is damaged: state/manifest.ocdbt "
+     "is missing; put back an intact copy of its files, or pass another run's --workdir as "
+     'train.init_from.'),
     # Hugging Face checkpoints.
     ([TINY, RUN, '--config.train.init_from=hf:$T/hf_yarn'], 2, 'train.init_from=hf:$T/hf_yarn: '
      "rope_parameters.rope_type='yarn' is not implemented; the engine computes default, linear, "

@@ -35,7 +35,7 @@ def _schema_keys() -> list[str]:
 
 def test_every_key_has_a_line_of_help():
   keys, helps = _schema_keys(), config_help.key_help()
-  assert len(keys) > 60 and keys[0] == 'seed' and keys[-1] == 'train.init_from'
+  assert len(keys) > 60 and keys[0] == 'seed' and keys[-1] == 'train.straggler_factor'
   assert set(keys) == {k for k, v in config_lib.flat_defaults().items()
                        if not isinstance(v, ConfigDict)}
   missing = [key for key in keys if not helps.get(key, '').strip()]
@@ -90,9 +90,9 @@ def test_print_config_lists_every_key_with_the_run_values(tmp_path, capfd, monke
   monkeypatch.chdir(ROOT)
   workdir = tmp_path / 'run'
   for argv in (['--config=experiments/tiny.py:steps=7', '--config.model.num_layers=3',
-                "--config.data.path=a b.txt", '--print_config'],
+                "--config.train.sample_prompt=a b.txt", '--print_config'],
                ['--config=experiments/tiny.py:steps=7', '--print_config',
-                '--config.model.num_layers=3', '--config.data.path=a b.txt',
+                '--config.model.num_layers=3', '--config.train.sample_prompt=a b.txt',
                 f'--workdir={workdir}']):
     assert engine_main.run(argv) == 0
     out, err = capfd.readouterr()
@@ -101,7 +101,8 @@ def test_print_config_lists_every_key_with_the_run_values(tmp_path, capfd, monke
     assert list(values) == _schema_keys()  # Every key once, in the source's order.
     assert values['model.num_layers'] == '3'  # An override.
     assert values['train.num_steps'] == '7'  # The experiment argument.
-    assert values['data.path'] == "'a b.txt'" and values['optim.b2'] == '0.99'  # A default.
+    assert values['train.sample_prompt'] == "'a b.txt'"  # A value with a space, quoted.
+    assert values['optim.b2'] == '0.99'  # A default.
     assert 'optim.learning_rate = 0.001  # Peak learning rate' in out
     # Sections apart: a blank line before each section's first key, none within one.
     blocks = out.strip().split('\n\n')
@@ -123,3 +124,19 @@ def test_print_config_refuses_an_experiment_key_the_schema_lacks(tmp_path, capfd
   assert err == ("error: Unknown config keys ['optim.lr'] (did you mean optim.learning_rate?); "
                  'see engine/config.py default_config() for the schema (a typo in an '
                  'override?).\n')
+
+
+def test_print_config_lists_then_refuses_a_value_the_run_would_refuse(tmp_path, capfd,
+                                                                      monkeypatch, compiles):
+  monkeypatch.chdir(ROOT)
+  for argv, line in (
+      (['--config.optim.b2=1.5'], 'optim.b2=1.5 must lie in [0, 1)'),
+      # A data file that is not there: the run's check looks for it too.
+      (['--config.data.source=file', f'--config.data.path={tmp_path}/gone.txt'],
+       f"data.path='{tmp_path}/gone.txt' does not exist")):
+    assert engine_main.run(['--config=experiments/tiny.py', *argv, '--print_config']) == 2
+    out, err = capfd.readouterr()
+    assert list(_values(out)) == _schema_keys()  # The listing, whole,
+    assert err.startswith(f'error: {line}') and err.count('\n') == 1, err  # then one line.
+  assert not os.listdir(tmp_path)
+  assert not compiles, f'{len(compiles)} XLA compiles'

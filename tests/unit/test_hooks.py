@@ -87,10 +87,25 @@ def train_step(losses, fail_at=None):
   return step_fn
 
 
+class Untimed:
+  """The loop's goodput and watchdog clocks, timing nothing."""
+
+  def loop_started(self):
+    pass
+
+  def timed(self, cause):
+    del cause
+    return contextlib.nullcontext()
+
+  def waiting(self):
+    return contextlib.nullcontext()
+
+
 def run_loop(hooks, num_steps, step_fn, preemption=None):
   loop = StepLoop(num_steps=num_steps, batches=iter(range(num_steps)), train_step=step_fn,
                   preemption=preemption or NoPreemption(), pause=contextlib.nullcontext,
-                  result=TrainResult({}, {}, {}, 0, {}), hooks=hooks)
+                  goodput=Untimed(), watchdog=Untimed(), result=TrainResult({}, {}, {}, 0, {}),
+                  hooks=hooks)
   loop({'step': 0, 'params': {}}, 0)
   return loop.result
 
@@ -116,7 +131,7 @@ def test_the_guard_checks_a_step_before_it_is_evaluated_sampled_or_saved(skip_li
   sync: a step that is not finite stops the run before either sees it, or, skipped, is checked
   before either runs; the metrics never log the step that stopped the run."""
   log = []
-  names = ('profiler', 'evaluation', 'sampler', 'checkpoints', 'metrics')
+  names = ('profiler', 'evaluation', 'sampler', 'checkpoints', 'metrics', 'watchdog')
   recorders = {name: Recorder(name, log, sync_every=2 if name in ('evaluation', 'checkpoints')
                               else 0) for name in names}
   guard = RecordedGuard(log, skip_limit)
