@@ -63,8 +63,7 @@ class Counts:
             'cache_hits': self.hits, 'saved_s': round(self.saved_s, 3)}
 
   def describe(self) -> str:
-    read = (f', {self.hits} of them read from the persistent cache (saving about '
-            f'{self.saved_s:.1f} s)' if self.hits else '')
+    read = f', {self.hits} of them read from the persistent cache' if self.hits else ''
     return f'{self.compiled} programs in {self.compile_s:.1f} s{read}'
 
 
@@ -87,7 +86,7 @@ def use(setting: str, workdir: epath.Path):
     if event == _COMPILE:
       counts.compiled += 1
       counts.compile_s += seconds
-    elif event == _SAVED:  # JAX records whole seconds of compilation, less the read's time.
+    elif event == _SAVED:  # JAX's record: whole seconds of compilation, less the read's time.
       counts.hits += 1
       counts.saved_s += max(0.0, seconds)
 
