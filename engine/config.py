@@ -219,6 +219,12 @@ def default_config() -> ml_collections.ConfigDict:
   # (engine/runtime/compile_cache.py): '' WORKDIR/compile_cache (or JAX_COMPILATION_CACHE_DIR
   # where set), 'none' no cache, or a directory shared by runs (local or gs://...).
   c.train.compile_cache_dir = ''
+  # Fast per-host storage (a local disk or RAM disk) for a second tier of checkpoints, saved
+  # every train.local_checkpoint_every steps by each process into its own directory; a restart
+  # resumes from the newest complete checkpoint of either tier (engine/workdir/checkpoint_tiers.py).
+  # '': the workdir's checkpoints only.
+  c.train.local_checkpoint_dir = ''
+  c.train.local_checkpoint_every = 10
   # A step (or evaluation, or save) that has not finished after this many seconds ends the run
   # with one error line naming the processes that did not reach it, each process's Python stacks
   # in WORKDIR/stacks/ (engine/train/watchdog.py); 0: never. The first step is not timed.

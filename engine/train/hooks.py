@@ -103,31 +103,37 @@ class Evaluation(Hook):
 
 class Checkpoints(Hook):
   """The workdir's Checkpointer (engine/workdir/checkpoint.py) as a hook: a save every
-  train.checkpoint_every steps, and of the last step or a preemption's."""
+  train.checkpoint_every steps, and of the last step or a preemption's; and the local tier's
+  (`local`, engine/workdir/checkpoint_tiers.py) every train.local_checkpoint_every steps where the
+  workdir's is not due."""
 
   badput_cause = 'checkpoints'
 
-  def __init__(self, checkpointer, train_iterator, num_steps: int):
+  def __init__(self, checkpointer, train_iterator, num_steps: int, local=None):
     self.checkpointer, self.train_iterator = checkpointer, train_iterator
-    self.num_steps = num_steps
+    self.num_steps, self.local = num_steps, local
 
   def _forced(self, step: int, stopping: bool) -> bool:
     return step == self.num_steps or stopping
 
   def wants_sync(self, step: int, stopping: bool) -> bool:
-    return self.checkpointer.is_due(step, force=self._forced(step, stopping))
+    return self.checkpointer.is_due(step, force=self._forced(step, stopping)) or (
+        self.local is not None and self.local.is_due(step))
 
   def at_sync(self, step: int, state, stopping: bool) -> None:
-    self.checkpointer.save(step, state, self.train_iterator, force=self._forced(step, stopping))
+    if not self.checkpointer.save(step, state, self.train_iterator,
+                                  force=self._forced(step, stopping)) and self.local is not None:
+      self.local.save(step, state, self.train_iterator)
 
   def close(self, error: BaseException | None) -> None:
     """Waits for the saves in flight (raising if the last failed). After a failed collective
     (a JaxRuntimeError: another process has probably stopped) the distributed runtime ends the
     process; the saves are left as they are, and a resumed run removes what they left."""
-    if error is None:
-      self.checkpointer.close()
-    elif not isinstance(error, jax.errors.JaxRuntimeError):
-      close_quietly(self.checkpointer)
+    for checkpointer in filter(None, (self.local, self.checkpointer)):
+      if error is None:
+        checkpointer.close()
+      elif not isinstance(error, jax.errors.JaxRuntimeError):
+        close_quietly(checkpointer)
 
 
 def close_quietly(checkpointer) -> None:

@@ -25,6 +25,7 @@ from engine import data, sharding
 from engine.distributed import startup as distributed
 from engine.runtime.progress import phase
 from engine.hf import load as hf
+from engine.workdir import checkpoint_tiers
 from engine.workdir import lock as run_lock
 from engine.workdir import summary as run_summary
 from engine.runtime import compile_cache
@@ -66,12 +67,14 @@ class TrainResult:
   summary: dict | None = None  # WORKDIR/summary.json's contents (process 0 only).
 
 
-def resume_step(run: Run, checkpointer: Checkpointer, workdir) -> int | None:
-  """The step of the workdir's newest intact checkpoint (the same on every process, whose files
-  process 0 has checked), once this config is known to continue that run; None if there is
-  none."""
+def resume_step(run: Run, checkpointer: Checkpointer, local: Checkpointer | None,
+                workdir) -> tuple[int | None, Checkpointer]:
+  """The step of the newest intact checkpoint of either tier (the same on every process:
+  engine/workdir/checkpoint_tiers.py) and the tier's Checkpointer, once this config is known to
+  continue that run; None if there is none."""
   config = run.config
-  start_step = checkpointer.choose_resume_step(config.train.skip_damaged_checkpoints)
+  start_step, tier = checkpoint_tiers.choose_resume(
+      checkpointer, local, config.train.skip_damaged_checkpoints)
   if start_step is not None:
     workdir_lib.check_resumable(config, workdir)
     run_tokenizer.check_resumed(run.tokenizer, workdir)
@@ -79,7 +82,7 @@ def resume_step(run: Run, checkpointer: Checkpointer, workdir) -> int | None:
     change = workdir_lib.layout_change(config, workdir)
     if change:
       logging.info('Resuming from step %d on another layout: %s.', start_step, change)
-  return start_step
+  return start_step, tier
 
 
 def initial_state(run: Run, checkpointer: Checkpointer, train_iterator,
@@ -263,10 +266,14 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
   train_iterator = data.train_iterator(run.corpus, config.data, config.seed)
   checkpointer = Checkpointer(workdir / 'checkpoints', config.train.checkpoint_every,
                               config.train.keep_checkpoints, config.train.async_checkpoints)
-  start_step = resume_step(run, checkpointer, workdir)
+  local = checkpoint_tiers.local_checkpointer(config, workdir, run.setup.abstract_state(),
+                                              run.setup.mesh)
+  start_step, tier = resume_step(run, checkpointer, local, workdir)
   if start_step is not None and start_step >= config.train.num_steps:
+    if local is not None:
+      local.close()
     return _already_finished(config, checkpointer, workdir, start_step)
-  state, start_step, memory = initial_state(run, checkpointer, train_iterator, start_step)
+  state, start_step, memory = initial_state(run, tier, train_iterator, start_step)
   logging.info('Parameters per device: %.2f MiB',
                sharding.bytes_per_device(state['params']) / 2**20)
   train_step, eval_step = compile_steps(run, memory)
@@ -299,7 +306,7 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
           guard=guard,
           evaluation=Evaluation(run, eval_step, guard=guard, writer=writer, result=result),
           sampler=sampler,
-          checkpoints=Checkpoints(checkpointer, train_iterator, num_steps),
+          checkpoints=Checkpoints(checkpointer, train_iterator, num_steps, local),
           metrics=DeferredMetrics(writer, result, config.train.log_every, num_steps, peak_memory,
                                   goodput),
           watchdog=watchdog))

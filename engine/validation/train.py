@@ -41,6 +41,7 @@ def check_train(train: ConfigDict) -> None:
                       'in a row.')
   require_positive(train, 'train', ['num_steps', 'log_every', 'eval_every', 'eval_batches',
                                     'checkpoint_every', 'keep_checkpoints', 'microbatches',
+                                    'local_checkpoint_every',
                                     'pipeline_repeats'])
   if train.init_from:
     _check_init_from(train.init_from)
@@ -53,6 +54,10 @@ def check_train(train: ConfigDict) -> None:
     raise ConfigError(f'train.straggler_factor={train.straggler_factor} would name a process '
                       'no slower than the others; pass a factor above 1 (e.g. 2), or 0 for no '
                       'straggler warnings.')
+  if '://' in train.local_checkpoint_dir:
+    raise ConfigError(f'train.local_checkpoint_dir={train.local_checkpoint_dir!r} is not on this '
+                      'host: the local tier is fast storage of each host (a local disk or RAM '
+                      'disk); pass such a path, or leave the bucket to --workdir.')
   cache = train.compile_cache_dir
   if cache and '://' not in cache and os.path.exists(cache) and not os.path.isdir(cache):
     raise ConfigError(f'train.compile_cache_dir={cache!r} is a file; pass a directory for the '

@@ -82,11 +82,30 @@ def find_damage(directory: epath.Path) -> str | None:
   return None
 
 
+def _per_process_handling():
+  """Orbax's options and handlers for a directory each process writes alone (the local tier,
+  engine/workdir/checkpoint_tiers.py): no primary host, and every shard a process holds written,
+  replicas too, so that each process restores from its own directory."""
+  options = ocp.options.MultiprocessingOptions(primary_host=None, barrier_sync_key_prefix='local')
+  arrays = ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
+                                          use_replica_parallel=False)
+  registry = ocp.type_handlers.create_type_handler_registry((jax.Array, arrays))
+  handlers = {'state': ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True,
+                                                   multiprocessing_options=options,
+                                                   type_handler_registry=registry),
+              'data': ocp.JsonCheckpointHandler(multiprocessing_options=options)}
+  return options, handlers
+
+
 class Checkpointer:
+  """The checkpoints of one directory. `per_process`: each process saves into and restores from
+  its own directory, every shard it holds (the local tier); else one directory all processes
+  share (the workdir's)."""
 
   def __init__(self, directory: str | epath.Path, save_every: int, keep: int,
-               asynchronous: bool = True):
+               asynchronous: bool = True, per_process: bool = False):
     self.directory = workdir_lib.resolve(directory)
+    self.per_process = per_process
     self.save_every = save_every
     self._saving_step = None  # The step whose save is in flight.
     self._closed = False
@@ -102,11 +121,15 @@ class Checkpointer:
                                                  **barrier))
     else:  # For measuring what asynchronous saving saves; checksums follow the rename.
       when = dict(enable_async_checkpointing=False)
+    handlers = {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler()}
+    if per_process:
+      options, handlers = _per_process_handling()
+      when.update(multiprocessing_options=options, enable_per_process_directory_creation=True,
+                  save_root_metadata=False)
     self.manager = ocp.CheckpointManager(
         self.directory,
         item_names=('state', 'data'),
-        item_handlers={'state': ocp.StandardCheckpointHandler(),
-                       'data': ocp.JsonCheckpointHandler()},
+        item_handlers=handlers,
         # Not created here: a run that stops before its first save (bad input found late, such
         # as a damaged train.init_from) leaves no checkpoints/ behind; save() creates it.
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=False,
@@ -133,11 +156,12 @@ class Checkpointer:
       if not self._made:  # Each process makes it (exist_ok): no barrier needed.
         self.directory.mkdir(parents=True, exist_ok=True)
         self._made = True
+      save = ocp.args.PyTreeSave if self.per_process else ocp.args.StandardSave
       saved = self.manager.save(
-          step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+          step, args=ocp.args.Composite(state=save(state),
                                         data=ocp.args.JsonSave(data_iterator.get_state())),
           force=True)
-      if saved and not self.asynchronous and jax.process_index() == 0:
+      if saved and not self.asynchronous and (self.per_process or jax.process_index() == 0):
         self._record_checksums()
     except Exception as error:  # pylint: disable=broad-except
       raise self._failed(step, error) from error
@@ -148,8 +172,9 @@ class Checkpointer:
     return saved
 
   def _record_checksums(self) -> None:
-    """Orbax calls this on process 0 once every process has written the step, just before the
-    temporary directory is renamed: the checksums land atomically with the checkpoint."""
+    """Orbax calls this on process 0 (on every process, for its own directory, per_process) once
+    every process has written the step, just before the temporary directory is renamed: the
+    checksums land atomically with the checkpoint."""
     step = self._saving_step
     candidates = sorted(self.directory.glob(f'{step}{_TMP_SUFFIX}*'))
     target = candidates[-1] if candidates else self.directory / str(step)  # gs:// writes in place.
@@ -193,7 +218,7 @@ class Checkpointer:
     # Before the partial files go: removing them frees the space that ran out.
     disk_full = is_disk_full(cause, self.directory)
     removed = 'Its partial files were removed'
-    if jax.process_index() != 0:
+    if jax.process_index() != 0 and not self.per_process:
       removed = 'Its partial files are removed when the run resumes'
     elif not _remove_partial(self.directory, step):
       removed = 'Its partial files could not all be removed yet (the next run removes them)'
@@ -213,10 +238,13 @@ class Checkpointer:
   def restore(self, step: int, abstract_state, data_iterator):
     """Restores the state into the shardings carried by `abstract_state` and rewinds
     `data_iterator` in place to where it was at `step`."""
+    state = (ocp.args.PyTreeRestore(item=abstract_state,
+                                    restore_args=ocp.checkpoint_utils.construct_restore_args(
+                                        abstract_state))
+             if self.per_process else ocp.args.StandardRestore(abstract_state))
     try:
       restored = self.manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                        data=ocp.args.JsonRestore()))
+          step, args=ocp.args.Composite(state=state, data=ocp.args.JsonRestore()))
     except Exception as error:  # pylint: disable=broad-except
       raise CheckpointError(
           f'The checkpoint of step {step} in {self.directory} could not be restored into this '
@@ -282,6 +310,30 @@ class Checkpointer:
                       bad_cause, target)
     logging.warning('Resuming from step %s, the newest intact checkpoint.', step)
     return step, ''
+
+  def intact_steps(self) -> list[int]:
+    """This directory's steps whose files match their checksums, newest first (a damaged one
+    is named in a warning and left alone)."""
+    intact = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      cause = find_damage(self.directory / str(step))
+      if cause is None:
+        intact.append(int(step))
+      else:
+        logging.warning('The checkpoint of step %d in %s is damaged (%s); it is not resumed from.',
+                        step, self.directory, cause)
+    return intact
+
+  def discard_after(self, step: int | None) -> None:
+    """Deletes this directory's checkpoints after `step` (None: all), which a run resuming from
+    `step` will write again (the local tier's, when the run falls back to the workdir's)."""
+    newer = [s for s in self.manager.all_steps() if step is None or s > step]
+    for each in newer:  # Each process its own directory's (Orbax's delete syncs the processes).
+      (self.directory / str(each)).rmtree()
+    if newer:
+      self.manager.reload()
+      logging.info('Deleted the checkpoints of steps %s in %s: they are trained again.',
+                   ', '.join(map(str, sorted(newer))), self.directory)
 
   def close(self) -> None:
     """Waits for background writes to finish (raises CheckpointError if the last failed)."""

@@ -104,6 +104,8 @@ ADDED_KEYS = {
     'train.compile_cache_dir': 'none',
     'train.hang_timeout_s': 0.0,
     'train.straggler_factor': 0.0,
+    'train.local_checkpoint_dir': '',
+    'train.local_checkpoint_every': 10,
 }
 
 

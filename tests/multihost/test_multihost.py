@@ -8,6 +8,7 @@ tests/support/helpers.py).
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -238,3 +239,42 @@ def test_sigterm_checkpoints_the_current_step_and_exits_0(processes, reference, 
   logged = _logged_losses(tmp_path)
   np.testing.assert_allclose([logged[s] for s in range(1, stopped + 3)],
                              reference.losses[:stopped + 2], atol=ATOL, rtol=0)
+
+
+def _launch_faulty(processes, devices, arg, workdir, *flags):
+  """launch.local of tests/support/fault_experiment.py; returns (exit status, output)."""
+  command = [sys.executable, '-m', 'launch.local', f'--num_processes={processes}',
+             f'--devices_per_process={devices}', '--', sys.executable, '-m', 'engine.main',
+             '--heartbeat_timeout_s=60', f'--config=tests/support/fault_experiment.py:{arg}',
+             f'--workdir={workdir}', *flags]
+  proc = subprocess.run(command, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
+                        timeout=600)
+  return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_run_resumes_from_the_local_tier_or_without_it_from_the_workdir(reference, tmp_path):
+  """2 processes, local checkpoints every step, the workdir's every 4. A run whose data stops
+  after step 6 (the watchdog ends it) resumes from the local tier's step 6; stopped again after
+  step 10, with process 1's local tier deleted (a replaced host), from the workdir's step 8. The
+  losses are the single-device run's throughout."""
+  workdir, local = tmp_path / 'run', tmp_path / 'local'
+  flags = [f'--config.train.local_checkpoint_dir={local}', '--config.train.local_checkpoint_every=1',
+           '--config.train.hang_timeout_s=3']
+  code, output = _launch_faulty(2, 4, 'process=0,hang_after=6,steps=12,checkpoint_every=4',
+                                workdir, *flags)
+  assert code != 0 and 'made no progress for 3 s' in output, output[-4000:]
+  assert latest_complete_step(workdir / 'checkpoints') == 4
+  code, output = _launch_faulty(2, 4, 'process=0,hang_after=4,steps=12,checkpoint_every=4',
+                                workdir, *flags)
+  assert code != 0 and "Resuming from step 6 of the local tier" in output, output[-4000:]
+  assert latest_complete_step(workdir / 'checkpoints') == 8
+  lost, = local.glob('*/*/process_1')
+  shutil.rmtree(lost)
+  code, output = _launch_faulty(2, 4, 'steps=12,checkpoint_every=4', workdir, *flags)
+  assert code == 0, output[-4000:]
+  assert ("Resuming from the workdir's checkpoint of step 8: the local tier's step 10 is not on "
+          'process 1 (its local checkpoints are missing or damaged') in output, output[-4000:]
+  # Step 6's line was still pending (a step is logged once the next is dispatched) when the
+  # first run was ended, and the local tier's step 6 is not trained again.
+  assert 6 not in _logged_losses(workdir)
+  _assert_logged_match(workdir, [1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12], reference)

@@ -271,3 +271,42 @@ def test_a_quantized_run_resumes_in_bfloat16_and_back(tmp_path):
   # The state carried over: step 3 starts from step 2's parameters, not from a fresh start
   # (whose loss is step 1's, the highest of a converging run).
   assert losses[3] < losses[1] - 0.01
+
+
+@pytest.mark.slow
+def test_the_local_tier_resumes_past_the_workdir_and_skips_its_damaged_checkpoints(tmp_path):
+  """Local checkpoints every step, the workdir's every 4: with the workdir's 4 and 5 gone, the
+  run resumes from the local tier's step 3 and trains steps 4 and 5 as before, bitwise; a damaged
+  local step 3 is skipped for its step 2."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  from engine.train.loop import train  # pylint: disable=g-import-not-at-top
+  from tests.support.helpers import tiny_config  # pylint: disable=g-import-not-at-top
+
+  def config(steps):
+    c = tiny_config(mesh=(2, 4, 1), steps=steps)
+    c.train.checkpoint_every, c.optim.decay_steps = 4, 8
+    c.train.local_checkpoint_dir, c.train.local_checkpoint_every = str(tmp_path / 'local'), 1
+    return c
+
+  workdir = tmp_path / 'run'
+  first = train(config(5), str(workdir))
+  local, = glob.glob(str(tmp_path / 'local' / '*' / '*' / 'process_0'))
+  assert sorted(os.listdir(local)) == ['2', '3']  # The newest two; 4 and 5 in the workdir.
+  for step in ('4', '5'):
+    shutil.rmtree(workdir / 'checkpoints' / step)
+  shutil.copytree(local, tmp_path / 'kept')
+  again = train(config(5), str(workdir))
+  assert sorted(again.train_losses) == [4, 5]
+  assert [again.train_losses[s] for s in (4, 5)] == [first.train_losses[s] for s in (4, 5)]
+  # The same restart with the local step 3 damaged: from its step 2.
+  shutil.rmtree(workdir / 'checkpoints')
+  shutil.rmtree(local)
+  shutil.copytree(tmp_path / 'kept', local)
+  damaged = sorted(glob.glob(f'{local}/3/state/**/*', recursive=True), key=os.path.getsize)[-1]
+  with open(damaged, 'r+b') as f:
+    f.write(b'\0' * 16)
+  shutil.rmtree(workdir / 'metrics.jsonl', ignore_errors=True)
+  third = train(config(5), str(workdir))
+  assert sorted(third.train_losses) == [3, 4, 5]
+  assert [third.train_losses[s] for s in (3, 4, 5)] == [first.train_losses[s] for s in (3, 4, 5)]

@@ -311,6 +311,12 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.train.straggler_factor=0.5'], 2, 'train.straggler_factor=0.5 would '
      'name a process no slower than the others; pass a factor above 1 (e.g. 2), or 0 for no '
      'straggler warnings.'),
+    ([TINY, RUN, '--config.train.local_checkpoint_dir=gs://bucket/local'], 2,
+     "train.local_checkpoint_dir='gs://bucket/local' is not on this host: the local tier is fast "
+     'storage of each host (a local disk or RAM disk); pass such a path, or leave the bucket to '
+     '--workdir.'),
+    ([TINY, RUN, '--config.train.local_checkpoint_every=0'], 2,
+     'train.local_checkpoint_every=0 must be positive.'),
     ([TINY, RUN, '--config.train.compile_cache_dir=$T/notes.txt'], 2,
      "train.compile_cache_dir='$T/notes.txt' is a file; pass a directory for the compiled "
      "programs, '' for WORKDIR/compile_cache, or 'none' for no cache."),
