@@ -224,7 +224,7 @@ def default_config() -> ml_collections.ConfigDict:
   # resumes from the newest complete checkpoint of either tier (engine/workdir/checkpoint_tiers.py).
   # '': the workdir's checkpoints only.
   c.train.local_checkpoint_dir = ''
-  c.train.local_checkpoint_every = 10
+  c.train.local_checkpoint_every = 10  # Steps between local checkpoints (with the dir set).
   # A step (or evaluation, or save) that has not finished after this many seconds ends the run
   # with one error line naming the processes that did not reach it, each process's Python stacks
   # in WORKDIR/stacks/ (engine/train/watchdog.py); 0: never. The first step is not timed.

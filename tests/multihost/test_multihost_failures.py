@@ -12,11 +12,8 @@ The tmpfs is mounted by root, or else inside a user namespace (`unshare --map-ro
 the namespace path even as root, to check it.
 """
 
-import contextlib
 import errno
-import glob
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +26,7 @@ from engine.workdir.checkpoint import latest_complete_step
 from engine.errors import is_disk_full
 from engine.train.loop import train
 from tests.support import multihost_experiment
+from tests.support.processes import kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEARTBEAT_S = 10
@@ -43,27 +41,13 @@ def _wrapped(command: list[str], disk, size_kib: int, keep) -> str:
           f'{quoted}\nstatus=$?\ncp -a {disk}/w {keep}\numount {disk}\nexit $status\n')
 
 
-def _kill_tree(pid: int) -> None:
-  """SIGKILL to `pid` and all its descendants (launch.local puts each process in a session of
-  its own, so killing the launcher's process group would leave them running)."""
-  tree, i = [pid], 0
-  while i < len(tree):
-    for task in glob.glob(f'/proc/{tree[i]}/task/*/children'):
-      with contextlib.suppress(OSError):
-        tree += [int(child) for child in open(task).read().split()]
-    i += 1
-  for each in tree:
-    with contextlib.suppress(ProcessLookupError):
-      os.kill(each, signal.SIGKILL)
-
-
 def _collect(command, limit_s=240):
   """(exit status, seconds it ran, [(seconds since start, line)]) of `command`; killed (with
   its descendants) after `limit_s`."""
   start = time.monotonic()
   proc = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-  timer = threading.Timer(limit_s, _kill_tree, (proc.pid,))
+  timer = threading.Timer(limit_s, kill_tree, (proc.pid,))
   timer.start()
   lines = []
   try:

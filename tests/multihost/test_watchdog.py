@@ -4,7 +4,6 @@ workdir; a process slowed on purpose is named in a warning. Faults are planted b
 tests/support/fault_experiment.py, or by SIGSTOP."""
 
 import contextlib
-import glob
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ import time
 import pytest
 
 from engine.train import watchdog
+from tests.support.processes import descendants, kill_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAULTS = 'tests/support/fault_experiment.py'
@@ -49,25 +49,27 @@ def _start(command):
   return proc, lines, reader
 
 
-def _descendants(pid):
-  tree, i = [pid], 0
-  while i < len(tree):
-    for task in glob.glob(f'/proc/{tree[i]}/task/*/children'):
-      with contextlib.suppress(OSError):
-        tree += [int(child) for child in open(task).read().split()]
-    i += 1
-  return tree[1:]
-
-
 def _process_of_index(pid, index):
   """The engine.main process of launch.local's process `index` (its JAX_PROCESS_ID)."""
-  for child in _descendants(pid):
+  for child in descendants(pid):
     with contextlib.suppress(OSError):
       environ = open(f'/proc/{child}/environ', 'rb').read().split(b'\0')
       cmdline = open(f'/proc/{child}/cmdline', 'rb').read()
       if f'JAX_PROCESS_ID={index}'.encode() in environ and b'engine.main' in cmdline:
         return child
   return None
+
+
+def _run(command, timeout_s=240):
+  """(exit status, [(time, line)]) of `command`, its process tree killed if it outlives
+  `timeout_s`."""
+  proc, lines, reader = _start(command)
+  try:
+    proc.wait(timeout=timeout_s)
+  finally:
+    kill_tree(proc.pid)
+  reader.join(timeout=10)
+  return proc.returncode, lines
 
 
 def _wait_for(lines, text, timeout_s):
@@ -80,25 +82,13 @@ def _wait_for(lines, text, timeout_s):
                        '\n'.join(line for _, line in lines)[-4000:])
 
 
-def _kill_all(proc):
-  for pid in [proc.pid, *_descendants(proc.pid)]:
-    with contextlib.suppress(ProcessLookupError):
-      os.kill(pid, signal.SIGCONT)
-      os.kill(pid, signal.SIGKILL)
-
-
 @pytest.mark.slow
 def test_a_run_whose_data_stops_coming_ends_with_one_line_and_its_stacks(tmp_path):
-  proc, lines, reader = _start(
+  code, lines = _run(
       [sys.executable, '-m', 'engine.main', f'--config={FAULTS}:process=0,hang_after=3,steps=20',
        f'--workdir={tmp_path}', '--config.train.hang_timeout_s=3'])
-  try:
-    proc.wait(timeout=240)
-  finally:
-    _kill_all(proc)
-  reader.join(timeout=10)
   errors = [line for _, line in lines if line.startswith('error:')]
-  assert proc.returncode == 1 and len(errors) == 1, '\n'.join(l for _, l in lines)[-4000:]
+  assert code == 1 and len(errors) == 1, '\n'.join(l for _, l in lines)[-4000:]
   assert errors[0].startswith('error: the run has made no progress for 3 s (train.hang_timeout_s) '
                               'since it dispatched step 3. Python stacks: '
                               f'{tmp_path}/stacks/.'), errors[0]
@@ -127,7 +117,7 @@ def test_a_stopped_process_is_named_and_every_process_stops(tmp_path):
     os.kill(stopped, signal.SIGCONT)  # Woken, it reads process 0's report and stops too.
     proc.wait(timeout=120)
   finally:
-    _kill_all(proc)
+    kill_tree(proc.pid)
   reader.join(timeout=10)
   output = '\n'.join(line for _, line in lines)
   errors = [line for _, line in lines if line.startswith('[p0] error:')]
@@ -145,16 +135,11 @@ def test_a_stopped_process_is_named_and_every_process_stops(tmp_path):
 
 @pytest.mark.slow
 def test_a_slowed_process_is_named_a_straggler(tmp_path):
-  proc, lines, reader = _start(_launcher(
+  code, lines = _run(_launcher(
       tmp_path, 'process=1,delay_s=0.25,steps=12,checkpoint_every=12,decay_steps=12',
       '--config.train.log_every=3', '--config.train.eval_every=12'))
-  try:
-    proc.wait(timeout=240)
-  finally:
-    _kill_all(proc)
-  reader.join(timeout=10)
   output = '\n'.join(line for _, line in lines)
-  assert proc.returncode == 0, output[-4000:]
+  assert code == 0, output[-4000:]
   warnings = [line for _, line in lines if 'Straggler: process 1 spends' in line]
   assert warnings and all(line.startswith('[p0]') for line in warnings), output[-4000:]
   assert not any('Straggler: process 0' in line for _, line in lines)
