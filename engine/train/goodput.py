@@ -2,7 +2,8 @@
 the rest (the badput) went, over every attempt of the run (a resumed run adds up its attempts).
 
 Each attempt (one start of the run, until it finishes, is preempted, fails or is killed) records
-in WORKDIR/goodput.json, at every log point and at its end (process 0, atomically):
+in WORKDIR/goodput.json, at log points at most every WRITE_EVERY_S and at its end (process 0,
+atomically; a bucket is slow to write):
 
   started, updated        wall-clock times (seconds since the epoch) of its start and last record
   first_step, last_step   the step it started from (a checkpoint's, or 0) and the last it finished
@@ -41,6 +42,7 @@ CAUSES = {'startup': 'start-up and compilation', 'checkpoints': 'checkpoint wait
           'data': 'data waits', 'evaluation': 'evaluation and samples',
           'lost_steps': 'steps lost to restarts', 'stopped': 'time stopped'}
 ATTEMPT_CAUSES = ('startup', 'checkpoints', 'data', 'evaluation')  # Measured within an attempt.
+WRITE_EVERY_S = 10.0
 
 
 def account(attempts: list[dict]) -> dict:
@@ -114,6 +116,7 @@ class Goodput:
                     'badput_s': {cause: 0.0 for cause in ATTEMPT_CAUSES}}
     self._loop_started = None
     self._in_loop_badput = 0.0  # Badput since the first dispatch (not part of steps_s).
+    self._written = None  # When goodput.json was last written.
 
   def loop_started(self) -> None:
     """The first step is about to be dispatched: everything so far was start-up."""
@@ -133,13 +136,16 @@ class Goodput:
         if self._loop_started is not None:
           self._in_loop_badput += seconds
 
-  def update(self, step: int) -> dict:
-    """Records the attempt as of finished step `step`; returns the run's totals (`account`)."""
+  def update(self, step: int, final: bool = False) -> dict:
+    """Records the attempt as of finished step `step` (written at most every WRITE_EVERY_S,
+    and when `final`); returns the run's totals (`account`)."""
     now = self._clock()
     self.attempt['updated'], self.attempt['last_step'] = now, step
     if self._loop_started is not None:
       self.attempt['steps_s'] = max(0.0, now - self._loop_started - self._in_loop_badput)
     attempts = self.earlier + [self.attempt]
-    if self.is_writer:
+    if self.is_writer and (final or self._written is None or
+                           now - self._written >= WRITE_EVERY_S):
       run_dir.write_text_atomically(self.path, json.dumps({'attempts': attempts}, indent=1))
+      self._written = now
     return account(attempts)

@@ -313,7 +313,7 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
   try:
     loop(state, start_step)
   finally:  # A failed attempt's time counts too.
-    totals = goodput.update(result.final_step)
+    totals = goodput.update(result.final_step, final=True)
   _final_report(config, checkpointer, preemption, result)
   logging.info('Goodput: %s', goodput_lib.describe(totals))
   writer.close()
