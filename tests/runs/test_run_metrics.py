@@ -87,11 +87,11 @@ def _tensorboard_tags(directory) -> set[str]:
 
 
 @pytest.mark.slow
-def test_tensorboard_has_the_new_scalars(run):
+def test_tensorboard_has_the_new_scalars(run):  # The goodput and badput too.
   workdir, _, _ = run
   tags = _tensorboard_tags(workdir / 'tensorboard')
   assert {'train/loss', 'train/tokens_per_s', 'train/peak_memory_bytes', 'eval/loss',
-          'eval/perplexity'} <= tags, tags
+          'eval/perplexity', 'goodput/share', 'badput/startup_s', 'badput/checkpoints_s'} <= tags, tags
 
 
 def test_throughput_leaves_out_paused_time(tmp_path):
