@@ -87,7 +87,7 @@ def _tensorboard_tags(directory) -> set[str]:
 
 
 @pytest.mark.slow
-def test_tensorboard_has_the_new_scalars(run):  # The goodput and badput too.
+def test_tensorboard_has_the_new_scalars(run):
   workdir, _, _ = run
   tags = _tensorboard_tags(workdir / 'tensorboard')
   assert {'train/loss', 'train/tokens_per_s', 'train/peak_memory_bytes', 'eval/loss',
