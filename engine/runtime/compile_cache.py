@@ -109,7 +109,8 @@ def use(setting: str, workdir: epath.Path):
 
 
 def _configure(path: str | None, max_size: int, enabled: bool | None = None) -> None:
-  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
+  from jax.experimental.compilation_cache import (  # pylint: disable=g-import-not-at-top
+      compilation_cache)
   compilation_cache.reset_cache()  # JAX opens its cache once; the next compile reopens it.
   jax.config.update('jax_enable_compilation_cache', bool(path) if enabled is None else enabled)
   jax.config.update('jax_compilation_cache_dir', path)

@@ -1,4 +1,4 @@
-"""The shard sets a run trains on, recorded in its workdir, so that a resume on other data is refused.
+"""The shard sets a run trains on, recorded in its workdir: a resume on other data is refused.
 
 config.json records under `shard_sets` each set of `data.shards` (by the directory as given) with
 its identity (engine/data/shards.py: TokenStream.identity, the digest of its shards' contents). A

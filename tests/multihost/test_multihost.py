@@ -256,8 +256,8 @@ def test_a_run_resumes_from_the_local_tier_or_without_it_from_the_workdir(refere
   step 10, with process 1's local tier deleted (a replaced host), from the workdir's step 8. The
   losses are the single-device run's throughout."""
   workdir, local = tmp_path / 'run', tmp_path / 'local'
-  flags = [f'--config.train.local_checkpoint_dir={local}', '--config.train.local_checkpoint_every=1',
-           '--config.train.hang_timeout_s=3']
+  flags = [f'--config.train.local_checkpoint_dir={local}',
+           '--config.train.local_checkpoint_every=1', '--config.train.hang_timeout_s=3']
   code, output = _launch_faulty(2, 4, 'process=0,hang_after=6,steps=12,checkpoint_every=4',
                                 workdir, *flags)
   assert code != 0 and 'made no progress for 3 s' in output, output[-4000:]

@@ -91,7 +91,8 @@ def test_tensorboard_has_the_new_scalars(run):
   workdir, _, _ = run
   tags = _tensorboard_tags(workdir / 'tensorboard')
   assert {'train/loss', 'train/tokens_per_s', 'train/peak_memory_bytes', 'eval/loss',
-          'eval/perplexity', 'goodput/share', 'badput/startup_s', 'badput/checkpoints_s'} <= tags, tags
+          'eval/perplexity', 'goodput/share', 'badput/startup_s',
+          'badput/checkpoints_s'} <= tags, tags
 
 
 def test_throughput_leaves_out_paused_time(tmp_path):
