@@ -9,9 +9,10 @@ again; with the cache it reads them back instead. `train.compile_cache_dir`:
   'none'  no cache;
   a path  a cache shared by runs (local, or gs://... with the gcs extra).
 
-The cache is JAX's (jax.config's jax_compilation_cache_dir), with its size bounded
+The cache is JAX's (jax.config's jax_compilation_cache_dir), a local one with its size bounded
 (MAX_SIZE_BYTES, least recently used entries evicted): then JAX takes a file lock for every
-read and write of the directory, so processes and runs may share it. Within a run only process 0
+read and write of the directory, so processes and runs may share it (a bucket's objects appear
+whole or not at all, and take no lock: unbounded there). Within a run only process 0
 writes entries (JAX's rule); every process reads. Every program is cached, however fast it
 compiled (JAX's jax_persistent_cache_min_compile_time_secs, 1 s by default, is 0 for the run
 unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS sets it): a restart's dozens of small programs
@@ -91,7 +92,9 @@ def use(setting: str, workdir: epath.Path):
       counts.saved_s += max(0.0, seconds)
 
   if not keep_jax_own:
-    _configure(path, MAX_SIZE_BYTES if path else before['jax_compilation_cache_max_size'])
+    # A bucket's objects appear whole or not at all, and its paths take no file lock: unbounded.
+    bounded = path and '://' not in path
+    _configure(path, MAX_SIZE_BYTES if bounded else -1)
     if path and MIN_TIME_VARIABLE not in os.environ:
       jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   if path:

@@ -75,8 +75,8 @@ def stragglers(host_s: dict[int, float], factor: float) -> list[int]:
 
 
 class Watchdog(Hook):
-  """The loop's hook (before the others: it beats first) and the thread that watches the beats
-  (module docstring). `waiting()` wraps the loop's waits for the devices."""
+  """The loop's last hook (it beats once the others are done) and the thread that watches the
+  beats (module docstring). `waiting()` wraps the loop's waits for the devices."""
 
   def __init__(self, workdir: epath.Path, hang_timeout_s: float, straggler_factor: float,
                log_every: int, start_step: int, clock=time.monotonic):
