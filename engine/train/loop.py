@@ -38,7 +38,6 @@ from engine.parallel import expert_exchange
 from engine.workdir.checkpoint import Checkpointer, restore_params
 from engine.train import goodput as goodput_lib
 from engine.train.finiteness import FinitenessGuard
-from engine.train.goodput import Goodput
 from engine.train.watchdog import Watchdog
 from engine.train.hooks import Checkpoints, Evaluation, Hook, close_all
 from engine.train.metrics import DeferredMetrics, MetricsWriter, log_memory
@@ -133,7 +132,7 @@ class StepLoop:
   train_step: Callable  # Compiled: (state, batch) -> (state, metrics).
   preemption: PreemptionWatch
   pause: Callable[[], contextlib.AbstractContextManager]  # Time left out of the throughput.
-  goodput: Goodput  # Where the attempt's time goes.
+  goodput: goodput_lib.Goodput  # Where the attempt's time goes.
   watchdog: Watchdog  # Also the last of `hooks`: its `waiting` wraps the waits for the devices.
   result: TrainResult
   hooks: list[Hook]  # In the order of loop_hooks.
@@ -264,10 +263,7 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
   config = run.config
   _log_start(run)
   train_iterator = data.train_iterator(run.corpus, config.data, config.seed)
-  checkpointer = Checkpointer(workdir / 'checkpoints', config.train.checkpoint_every,
-                              config.train.keep_checkpoints, config.train.async_checkpoints)
-  local = checkpoint_tiers.local_checkpointer(config, workdir, run.setup.abstract_state(),
-                                              run.setup.mesh)
+  checkpointer, local = _checkpointers(run, workdir)
   start_step, tier = resume_step(run, checkpointer, local, workdir)
   if start_step is not None and start_step >= config.train.num_steps:
     if local is not None:
@@ -278,10 +274,7 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
                sharding.bytes_per_device(state['params']) / 2**20)
   train_step, eval_step = compile_steps(run, memory)
   logging.info('Compilation: %s', compiled.describe())
-  # The workdir keeps the tokenizer, so that the finished run needs no file outside it.
-  workdir_lib.write_config(config, workdir, tokenizer=run_tokenizer.save(run.tokenizer, workdir),
-                           shard_sets=run_shard_sets.record(run.corpus),
-                           layout=workdir_lib.layout(config))
+  _record_start(run, workdir)
   num_steps = config.train.num_steps
   mesh = run.setup.mesh
   writer = MetricsWriter(workdir, num_steps, config.data.global_batch_size * config.data.seq_len,
@@ -290,7 +283,7 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
                              jax.devices()[0].device_kind, config.model.dtype, mesh.size))
   peak_memory = run_summary.PeakMemory(memory['train_step'].get('peak_estimate_bytes'))
   result = TrainResult({}, {}, {}, start_step, memory)
-  goodput = Goodput(workdir, start_step, started)
+  goodput = goodput_lib.Goodput(workdir, start_step, started)
   watchdog = Watchdog(workdir, config.train.hang_timeout_s, config.train.straggler_factor,
                       config.train.log_every, start_step)
   guard = FinitenessGuard(config.train.skip_nonfinite_steps, checkpointer, workdir)
@@ -324,3 +317,21 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
       mesh=run_summary.mesh_string(dict(mesh.shape)), model=run.setup.model.name,
       goodput=totals, compilation=compiled.record())
   return result
+
+
+def _record_start(run: Run, workdir) -> None:
+  """config.json with its records, once the run is known to start. The workdir keeps the
+  tokenizer, so that the finished run needs no file outside it."""
+  workdir_lib.write_config(run.config, workdir,
+                           tokenizer=run_tokenizer.save(run.tokenizer, workdir),
+                           shard_sets=run_shard_sets.record(run.corpus),
+                           layout=workdir_lib.layout(run.config))
+
+
+def _checkpointers(run: Run, workdir) -> tuple[Checkpointer, Checkpointer | None]:
+  """The workdir's Checkpointer and the local tier's (None without train.local_checkpoint_dir)."""
+  train_config = run.config.train
+  checkpointer = Checkpointer(workdir / 'checkpoints', train_config.checkpoint_every,
+                              train_config.keep_checkpoints, train_config.async_checkpoints)
+  return checkpointer, checkpoint_tiers.local_checkpointer(
+      run.config, workdir, run.setup.abstract_state(), run.setup.mesh)

@@ -5,6 +5,7 @@
   tokenizer.py   the copy of the tokenizer the run trained with
   shard_sets.py  the identity of the shard sets the run trains on
   checkpoint.py  Orbax checkpoints of the state and the data position, checked on restore
+  checksums.py   the size and CRC-32 of a checkpoint's files, and the damage they show
   checkpoint_tiers.py  the local tier beside the workdir's, and which one a restart resumes from
   summary.py     summary.json and the loss curve, written at the end
 """

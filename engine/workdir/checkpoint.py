@@ -9,7 +9,7 @@ Saves are asynchronous: the loop waits only for the device-to-host copy; the fil
 in the background. Orbax writes into a temporary directory and renames it when complete, so an
 interrupted save never leaves a checkpoint that looks valid. Just before that rename, process 0
 records the size and CRC-32 of every file of the checkpoint in `checksums.json` (in the
-background too), so damage done later (a truncated, deleted or altered file, arrays or
+background too; engine/workdir/checksums.py), so damage done later (a truncated, deleted or altered file, arrays or
 metadata) is found on restore and reported by step and cause, instead of a library traceback or,
 worse, silently wrong numbers.
 """
@@ -20,7 +20,6 @@ import json
 import sys
 import threading
 import time
-import zlib
 
 import jax
 import numpy as np
@@ -32,12 +31,9 @@ from orbax.checkpoint import multihost
 
 from engine.distributed import startup as distributed
 from engine.workdir import run_dir as workdir_lib
+from engine.workdir.checksums import CHECKSUMS_FILE, file_checksums, find_damage
 from engine.errors import DISK_FULL, CheckpointError, ConfigError, is_disk_full
 
-CHECKSUMS_FILE = 'checksums.json'
-# Orbax adds the commit time to this file after the checksums are taken; a damaged copy fails
-# to parse on restore instead.
-_REWRITTEN_AFTER_COMMIT = ('_CHECKPOINT_METADATA',)
 DAMAGED_DIR = 'damaged_checkpoints'  # Beside checkpoints/, where damaged ones are moved aside.
 _TMP_SUFFIX = '.orbax-checkpoint-tmp'  # Orbax's temporary step directories end with this.
 
@@ -45,41 +41,6 @@ _TMP_SUFFIX = '.orbax-checkpoint-tmp'  # Orbax's temporary step directories end 
 def _first_line(error: BaseException) -> str:
   text = str(error).strip()
   return f'{type(error).__name__}: {text.splitlines()[0] if text else ""}'
-
-
-def file_checksums(directory: epath.Path) -> dict[str, list[int]]:
-  """{relative path: [size, CRC-32]} of every file under `directory`."""
-  sums = {}
-  files = [epath.Path(parent) / name for parent, _, names in directory.walk() for name in names
-           if name not in _REWRITTEN_AFTER_COMMIT]
-  for path in sorted(files):
-    crc, size = 0, 0
-    with path.open('rb') as f:
-      while chunk := f.read(1 << 24):
-        crc, size = zlib.crc32(chunk, crc), size + len(chunk)
-    sums[str(path.relative_to(directory))] = [size, crc]
-  return sums
-
-
-def find_damage(directory: epath.Path) -> str | None:
-  """Why the checkpoint in `directory` is damaged, or None if every recorded file is intact."""
-  record = directory / CHECKSUMS_FILE
-  if not record.exists():
-    return (f'{CHECKSUMS_FILE} is missing, so nothing in it can be trusted (deleted, or the '
-            'checkpoint was cut short)')
-  try:
-    expected = json.loads(record.read_text())
-  except (ValueError, UnicodeDecodeError):
-    return f'{CHECKSUMS_FILE} is not valid JSON'
-  found = file_checksums(directory)
-  for name, (size, crc) in expected.items():
-    if name not in found:
-      return f'{name} is missing'
-    if found[name][0] != size:
-      return f'{name} has {found[name][0]} bytes, {size} were written'
-    if found[name][1] != crc:
-      return f'{name} has the right size but different bytes (checksum mismatch)'
-  return None
 
 
 def _per_process_handling():

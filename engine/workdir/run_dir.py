@@ -125,13 +125,16 @@ def resolve(path: str | epath.Path, what: str = '--workdir') -> epath.Path:
 # The URI schemes a workdir may use: the setup.cfg extra that brings the packages etils.epath
 # reaches each through (Orbax and tensorboardX use them too), and those packages.
 REMOTE_SCHEMES = {'gs': ('gcs', 'gcsfs and google-cloud-storage')}
+_USABLE_SCHEMES: set[str] = set()  # Those whose packages one access has shown to be there.
 
 
 def check_uri(uri: str, what: str = '--workdir') -> None:
   """Refuses, in one line, a URI of a scheme the engine does not support, or one whose packages
   are missing (etils.epath raises ImportError only at the first access, so that access is made
-  here)."""
+  here, once per scheme: every later path resolves without a round trip to the bucket)."""
   scheme = uri.partition('://')[0]
+  if scheme in _USABLE_SCHEMES:
+    return
   if scheme not in REMOTE_SCHEMES:
     supported = ' or '.join(f'{s}://' for s in REMOTE_SCHEMES)
     raise ConfigError(f'{what}={uri}: {scheme}:// is not supported; pass a local path or a '
@@ -143,6 +146,7 @@ def check_uri(uri: str, what: str = '--workdir') -> None:
     raise ConfigError(f'{what}={uri}: {scheme}:// paths need {packages} (the {extra} extra), '
                       f'which are not installed; install them with pip install -e ".[{extra}]", '
                       'or pass a local path.') from None
+  _USABLE_SCHEMES.add(scheme)
 
 
 def prepare(workdir: str) -> epath.Path:
@@ -286,6 +290,12 @@ def upgrade(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 RECORDS = ('tokenizer', 'shard_sets', 'layout')
 
 
+def recorded(workdir: epath.Path, key: str):
+  """The record `key` (RECORDS) of the workdir's config.json; None without one."""
+  path = workdir / CONFIG_FILE
+  return json.loads(path.read_text()).get(key) if path.exists() else None
+
+
 def write_config(config: ml_collections.ConfigDict, workdir: epath.Path, **records) -> None:
   """Records the config once the run is known to start (never for a run that failed early),
   with `records` (RECORDS; None values left out)."""
@@ -305,8 +315,7 @@ def layout_change(config: ml_collections.ConfigDict, workdir: epath.Path) -> str
   """How this start's layout differs from the one config.json records ('2 processes x 4 devices,
   mesh 2x2x2, auto mode -> 1 process x 8 devices, mesh 2x2x2, manual mode'), None if it does
   not or none is recorded."""
-  path = workdir / CONFIG_FILE
-  before = json.loads(path.read_text()).get('layout') if path.exists() else None
+  before = recorded(workdir, 'layout')
   now = layout(config)
   if not before or before == now:
     return None

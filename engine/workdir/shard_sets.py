@@ -10,8 +10,6 @@ Runs recorded before this check, or on text sources, have no record and are not 
 
 from __future__ import annotations
 
-import json
-
 from etils import epath
 
 from engine.errors import ConfigError
@@ -29,10 +27,9 @@ def record(corpus) -> dict | None:
 
 def check_resumed(corpus, workdir: epath.Path) -> None:
   """Refuses to resume on a shard set whose content differs from the one the run recorded."""
-  path = workdir / run_dir.CONFIG_FILE
-  recorded = json.loads(path.read_text()).get(CONFIG_KEY) if path.exists() else None
+  recorded = run_dir.recorded(workdir, CONFIG_KEY) or {}
   for directory, identity in (record(corpus) or {}).items():
-    if (recorded or {}).get(directory, identity) != identity:
+    if recorded.get(directory, identity) != identity:
       raise ConfigError(
           f'data.shards: {directory!r} was written again since --workdir={workdir} trained on it '
           '(its shards differ from the ones config.json records, as after engine.data.prepare '

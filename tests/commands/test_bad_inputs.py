@@ -19,6 +19,7 @@ import pytest
 
 from engine import main as engine_main
 from engine.errors import ConfigError
+from engine.workdir import run_dir
 from tests.support.bad_input_checks import (ROOT, all_rows, bad_inputs_tables,
                                             check_nothing_written, check_output, doc_rows,
                                             make_scratch, snapshot, substitute)
@@ -86,6 +87,7 @@ def test_a_gs_workdir_without_the_gcs_extra_says_what_to_install(capfd, monkeypa
   not a table row, which a machine with the extra would send to a bucket."""
   monkeypatch.chdir(ROOT)
   monkeypatch.setitem(sys.modules, 'gcsfs', None)
+  monkeypatch.setattr(run_dir, '_USABLE_SCHEMES', set())  # No earlier test's access counts.
   code = engine_main.run([TINY, '--workdir=gs://bucket/run'])
   out, err = capfd.readouterr()
   check_output(out + err, code, 2, '--workdir=gs://bucket/run: gs:// paths need gcsfs and '

@@ -15,8 +15,8 @@ from etils import epath
 from etils.epath import testing as epath_testing
 
 from engine.workdir import run_dir as workdir_lib
-from engine.workdir.checkpoint import (CHECKSUMS_FILE, file_checksums, find_damage,
-                                       latest_complete_step)
+from engine.workdir.checkpoint import latest_complete_step
+from engine.workdir.checksums import CHECKSUMS_FILE, file_checksums, find_damage
 from engine.errors import CheckpointError
 from engine.train.metrics import JsonLines
 from engine.train.loop import train
