@@ -232,6 +232,16 @@ def default_config() -> ml_collections.ConfigDict:
   # Several processes: warn when a process's host time per step (its own work, not waiting for
   # the devices) exceeds this factor times the median of the others'; 0: never.
   c.train.straggler_factor = 2.0
+  # Where the metrics go, comma-separated: jsonl (WORKDIR/metrics.jsonl, always: summary.json
+  # and sweeps read it), tensorboard (WORKDIR/tensorboard), wandb (Weights & Biases; the wandb
+  # extra: engine/train/wandb_logger.py).
+  c.train.loggers = 'tensorboard,jsonl'
+  c.train.wandb_project = ''  # '': "engine".
+  c.train.wandb_entity = ''  # The W&B team or user; '': the account's default.
+  c.train.wandb_name = ''  # The W&B run's name; '': the workdir's last path component.
+  # 'online', 'offline' (written under WORKDIR/wandb, uploaded later by `wandb sync`), or '':
+  # WANDB_MODE, else online.
+  c.train.wandb_mode = ''
   return c
 
 
@@ -278,6 +288,23 @@ def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.Co
 
 
 PROFILE_STEPS_EXAMPLE = '10:12'
+
+
+LOGGERS = ('jsonl', 'tensorboard', 'wandb')
+
+
+def logger_names(text: str) -> tuple[str, ...]:
+  """train.loggers' names; ConfigError for an unknown one, or a list without jsonl."""
+  names = tuple(name.strip() for name in text.split(',') if name.strip())
+  unknown = [name for name in names if name not in LOGGERS]
+  if unknown:
+    raise ConfigError(f'train.loggers={text!r}: {unknown[0]!r} is not a logger; name any of '
+                      f'{", ".join(LOGGERS)}, comma-separated (e.g. tensorboard,jsonl,wandb).')
+  if 'jsonl' not in names:
+    raise ConfigError(f'train.loggers={text!r} leaves out jsonl: metrics.jsonl is the run\'s '
+                      'record (summary.json and sweeps read it); keep jsonl in the list, e.g. '
+                      f'{",".join(names + ("jsonl",))}.')
+  return names
 
 
 def parse_profile_steps(text: str, num_steps: int) -> tuple[int, int] | None:

@@ -89,7 +89,8 @@ COMMANDS = {
     'engine.data.prepare': (
         'python -m engine.data.prepare --input=TEXT --tokenizer=KIND --tokenizer_path=FILE '
         '--out=DIR',
-        'Tokenizes text once into ArrayRecord shards for --config.data.source=shards.',
+        'Tokenizes text (files, JSON lines, Parquet, datasets directories) once into ArrayRecord '
+        'shards for --config.data.source=shards.',
         'Tokenizers and shards'),
 }
 

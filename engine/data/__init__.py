@@ -1,6 +1,8 @@
 """Everything between text on disk and a global token batch on the mesh.
 
   sources.py          text sources: a file or directory, the embedded corpus, synthetic text
+  record_files.py     documents kept as records (JSON lines, Parquet, a datasets directory),
+                      streamed with pyarrow
   tokenizers.py       byte, char, Hugging Face and SentencePiece tokenizers
   prompts.py          a prompt's ids: the beginning-of-text id, then the text's
   shards.py           the pre-tokenized shard format (ArrayRecord + meta.json), its reader

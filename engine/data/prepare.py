@@ -6,8 +6,12 @@
   python -m engine.main --config=experiments/tiny.py --config.data.source=shards \
       --config.data.shards=/tmp/stdlib_shards --config.data.tokenizer=hf --workdir=/tmp/tiny_bpe
 
-Inputs (--input, repeatable): text files, directories of them (every file, recursively, in name
-order), or `embedded` (the standard library's modules). Each file is a document; a document
+Inputs (--input, repeatable): text files, files of records (JSON lines: `.jsonl`, `.ndjson`,
+`.json`; Parquet: `.parquet`), a Hugging Face `datasets` directory written by `save_to_disk` (one
+split's), directories of any of them (every file, recursively, in name order), or `embedded` (the
+standard library's modules). A text file is one document; each record is one, its --text_field
+(`text` by default). Record files are streamed a batch of records at a time, so memory stays
+bounded whatever their size (a text file is read whole). A document
 longer than `piece_bytes` (an argument of `prepare()`, 1 << 20 by default, counted in characters,
 which are bytes for ASCII text; no flag sets it) is tokenized in pieces, each cut after the last
 newline within that length, or at the length where there is none (subword merges never cross a
@@ -22,7 +26,8 @@ The set is written into OUT.tmp-* beside --out and renamed to --out when meta.js
 (last), so a failure leaves no set; an --out that holds a set (or part of one) is replaced only
 with --overwrite, and one holding other files never. An input without text, a missing tokenizer
 file, --record_tokens or --records_per_shard below 1 and --processes below 0 are refused before
-anything is written.
+anything is written, and so is a record file whose records lack --text_field (the error names
+the fields they have); a record without it is refused naming its number.
 """
 
 from __future__ import annotations
@@ -32,21 +37,24 @@ from absl import flags
 from engine.data.shard_writer import prepare
 from engine.cli.command_line import run_command
 
-_INPUTS = flags.DEFINE_multi_string('input', None, 'Text file, directory, or "embedded"; '
-                                    'repeatable.')
+_INPUTS = flags.DEFINE_multi_string('input', None, 'Text, JSON lines or Parquet file, datasets '
+                                    'directory, directory of them, or "embedded"; repeatable.')
 _KIND = flags.DEFINE_enum('tokenizer', 'hf', ['byte', 'hf', 'sentencepiece'], 'Tokenizer kind.')
 _PATH = flags.DEFINE_string('tokenizer_path', '', 'tokenizer.json (hf) or .model file.')
 _OUT = flags.DEFINE_string('out', None, 'Directory to write the shards and meta.json to.')
 _PROCESSES = flags.DEFINE_integer('processes', 0, 'Tokenizing processes (0: one per core).')
 _RECORD_TOKENS = flags.DEFINE_integer('record_tokens', 4096, 'Tokens per record.')
 _RECORDS_PER_SHARD = flags.DEFINE_integer('records_per_shard', 1024, 'Records per shard file.')
+_TEXT_FIELD = flags.DEFINE_string('text_field', 'text', 'The field of JSON lines, Parquet and '
+                                  'datasets records that holds the text.')
 _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace the shard set already in --out.')
 
 
 def main(argv):
   del argv
   meta = prepare(_INPUTS.value, _KIND.value, _PATH.value, _OUT.value, _PROCESSES.value,
-                 _RECORD_TOKENS.value, _RECORDS_PER_SHARD.value, overwrite=_OVERWRITE.value)
+                 _RECORD_TOKENS.value, _RECORDS_PER_SHARD.value, overwrite=_OVERWRITE.value,
+                 text_field=_TEXT_FIELD.value)
   print(f'{_OUT.value}: {meta["num_tokens"]} tokens from {meta["num_documents"]} documents in '
         f'{len(meta["shards"])} shards, {meta["num_tokens"] / meta["seconds"]:,.0f} tokens/s')
 

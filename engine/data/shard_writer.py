@@ -10,6 +10,7 @@ anything is read or written, what cannot make one.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import re
@@ -28,6 +29,7 @@ from engine.errors import ConfigError
 
 _TOKENIZER = None  # Each worker process's own.
 # What a directory that holds a shard set, or an interrupted one, may hold.
+_WINDOW_PIECES = 16  # Pieces in flight per tokenizing process.
 _SHARD_FILE = re.compile(r'^(tokens-\d+\.arrayrecord|meta\.json(\.tmp)?)$')
 
 
@@ -88,29 +90,54 @@ def check_arguments(kind: str, path: str, out: str, processes: int, record_token
                         '--overwrite to replace it, or another --out.')
 
 
-def _tokenize(writer, work, kind: str, path: str, processes: int, total_bytes: int) -> None:
-  """Feeds every piece's ids, in order, to the writer (one process: no pool to start)."""
-  start, last_report, done_bytes, tokens = time.perf_counter(), 0.0, 0, 0
+def _windows(work, size: int):
+  """`work` in lists of `size` items: what is in flight at once, so memory stays bounded."""
+  while window := list(itertools.islice(work, size)):
+    yield window
+
+
+def _tokenize(writer, work, kind: str, path: str, processes: int) -> tuple[int, int]:
+  """Feeds every piece's ids, in order, to the writer (one process: no pool to start); returns
+  the documents and the bytes of text tokenized. Pieces are read a window at a time, the next
+  window tokenizing while this one's ids are written."""
+  start, last_report, done_bytes, tokens, documents = time.perf_counter(), 0.0, 0, 0, 0
   _load_tokenizer(kind, path)
   bos, eos = _TOKENIZER.bos_id, _TOKENIZER.eos_id
-  texts = (w[0] for w in work)
   pool = (multiprocessing.get_context('spawn').Pool(processes, _load_tokenizer, (kind, path))
           if processes > 1 else None)
-  try:
-    encoded = pool.imap(_encode, texts, chunksize=4) if pool else map(_encode, texts)
-    for (text, starts, ends), ids in zip(work, encoded):
+
+  def submit(window):
+    texts = [w[0] for w in window]
+    return window, (pool.map_async(_encode, texts, chunksize=4) if pool else
+                    list(map(_encode, texts)))
+
+  def write(window, encoded):
+    nonlocal done_bytes, tokens, documents, last_report
+    for (text, starts, ends), ids in zip(window, encoded if pool is None else encoded.get()):
       ids = np.concatenate([[bos] if starts and bos is not None else [], ids,
                             [eos] if ends and eos is not None else []]).astype(np.int64)
       writer.add(ids)
       tokens += len(ids)
+      documents += ends
       done_bytes += len(text.encode('utf-8'))
-      if time.perf_counter() - last_report > 2:
-        last_report = time.perf_counter()
-        logging.info('Tokenized %.1f of %.1f MB: %d tokens, %.0f tokens/s', done_bytes / 1e6,
-                     total_bytes / 1e6, tokens, tokens / (last_report - start))
+    if time.perf_counter() - last_report > 2:
+      last_report = time.perf_counter()
+      logging.info('Tokenized %.1f MB of text, %d documents: %d tokens, %.0f tokens/s',
+                   done_bytes / 1e6, documents, tokens, tokens / (last_report - start))
+
+  try:
+    pending = None
+    for window in _windows(work, _WINDOW_PIECES * processes):
+      submitted = submit(window)
+      if pending:
+        write(*pending)
+      pending = submitted
+    if pending:
+      write(*pending)
   finally:
     if pool:
       pool.terminate()
+  return documents, done_bytes
 
 
 def _install(tmp: str, out: str) -> None:
@@ -129,14 +156,15 @@ def _install(tmp: str, out: str) -> None:
 
 def prepare(inputs: list[str], kind: str, path: str, out: str, processes: int = 0,
             record_tokens: int = 4096, records_per_shard: int = 1024,
-            piece_bytes: int = 1 << 20, overwrite: bool = False) -> dict:
+            piece_bytes: int = 1 << 20, overwrite: bool = False, text_field: str = 'text') -> dict:
   """Writes the shard set for `inputs` to `out` (written beside it as OUT.tmp-*, then renamed:
-  a failure leaves no set behind); returns its metadata."""
+  a failure leaves no set behind); returns its metadata. `text_field`: the field of record
+  files' records that holds the text. The inputs are streamed: at most two windows of pieces
+  (`_WINDOW_PIECES` per process, each at most `piece_bytes`) are in memory at once."""
   out = os.path.abspath(out)
   check_arguments(kind, path, out, processes, record_tokens, records_per_shard, overwrite)
   tokenizer = tokenizer_lib.load(kind, path)
-  documents = sources.read_inputs(inputs)
-  total_bytes = sum(len(d.encode('utf-8')) for d in documents)
+  documents = sources.stream_inputs(inputs, text_field)  # Checks every input before any write.
   processes = processes or os.cpu_count() or 1
   try:
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -147,13 +175,14 @@ def prepare(inputs: list[str], kind: str, path: str, out: str, processes: int = 
   start = time.perf_counter()
   try:
     writer = shards.Writer(tmp, tokenizer.vocab_size, record_tokens, records_per_shard)
-    _tokenize(writer, list(pieces(documents, piece_bytes)), kind, path, processes, total_bytes)
+    num_documents, total_bytes = _tokenize(writer, pieces(documents, piece_bytes), kind, path,
+                                           processes)
     recorded = {'kind': kind, 'path': os.path.abspath(path) if kind != 'byte' else '',
                 'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id,
                 'bos_id': tokenizer.bos_id}
     if kind in shard_meta.FILE_KINDS:
       recorded['sha256'] = shards.sha256(path)
-    meta = writer.close({'tokenizer': recorded, 'num_documents': len(documents),
+    meta = writer.close({'tokenizer': recorded, 'num_documents': num_documents,
                          'input_bytes': total_bytes, 'inputs': inputs,
                          'seconds': time.perf_counter() - start})
     # What only this tokenizer's ids reproduce (shard_meta.check_tokenizer), read back from the

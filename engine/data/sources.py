@@ -1,4 +1,5 @@
-"""Text sources: a UTF-8 file (or a directory of them), an embedded default corpus (the Python
+"""Text sources: a UTF-8 file, a file of records (JSON lines, Parquet) or a `datasets` directory
+(engine/data/record_files.py), a directory of any of them, an embedded default corpus (the Python
 standard library's own `.py` sources, present on every machine with Python), and a seeded
 synthetic Markov text for tests.
 """
@@ -11,6 +12,7 @@ import sysconfig
 
 import numpy as np
 
+from engine.data import record_files
 from engine.data import text_files
 from engine.errors import ConfigError
 
@@ -31,39 +33,92 @@ def embedded_corpus(max_bytes: int) -> str:
   return ''.join(parts)[:max_bytes]
 
 
-def documents(source: str):
-  """The documents of a text source, in order: `embedded` (each standard-library module), a
-  UTF-8 text file (one document), or a directory (each file below it, in path order)."""
+def _paths(source: str) -> list[str]:
+  """A directory's inputs, in path order: its files, and its `datasets` directories whole."""
+  found = []
+  for root, dirs, names in os.walk(source):
+    kept = []
+    for name in sorted(dirs):
+      if record_files.is_datasets_directory(os.path.join(root, name)):
+        found.append(os.path.join(root, name))
+      elif not name.startswith('.'):
+        kept.append(name)
+    dirs[:] = kept
+    found.extend(os.path.join(root, name) for name in names if not name.startswith('.'))
+  return sorted(found)
+
+
+def _checked_paths(source: str, text_field: str) -> list[str]:
+  """The files (or `datasets` directories) of one --input, each record file's field checked."""
   if source == 'embedded':
-    for path in _stdlib_modules():
-      with open(path, encoding='utf-8', errors='replace') as f:
-        yield f.read()
-    return
-  if os.path.isdir(source):
-    paths = sorted(os.path.join(root, name) for root, dirs, names in os.walk(source)
-                   for name in names if not name.startswith('.'))
+    return _stdlib_modules()
+  if record_files.is_datasets_directory(source):
+    paths = [source]
+  elif os.path.isdir(source):
+    paths = _paths(source)
   elif os.path.isfile(source):
     paths = [source]
   else:
     raise ConfigError(f'--input={source!r} is neither a file, a directory, nor "embedded"; pass '
                       'a text file or a directory of them.')
   for path in paths:
-    yield text_files.read_text(path, f'--input={source!r}' if path == source else
-                               f'{path!r} (under --input={source!r})')
+    kind = record_files.kind_of(path)
+    if kind:
+      record_files.check(path, kind, text_field, _what(source, path), '--text_field')
+  return paths
 
 
-def read_inputs(inputs: list[str]) -> list[str]:
-  """The documents of every --input of the data commands; one without text is refused."""
-  found = []
+def _what(source: str, path: str) -> str:
+  return f'--input={source!r}' if path == source else f'{path!r} (under --input={source!r})'
+
+
+def documents(source: str, text_field: str = 'text'):
+  """The documents of a text source, in order: `embedded` (each standard-library module), a
+  UTF-8 text file (one document), a file of records (JSON lines, Parquet) or a `datasets`
+  directory (each record's `text_field` one document, engine/data/record_files.py), or a
+  directory (each of those below it, in path order)."""
+  if source == 'embedded':
+    for path in _stdlib_modules():
+      with open(path, encoding='utf-8', errors='replace') as f:
+        yield f.read()
+    return
+  for path in _checked_paths(source, text_field):
+    kind = record_files.kind_of(path)
+    if kind:
+      yield from record_files.texts(path, kind, text_field, _what(source, path), '--text_field')
+    else:
+      yield text_files.read_text(path, _what(source, path))
+
+
+def _refuse_empty(source: str, found_files: bool) -> None:
+  what = ('holds no files' if not found_files else
+          'is empty' if os.path.isfile(source) else 'holds only empty files and records')
+  raise ConfigError(f'--input={source!r} {what}: there is no text to tokenize; pass a file or '
+                    'directory with text.')
+
+
+def stream_inputs(inputs: list[str], text_field: str = 'text'):
+  """The documents of every --input of the data commands, streamed. Every input is checked at
+  the call (it exists, holds files, its record files have the field); one that turns out to hold
+  no text is refused when its documents end."""
   for source in inputs:
-    texts = list(documents(source))
-    if not any(texts):
-      what = ('holds no files' if not texts else
-              'is empty' if os.path.isfile(source) else 'holds only empty files')
-      raise ConfigError(f'--input={source!r} {what}: there is no text to tokenize; pass a file or '
-                        'directory with text.')
-    found.extend(texts)
-  return found
+    if not _checked_paths(source, text_field):
+      _refuse_empty(source, found_files=False)
+
+  def stream():
+    for source in inputs:
+      any_text = False
+      for text in documents(source, text_field):
+        any_text = any_text or bool(text)
+        yield text
+      if not any_text:
+        _refuse_empty(source, found_files=True)
+  return stream()
+
+
+def read_inputs(inputs: list[str], text_field: str = 'text') -> list[str]:
+  """stream_inputs' documents, in one list."""
+  return list(stream_inputs(inputs, text_field))
 
 
 def synthetic_corpus(num_tokens: int, seed: int) -> str:

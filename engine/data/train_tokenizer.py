@@ -21,8 +21,11 @@ from engine.data.bpe_trainer import train
 from engine.errors import ConfigError
 from engine.cli.command_line import run_command
 
-_SOURCE = flags.DEFINE_string('input', 'embedded', 'A text file, a directory of them, or '
-                              '"embedded" (the engine\'s built-in corpus).')
+_SOURCE = flags.DEFINE_string('input', 'embedded', 'A text file, a JSON lines or Parquet file, a '
+                              'datasets directory, a directory of them, or "embedded" (the '
+                              'engine\'s built-in corpus).')
+_TEXT_FIELD = flags.DEFINE_string('text_field', 'text', 'The field of JSON lines, Parquet and '
+                                  'datasets records that holds the text.')
 _VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 4096, 'Vocabulary size, special token included.')
 _OUT = flags.DEFINE_string('out', None, 'Where to write the tokenizer.json.')
 _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace an existing --out file.')
@@ -34,7 +37,7 @@ def main(argv):
     raise ConfigError(f'--out={_OUT.value!r} already exists (shard sets prepared with it would '
                       'no longer match it); pass --overwrite to replace it, or another --out.')
   start = time.perf_counter()
-  documents = sources.read_inputs([_SOURCE.value])
+  documents = sources.read_inputs([_SOURCE.value], _TEXT_FIELD.value)
   tokenizer = train(documents, _VOCAB_SIZE.value, _OUT.value, exact=True)
   logging.info('Trained on %d documents (%.1f MB) in %.1f s', len(documents),
                sum(map(len, documents)) / 1e6, time.perf_counter() - start)

@@ -3,6 +3,7 @@
   loop.py        `train(config, workdir)`: initial state, compiled steps, the step loop
   hooks.py       the protocol the step loop calls its hooks by; the checkpoints and eval hooks
   metrics.py     log lines, TensorBoard events and JSON lines; throughput, MFU, memory
+  wandb_logger.py  Weights & Biases as a logger: one W&B run per workdir, resumed with it
   finiteness.py  a step whose loss or gradient norm is not finite stops (or is skipped)
   preemption.py  SIGTERM / SIGINT end the run after a checkpoint, every process at one step
   profiling.py   a jax.profiler trace of a range of steps

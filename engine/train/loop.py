@@ -21,6 +21,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from engine import config as config_lib
 from engine import data, sharding
 from engine.distributed import startup as distributed
 from engine.runtime.progress import phase
@@ -280,7 +281,8 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
   writer = MetricsWriter(workdir, num_steps, config.data.global_batch_size * config.data.seq_len,
                          run.setup.model.flops_per_token(config.data.seq_len), start_step,
                          run_summary.peak_flops_of_devices(
-                             jax.devices()[0].device_kind, config.model.dtype, mesh.size))
+                             jax.devices()[0].device_kind, config.model.dtype, mesh.size),
+                         loggers=config_lib.logger_names(config.train.loggers), config=config)
   peak_memory = run_summary.PeakMemory(memory['train_step'].get('peak_estimate_bytes'))
   result = TrainResult({}, {}, {}, start_step, memory)
   goodput = goodput_lib.Goodput(workdir, start_step, started)
@@ -316,6 +318,7 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
       wall_s=time.time() - started, mode=config.parallelism.mode,
       mesh=run_summary.mesh_string(dict(mesh.shape)), model=run.setup.model.name,
       goodput=totals, compilation=compiled.record())
+  writer.end_run(result.summary)
   return result
 
 

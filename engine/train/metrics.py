@@ -1,5 +1,7 @@
-"""Training metrics: absl log lines, TensorBoard events (tensorboardX) and JSON lines, and the
-loop's hook that feeds them without a host sync per step (`DeferredMetrics`).
+"""Training metrics: absl log lines, JSON lines (metrics.jsonl, always: summary.json and sweeps
+read it), TensorBoard events (tensorboardX) and Weights & Biases (engine/train/wandb_logger.py) as
+`train.loggers` chooses, and the loop's hook that feeds them without a host sync per step
+(`DeferredMetrics`).
 
 Only process 0 writes files; every process may call the writer. Throughput, MFU and the estimated
 time left come from wall-clock time between log points, less the time spent paused (eval and
@@ -21,6 +23,7 @@ from etils import epath
 from tensorboardX import SummaryWriter
 
 from engine.train.hooks import Hook
+from engine.train.wandb_logger import WandbLogger
 from engine.workdir import run_dir as workdir_lib
 
 
@@ -28,11 +31,13 @@ class MetricsWriter:
 
   def __init__(self, workdir: str | epath.Path, num_steps: int, tokens_per_step: int,
                flops_per_token: float = 0.0, start_step: int = 0,
-               peak_flops: float | None = None, clock=time.perf_counter):
+               peak_flops: float | None = None, clock=time.perf_counter,
+               loggers: tuple[str, ...] = ('tensorboard', 'jsonl'), config=None):
     """`start_step`: the step the run starts from (a resumed checkpoint's). Anything logged
     after it by an earlier attempt is dropped, since those steps are about to be redone: the
     lines of metrics.jsonl, and TensorBoard's events (its `purge_step`). `peak_flops`: the peak
-    FLOP/s of all the run's devices together, for MFU (None: unknown, no MFU)."""
+    FLOP/s of all the run's devices together, for MFU (None: unknown, no MFU). `loggers`:
+    train.loggers' names; `config`: the experiment's, for W&B."""
     self.is_writer = jax.process_index() == 0
     self.num_steps = num_steps
     self.tokens_per_step = tokens_per_step
@@ -43,10 +48,14 @@ class MetricsWriter:
     self._last_step = None
     self._paused_s = 0.0  # Time inside pause() since the last log point.
     self.steps_per_s: list[float] = []  # One entry per log interval, for the closing summary.
+    self.tensorboard = self.wandb = None
     if self.is_writer:
       workdir = workdir_lib.resolve(workdir)
-      self.tensorboard = SummaryWriter(str(workdir / 'tensorboard'), purge_step=start_step + 1)
+      if 'tensorboard' in loggers:
+        self.tensorboard = SummaryWriter(str(workdir / 'tensorboard'), purge_step=start_step + 1)
       self.jsonl = JsonLines(workdir / 'metrics.jsonl', start_step)
+      if 'wandb' in loggers:
+        self.wandb = WandbLogger(workdir, config.train, config.to_dict())
 
   def start_clock(self, step: int) -> None:
     """Marks the start of timed steps (call after compilation, so it is not counted)."""
@@ -64,9 +73,12 @@ class MetricsWriter:
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.is_writer:
       return
-    for name, value in scalars.items():
-      self.tensorboard.add_scalar(name, value, step)
+    if self.tensorboard is not None:
+      for name, value in scalars.items():
+        self.tensorboard.add_scalar(name, value, step)
     self.jsonl.write({'step': step, **scalars})
+    if self.wandb is not None:
+      self.wandb.write(step, scalars)
 
   def log_train(self, step: int, loss: float, learning_rate: float, grad_norm: float,
                 extra: dict[str, float] | None = None) -> None:
@@ -107,8 +119,14 @@ class MetricsWriter:
                    f'{tokens_per_s * self.flops_per_token / 1e9:,.2f} model GFLOP/s over '
                    f'{len(self.steps_per_s)} log intervals')
     if self.is_writer:
-      self.tensorboard.close()
+      if self.tensorboard is not None:
+        self.tensorboard.close()
       self.jsonl.close()
+
+  def end_run(self, summary: dict | None) -> None:
+    """Ends the W&B run (after close and summary.json), `summary` its summary."""
+    if self.wandb is not None:
+      self.wandb.close(summary)
 
 
 class DeferredMetrics(Hook):

@@ -4,11 +4,12 @@ engine/validation/samples.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from ml_collections import ConfigDict
 
-from engine.config import parse_profile_steps
+from engine.config import logger_names, parse_profile_steps
 from engine.errors import ConfigError
 from engine.validation.checks import require_positive
 
@@ -63,3 +64,11 @@ def check_train(train: ConfigDict) -> None:
     raise ConfigError(f'train.compile_cache_dir={cache!r} is a file; pass a directory for the '
                       "compiled programs, '' for WORKDIR/compile_cache, or 'none' for no cache.")
   parse_profile_steps(train.profile_steps, train.num_steps)
+  if 'wandb' in logger_names(train.loggers):
+    if importlib.util.find_spec('wandb') is None:
+      raise ConfigError('train.loggers names wandb, but the wandb package is not installed; '
+                        'pip install -e ".[wandb]" (or pip install wandb), or leave wandb out.')
+    if train.wandb_mode not in ('', 'online', 'offline'):
+      raise ConfigError(f'train.wandb_mode={train.wandb_mode!r} is not a mode; pass online, '
+                        "offline (no network: wandb sync uploads it later), or '' (WANDB_MODE, "
+                        'else online).')

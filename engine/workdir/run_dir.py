@@ -106,6 +106,11 @@ ADDED_KEYS = {
     'train.straggler_factor': 0.0,
     'train.local_checkpoint_dir': '',
     'train.local_checkpoint_every': 10,
+    'train.loggers': 'tensorboard,jsonl',
+    'train.wandb_project': '',
+    'train.wandb_entity': '',
+    'train.wandb_name': '',
+    'train.wandb_mode': '',
 }
 
 

@@ -1,7 +1,9 @@
 """Training metrics worth plotting: interval-mean train loss, throughput without eval and
 checkpoint time, MFU, peak memory, eval perplexity, summary.json and loss_curve.png."""
 
+import importlib.util
 import json
+import shutil
 import struct
 
 import numpy as np
@@ -11,15 +13,22 @@ from tensorboardX.proto import event_pb2
 from engine.workdir import summary as run_summary
 from engine.train.metrics import MetricsWriter
 from engine.train.loop import DeferredMetrics, TrainResult, train
+from engine.errors import ConfigError
+from engine.validation import validate
+from tests.support import wandb_records
 from tests.support.helpers import ATOL, single_device_run, tiny_config
 
 STEPS = 6
+find_spec = importlib.util.find_spec
 
 
-def _config():
-  config = tiny_config(mesh=(8, 1, 1), steps=STEPS)
+def _config(steps=STEPS):
+  config = tiny_config(mesh=(8, 1, 1), steps=steps)
   config.train.log_every = 3
   config.train.eval_every = 3
+  config.train.loggers = 'tensorboard,jsonl,wandb'
+  config.train.wandb_mode = 'offline'
+  config.train.wandb_project = 'tests'
   return config
 
 
@@ -93,6 +102,45 @@ def test_tensorboard_has_the_new_scalars(run):
   assert {'train/loss', 'train/tokens_per_s', 'train/peak_memory_bytes', 'eval/loss',
           'eval/perplexity', 'goodput/share', 'badput/startup_s',
           'badput/checkpoints_s'} <= tags, tags
+
+
+@pytest.mark.slow
+def test_wandb_logs_what_metrics_jsonl_logs_and_a_resume_continues_its_run(run, tmp_path):
+  workdir, _, records = run
+  (first,) = wandb_records.offline_runs(workdir)
+  logged = wandb_records.read(first)
+  run_id = json.loads((workdir / 'wandb_run.json').read_text())['id']
+  assert (logged['id'], logged['project'], logged['name']) == (run_id, 'tests', workdir.name)
+  assert logged['config']['train']['loggers'] == 'tensorboard,jsonl,wandb'
+  assert logged['config']['model'] == _config().model.to_dict()
+  history = [{k: v for k, v in h.items() if not k.startswith('_')} for h in logged['history']]
+  assert history == records  # Every scalar, at its step, in order.
+  # A resume (here, of a copy) continues the same W&B run from its checkpoint's step.
+  resumed = tmp_path / 'resumed'
+  shutil.copytree(workdir, resumed)
+  longer = _config(steps=9)
+  longer.optim.decay_steps = STEPS  # The schedule keeps its end.
+  train(longer, str(resumed))
+  first, second = wandb_records.offline_runs(resumed)
+  assert wandb_records.read(second)['id'] == run_id
+  assert [h['step'] for h in wandb_records.read(second)['history']] == [9, 9]  # Train, eval.
+
+
+def test_loggers_are_checked(monkeypatch):
+  config = tiny_config()
+  for loggers, message in (
+      ('tensorboard,wandb', r"leaves out jsonl: metrics.jsonl is the run's record .* e\.g\. "
+                            r'tensorboard,wandb,jsonl\.'),
+      ('jsonl,mlflow', r"'mlflow' is not a logger; name any of jsonl, tensorboard, wandb")):
+    config.train.loggers = loggers
+    with pytest.raises(ConfigError, match=message):
+      validate(config, 8)
+  config.train.loggers = 'jsonl,wandb'
+  monkeypatch.setattr(importlib.util, 'find_spec',
+                      lambda name, *a: None if name == 'wandb' else find_spec(name, *a))
+  with pytest.raises(ConfigError, match=r'names wandb, but the wandb package is not installed; '
+                     r'pip install -e "\.\[wandb\]"'):
+    validate(config, 8)
 
 
 def test_throughput_leaves_out_paused_time(tmp_path):

@@ -56,6 +56,8 @@ COMMAND_SCRATCH = {
     'hf_export/config.json': '{}',  # What an earlier export left: replaced whole, not refused.
     'not_executable.sh': 'echo hi\n',
     'hello.txt': 'hello world\n',
+    'records.jsonl': '{"body": "a document", "id": 1}\n',
+    'null_record.jsonl': '{"text": "a document"}\n{"text": null}\n',
     'empty_dir/': None,
     'other/notes.txt': 'keep me',
     'old_set/meta.json': '{}',  # An earlier shard set (prepare refuses to replace it silently).
@@ -349,7 +351,14 @@ COMMAND_ROWS = {
          'DeepseekV3ForCausalLM.'),
     ],
     'engine.data.prepare': [
-        ([], 2, '--input is required: Text file, directory, or "embedded"; repeatable.'),
+        ([], 2, '--input is required: Text, JSON lines or Parquet file, datasets directory, '
+         'directory of them, or "embedded"; repeatable.'),
+        (['--input=$T/records.jsonl', '--tokenizer=byte', '--out=$T/set'], 2,
+         "--input='$T/records.jsonl' has no field 'text' (its records have 'body', 'id'); pass "
+         '--text_field=the field that holds the text.'),
+        (['--input=$T/null_record.jsonl', '--tokenizer=byte', '--out=$T/set'], 2,
+         "--input='$T/null_record.jsonl': record 2 has no 'text' (missing or null); fill it in or "
+         'drop the record.'),
         (['--input=$T/hello.txt'], 2, '--out is required: Directory to write the shards and '
          'meta.json to.'),
         (['--input=$T/empty.txt', '--tokenizer=byte', '--out=$T/set'], 2, "--input='$T/empty.txt' "

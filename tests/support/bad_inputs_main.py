@@ -315,6 +315,15 @@ BAD_INPUTS = [
      "train.local_checkpoint_dir='gs://bucket/local' is not on this host: the local tier is fast "
      'storage of each host (a local disk or RAM disk); pass such a path, or leave the bucket to '
      '--workdir.'),
+    ([TINY, RUN, '--config.train.loggers=tensorboard'], 2, "train.loggers='tensorboard' leaves "
+     "out jsonl: metrics.jsonl is the run's record (summary.json and sweeps read it); keep jsonl "
+     'in the list, e.g. tensorboard,jsonl.'),
+    ([TINY, RUN, '--config.train.loggers=jsonl,mlflow'], 2, "train.loggers='jsonl,mlflow': "
+     "'mlflow' is not a logger; name any of jsonl, tensorboard, wandb, comma-separated (e.g. "
+     'tensorboard,jsonl,wandb).'),
+    ([TINY, RUN, '--config.train.loggers=jsonl,wandb', '--config.train.wandb_mode=cloud'], 2,
+     "train.wandb_mode='cloud' is not a mode; pass online, offline (no network: wandb sync "
+     "uploads it later), or '' (WANDB_MODE, else online)."),
     ([TINY, RUN, '--config.train.local_checkpoint_every=0'], 2,
      'train.local_checkpoint_every=0 must be positive.'),
     ([TINY, RUN, '--config.train.compile_cache_dir=$T/notes.txt'], 2,

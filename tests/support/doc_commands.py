@@ -125,6 +125,14 @@ CHECKS = {
     'python -m engine.main --config=experiments/tiny.py --config.data.source=shards '
     '--config.data.shards=/tmp/stdlib_shards --config.data.tokenizer=hf --workdir=/tmp/tiny_bpe':
         Run('bpe', add=SHORT_TRAIN, outputs=('/tmp/tiny_bpe/metrics.jsonl',)),
+    # docs/commands.md: record files and a datasets directory.
+    'python -m engine.data.prepare --input=/tmp/docs.jsonl --text_field=body --tokenizer=byte '
+    '--out=/tmp/jsonl_shards':
+        Run('records', files=(('docs.jsonl', '{"body": "a document", "id": 1}\n'
+                                             '{"body": "another", "id": 2}\n'),),
+            outputs=('/tmp/jsonl_shards/meta.json',)),
+    'python -m engine.data.prepare --input=tests/support/datasets_dir --tokenizer=byte '
+    '--out=/tmp/datasets_shards': Run('records', outputs=('/tmp/datasets_shards/meta.json',)),
     # README, "Export": a Llama run's checkpoint; /tmp/run is the llama_bench docstring's run.
     'python -m engine.export --workdir=/tmp/run --out=/tmp/run_hf':
         Run('llama', replace=(('--workdir=/tmp/run', '--workdir=/tmp/llama_bench'),),

@@ -35,7 +35,7 @@ def _schema_keys() -> list[str]:
 
 def test_every_key_has_a_line_of_help():
   keys, helps = _schema_keys(), config_help.key_help()
-  assert len(keys) > 60 and keys[0] == 'seed' and keys[-1] == 'train.straggler_factor'
+  assert len(keys) > 60 and keys[0] == 'seed' and keys[-1] == 'train.wandb_mode'
   assert set(keys) == {k for k, v in config_lib.flat_defaults().items()
                        if not isinstance(v, ConfigDict)}
   missing = [key for key in keys if not helps.get(key, '').strip()]
