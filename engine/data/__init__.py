@@ -4,6 +4,8 @@
   record_files.py     documents kept as records (JSON lines, Parquet, a datasets directory),
                       streamed with pyarrow
   tokenizers.py       byte, char, Hugging Face and SentencePiece tokenizers
+  chat.py             conversations rendered with a chat template as transformers does, the
+                      answers marked for the loss
   prompts.py          a prompt's ids: the beginning-of-text id, then the text's
   shards.py           the pre-tokenized shard format (ArrayRecord + meta.json), its reader
   shard_meta.py       a shard set's meta.json checked against itself, its files and the run

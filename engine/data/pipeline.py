@@ -75,6 +75,11 @@ def load_shards(data_config) -> Corpus:
     raise ConfigError(f'data.shards={data_config.shards!r}: the shard sets were written with '
                       f'different tokenizers {sorted(recorded, key=str)} (files '
                       f'{sorted(set(files))}); mix sets of one tokenizer.')
+  conversations = [s.directory for s, _ in sets if 'chat' in s.meta]
+  if conversations and not data_config.document_masking:
+    raise ConfigError(f'data.shards: {conversations[0]!r} holds conversations, whose loss trains '
+                      'on the answers only and stays within each conversation; pass '
+                      '--config.data.document_masking=true.')
   for stream, _ in sets:
     windows = len(shards_lib.PackedWindows(stream, data_config.seq_len))
     if _train_split(windows, data_config.val_fraction) < 1 or windows - _train_split(

@@ -28,6 +28,16 @@ with --overwrite, and one holding other files never. An input without text, a mi
 file, --record_tokens or --records_per_shard below 1 and --processes below 0 are refused before
 anything is written, and so is a record file whose records lack --text_field (the error names
 the fields they have); a record without it is refused naming its number.
+
+Conversations (--messages_field=messages: records whose field is a list of {role, content}
+messages) make a set for supervised fine-tuning: each is rendered with the tokenizer's chat
+template (--chat_template, default chat_template.jinja or tokenizer_config.json beside
+--tokenizer_path) exactly as transformers' apply_chat_template renders and tokenizes it, and the
+tokens outside the assistant's answers are flagged so that the loss leaves them out
+(engine/data/chat.py); train on it with data.document_masking=true.
+
+  python -m engine.data.prepare --input=chats.jsonl --messages_field=messages --tokenizer=hf \
+      --tokenizer_path=/models/qwen/tokenizer.json --out=/tmp/chat_shards
 """
 
 from __future__ import annotations
@@ -47,6 +57,12 @@ _RECORD_TOKENS = flags.DEFINE_integer('record_tokens', 4096, 'Tokens per record.
 _RECORDS_PER_SHARD = flags.DEFINE_integer('records_per_shard', 1024, 'Records per shard file.')
 _TEXT_FIELD = flags.DEFINE_string('text_field', 'text', 'The field of JSON lines, Parquet and '
                                   'datasets records that holds the text.')
+_MESSAGES_FIELD = flags.DEFINE_string(
+    'messages_field', '', 'The field of records that holds a conversation (a list of {role, '
+    'content} messages): a set for supervised fine-tuning, the loss on the answers only.')
+_CHAT_TEMPLATE = flags.DEFINE_string(
+    'chat_template', '', 'With --messages_field: a tokenizer_config.json or .jinja file holding '
+    'the chat template (default: the one beside --tokenizer_path).')
 _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace the shard set already in --out.')
 
 
@@ -54,7 +70,8 @@ def main(argv):
   del argv
   meta = prepare(_INPUTS.value, _KIND.value, _PATH.value, _OUT.value, _PROCESSES.value,
                  _RECORD_TOKENS.value, _RECORDS_PER_SHARD.value, overwrite=_OVERWRITE.value,
-                 text_field=_TEXT_FIELD.value)
+                 text_field=_TEXT_FIELD.value, messages_field=_MESSAGES_FIELD.value,
+                 chat_template=_CHAT_TEMPLATE.value)
   print(f'{_OUT.value}: {meta["num_tokens"]} tokens from {meta["num_documents"]} documents in '
         f'{len(meta["shards"])} shards, {meta["num_tokens"] / meta["seconds"]:,.0f} tokens/s')
 

@@ -95,7 +95,10 @@ def check(path: str, kind: str, field: str, what: str, flag: str) -> None:
                       'holds the text.')
 
 
-def _json_batches(path: str, field: str):
+MESSAGES = pa.list_(pa.struct([('role', pa.string()), ('content', pa.string())]))
+
+
+def _json_batches(path: str, field: str, value_type=pa.string()):
   """A JSON lines file's field, a block of lines at a time. pyarrow's reader reads ahead, some
   tens of blocks, so blocks are small; a line longer than one makes the reader start again with
   blocks 16 times as long, past the records already given."""
@@ -103,7 +106,7 @@ def _json_batches(path: str, field: str):
   while True:
     reader = pa_json.open_json(
         path, read_options=pa_json.ReadOptions(block_size=block),
-        parse_options=pa_json.ParseOptions(explicit_schema=pa.schema([(field, pa.string())]),
+        parse_options=pa_json.ParseOptions(explicit_schema=pa.schema([(field, value_type)]),
                                            unexpected_field_behavior='ignore'))
     skip = given
     try:
@@ -119,10 +122,11 @@ def _json_batches(path: str, field: str):
       block *= 16
 
 
-def _batches(path: str, kind: str, field: str, what: str):
-  """The field's values, a pyarrow array per batch of records."""
+def _batches(path: str, kind: str, field: str, what: str, value_type=pa.string()):
+  """The field's values, a pyarrow array per batch of records (JSON lines read as
+  `value_type`)."""
   if kind == 'jsonl':
-    yield from _json_batches(path, field)
+    yield from _json_batches(path, field, value_type)
   elif kind == 'parquet':
     for batch in pq.ParquetFile(path).iter_batches(batch_size=_BATCH_RECORDS, columns=[field]):
       yield batch.column(0)
@@ -135,19 +139,31 @@ def _batches(path: str, kind: str, field: str, what: str):
 
 def texts(path: str, kind: str, field: str, what: str, flag: str):
   """Each record's `field`, in order: one document per record."""
+  for number, value in _values(path, kind, field, what, flag, pa.string()):
+    if not isinstance(value, str):
+      raise ConfigError(f'{what}: field {field!r} of record {number} holds '
+                        f'{type(value).__name__}, not text; pass {flag}=a field of strings.')
+    yield value
+
+
+def conversations(path: str, kind: str, field: str, what: str, flag: str):
+  """(record number, its `field`) of each record: a conversation's messages, unchecked."""
+  yield from _values(path, kind, field, what, flag, MESSAGES)
+
+
+def _values(path: str, kind: str, field: str, what: str, flag: str, value_type):
   check(path, kind, field, what, flag)
   number = 0
   try:
-    for column in _batches(path, kind, field, what):
-      if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
-        raise ConfigError(f'{what}: field {field!r} holds {column.type}, not text; pass {flag}='
-                          'a field of strings.')
+    for column in _batches(path, kind, field, what, value_type):
       for value in column.to_pylist():
         number += 1
         if value is None:
           raise ConfigError(f'{what}: record {number} has no {field!r} (missing or null); fill '
                             'it in or drop the record.')
-        yield value
+        yield number, value
   except pa.ArrowException as e:
-    raise ConfigError(f'{what} cannot be read after record {number}: {str(e).splitlines()[0]}; '
-                      'fix the file (one JSON object per line, each under 1 GiB).') from None
+    raise ConfigError(f'{what} cannot be read at or after record {number + 1}: '
+                      f'{str(e).splitlines()[0]}; fix the file (one JSON object per line, each '
+                      'under 1 GiB; a messages field a list of {"role", "content"} strings).'
+                      ) from None

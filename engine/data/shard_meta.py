@@ -21,8 +21,11 @@ import json
 import os
 import re
 
+import numpy as np
+
 from engine.data import manifest_paths as paths
 from engine.errors import ConfigError
+from engine.models import documents
 
 FORMAT = 'engine-token-shards/1'
 META = 'meta.json'
@@ -106,10 +109,10 @@ def _check_counts(meta: dict, path: str) -> None:
       _fail(path, f'records {shard["tokens"]} tokens in {shard["records"]} records for shard '
             f'{i} ({shard.get("file")!r}), which record_tokens={record_tokens} does not allow')
   vocab = meta['tokenizer']['vocab_size']
-  dtype = 'uint16' if vocab <= 2**16 else 'uint32'
+  dtype = 'uint16' if vocab <= 2**16 and 'chat' not in meta else 'uint32'
   if meta['dtype'] != dtype:
     _fail(path, f'records dtype {meta["dtype"]} for a vocabulary of {vocab} (prepare writes '
-          f'{dtype})')
+          f'{dtype}{" for conversations" if "chat" in meta else ""})')
   for shard in shard_list:
     if shard.get('max_id', 0) >= vocab:
       _fail(path, f'records token id {shard["max_id"]} in {shard.get("file")!r}, outside the '
@@ -140,8 +143,8 @@ def read_meta(directory: str) -> tuple[dict, list[str]]:
 
 
 def decoded_sha256(tokenizer, first_record) -> str:
-  """The SHA-256 of the text `first_record`'s ids decode to with `tokenizer`."""
-  text = tokenizer.decode(first_record)
+  """The SHA-256 of the text `first_record`'s ids (flags stripped) decode to with `tokenizer`."""
+  text = tokenizer.decode(documents.token_ids(np.asarray(first_record, np.int64)))
   return hashlib.sha256(text.encode('utf-8', errors='surrogatepass')).hexdigest()
 
 

@@ -21,6 +21,7 @@ import time
 import numpy as np
 from absl import logging
 
+from engine.data import chat
 from engine.data import sources
 from engine.data import shard_meta
 from engine.data import shards
@@ -28,18 +29,34 @@ from engine.data import tokenizers as tokenizer_lib
 from engine.errors import ConfigError
 
 _TOKENIZER = None  # Each worker process's own.
-# What a directory that holds a shard set, or an interrupted one, may hold.
+_CHAT = None  # With --messages_field: (ChatTemplate, tokenizers.Tokenizer), each worker's own.
 _WINDOW_PIECES = 16  # Pieces in flight per tokenizing process.
+# What a directory that holds a shard set, or an interrupted one, may hold.
 _SHARD_FILE = re.compile(r'^(tokens-\d+\.arrayrecord|meta\.json(\.tmp)?)$')
 
 
-def _load_tokenizer(kind: str, path: str) -> None:
-  global _TOKENIZER
-  _TOKENIZER = tokenizer_lib.load(kind, path)
+def _load_tokenizer(kind: str, path: str, template_path: str = '') -> None:
+  global _TOKENIZER, _CHAT
+  _TOKENIZER, _CHAT = tokenizer_lib.load(kind, path), None
+  if template_path:
+    import tokenizers  # pylint: disable=g-import-not-at-top
+    _CHAT = chat.ChatTemplate(template_path), tokenizers.Tokenizer.from_file(path)
 
 
-def _encode(piece: str):
-  return _TOKENIZER.encode(piece)
+def _encode(piece):
+  """A text piece's ids; a conversation's ((what, messages)) flagged ids, separator included."""
+  if _CHAT is None:
+    return _TOKENIZER.encode(piece)
+  what, messages = piece
+  return chat.encode(*_CHAT, chat.messages_of(messages, what), _TOKENIZER.eos_id)
+
+
+def _size(piece) -> int:
+  """The bytes of text a piece holds (a conversation's: its messages' contents)."""
+  if isinstance(piece, str):
+    return len(piece.encode('utf-8'))
+  return sum(len(str(m.get('content', '')).encode('utf-8')) for m in piece[1]
+             if isinstance(m, dict))
 
 
 def pieces(documents, piece_bytes: int):
@@ -96,14 +113,17 @@ def _windows(work, size: int):
     yield window
 
 
-def _tokenize(writer, work, kind: str, path: str, processes: int) -> tuple[int, int]:
+def _tokenize(writer, work, kind: str, path: str, processes: int,
+              template_path: str = '') -> tuple[int, int]:
   """Feeds every piece's ids, in order, to the writer (one process: no pool to start); returns
   the documents and the bytes of text tokenized. Pieces are read a window at a time, the next
   window tokenizing while this one's ids are written."""
   start, last_report, done_bytes, tokens, documents = time.perf_counter(), 0.0, 0, 0, 0
-  _load_tokenizer(kind, path)
-  bos, eos = _TOKENIZER.bos_id, _TOKENIZER.eos_id
-  pool = (multiprocessing.get_context('spawn').Pool(processes, _load_tokenizer, (kind, path))
+  _load_tokenizer(kind, path, template_path)
+  # A conversation's ids are whole (its template writes any beginning-of-text token).
+  bos, eos = (None, None) if template_path else (_TOKENIZER.bos_id, _TOKENIZER.eos_id)
+  pool = (multiprocessing.get_context('spawn').Pool(processes, _load_tokenizer,
+                                                    (kind, path, template_path))
           if processes > 1 else None)
 
   def submit(window):
@@ -119,7 +139,7 @@ def _tokenize(writer, work, kind: str, path: str, processes: int) -> tuple[int, 
       writer.add(ids)
       tokens += len(ids)
       documents += ends
-      done_bytes += len(text.encode('utf-8'))
+      done_bytes += _size(text)
     if time.perf_counter() - last_report > 2:
       last_report = time.perf_counter()
       logging.info('Tokenized %.1f MB of text, %d documents: %d tokens, %.0f tokens/s',
@@ -140,6 +160,20 @@ def _tokenize(writer, work, kind: str, path: str, processes: int) -> tuple[int, 
   return documents, done_bytes
 
 
+def _check_chat(kind: str, path: str, tokenizer, chat_template: str) -> str:
+  """The chat template's file, checked (it compiles) before anything is written."""
+  if kind != 'hf':
+    raise ConfigError(f'--messages_field renders conversations with a chat template, which '
+                      f'--tokenizer={kind} has none of; pass --tokenizer=hf '
+                      "--tokenizer_path=the model's tokenizer.json.")
+  if tokenizer.eos_id is None:
+    raise ConfigError(f'--tokenizer_path={path!r} has no end-of-text token to separate '
+                      'conversations; pass a tokenizer with one.')
+  template_path = chat.find_template(path, chat_template)
+  chat.ChatTemplate(template_path)
+  return template_path
+
+
 def _install(tmp: str, out: str) -> None:
   """Puts the finished set in `tmp` at `out`, in place of what --overwrite replaces."""
   umask = os.umask(0)  # mkdtemp's directory is private; the set gets a new directory's mode.
@@ -156,15 +190,25 @@ def _install(tmp: str, out: str) -> None:
 
 def prepare(inputs: list[str], kind: str, path: str, out: str, processes: int = 0,
             record_tokens: int = 4096, records_per_shard: int = 1024,
-            piece_bytes: int = 1 << 20, overwrite: bool = False, text_field: str = 'text') -> dict:
+            piece_bytes: int = 1 << 20, overwrite: bool = False, text_field: str = 'text',
+            messages_field: str = '', chat_template: str = '') -> dict:
   """Writes the shard set for `inputs` to `out` (written beside it as OUT.tmp-*, then renamed:
   a failure leaves no set behind); returns its metadata. `text_field`: the field of record
   files' records that holds the text. The inputs are streamed: at most two windows of pieces
-  (`_WINDOW_PIECES` per process, each at most `piece_bytes`) are in memory at once."""
+  (`_WINDOW_PIECES` per process, each at most `piece_bytes`) are in memory at once.
+
+  `messages_field`: the records hold conversations there, rendered with the chat template
+  (`chat_template`, or the one beside the tokenizer file) and marked for a loss on the answers
+  (engine/data/chat.py); each is one document, never cut."""
   out = os.path.abspath(out)
   check_arguments(kind, path, out, processes, record_tokens, records_per_shard, overwrite)
   tokenizer = tokenizer_lib.load(kind, path)
-  documents = sources.stream_inputs(inputs, text_field)  # Checks every input before any write.
+  template_path = ''
+  if messages_field:
+    template_path = _check_chat(kind, path, tokenizer, chat_template)
+    work = ((item, False, True) for item in sources.stream_conversations(inputs, messages_field))
+  else:  # stream_inputs checks every input before any write.
+    work = pieces(sources.stream_inputs(inputs, text_field), piece_bytes)
   processes = processes or os.cpu_count() or 1
   try:
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -174,17 +218,20 @@ def prepare(inputs: list[str], kind: str, path: str, out: str, processes: int = 
                       'you can write.') from e
   start = time.perf_counter()
   try:
-    writer = shards.Writer(tmp, tokenizer.vocab_size, record_tokens, records_per_shard)
-    num_documents, total_bytes = _tokenize(writer, pieces(documents, piece_bytes), kind, path,
-                                           processes)
+    writer = shards.Writer(tmp, tokenizer.vocab_size, record_tokens, records_per_shard,
+                           flagged=bool(messages_field))
+    num_documents, total_bytes = _tokenize(writer, work, kind, path, processes, template_path)
     recorded = {'kind': kind, 'path': os.path.abspath(path) if kind != 'byte' else '',
                 'vocab_size': tokenizer.vocab_size, 'eos_id': tokenizer.eos_id,
                 'bos_id': tokenizer.bos_id}
     if kind in shard_meta.FILE_KINDS:
       recorded['sha256'] = shards.sha256(path)
-    meta = writer.close({'tokenizer': recorded, 'num_documents': num_documents,
-                         'input_bytes': total_bytes, 'inputs': inputs,
-                         'seconds': time.perf_counter() - start})
+    meta = {'tokenizer': recorded, 'num_documents': num_documents, 'input_bytes': total_bytes,
+            'inputs': inputs, 'seconds': time.perf_counter() - start}
+    if messages_field:
+      meta['chat'] = {'messages_field': messages_field, 'template': os.path.abspath(template_path),
+                      'template_sha256': shards.sha256(template_path)}
+    meta = writer.close(meta)
     # What only this tokenizer's ids reproduce (shard_meta.check_tokenizer), read back from the
     # written set.
     recorded['decoded_sha256'] = shard_meta.decoded_sha256(

@@ -7,7 +7,8 @@ A shard set is a directory:
                          shard file's records, tokens, bytes, largest id and SHA-256; written
                          last, so a directory without it is no set;
   tokens-00000.arrayrecord, ...   records of `record_tokens` tokens each (the last may be
-                         shorter), uint16 when the vocabulary fits, else uint32.
+                         shorter), uint16 when the vocabulary fits, else uint32
+                         (a set of conversations: uint32, its ids flagged).
 The stream is the documents' tokens in order, each document between the tokenizer's
 beginning- and end-of-text tokens (where it has them). Training reads it packed: window i is
 tokens [i L, i L + L + 1) for sequence length L, documents running into each other across the
@@ -28,6 +29,7 @@ import threading
 import numpy as np
 
 from engine.errors import ConfigError
+from engine.models import documents
 from engine.data.shard_meta import FORMAT, META, PREPARE, read_meta
 
 
@@ -35,12 +37,14 @@ class Writer:
   """Appends tokens; cuts them into records and records into shard files."""
 
   def __init__(self, directory: str, vocab_size: int, record_tokens: int = 4096,
-               records_per_shard: int = 1024):
+               records_per_shard: int = 1024, flagged: bool = False):
+    """`flagged`: the ids carry engine/models/documents.py's flags (a set of conversations),
+    so they are stored as uint32 and the recorded largest id is of the ids without them."""
     from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
     self._module = array_record_module
     self.directory, self.record_tokens = directory, record_tokens
     self.records_per_shard = records_per_shard
-    self.dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+    self.dtype = np.uint16 if vocab_size <= 2**16 and not flagged else np.uint32
     self.shards: list[dict] = []
     self._pending = np.zeros(0, self.dtype)
     self._writer = None
@@ -63,7 +67,8 @@ class Writer:
     shard = self.shards[-1]
     shard['records'] += 1
     shard['tokens'] += len(record)
-    shard['max_id'] = max(shard['max_id'], int(record.max()))
+    ids = documents.token_ids(record.astype(np.int64))
+    shard['max_id'] = max(shard['max_id'], int(ids.max()))
 
   def _close_shard(self) -> None:
     if self._writer is not None:
@@ -172,7 +177,10 @@ class TokenStream:
     raw = self._records[index]
     want = min(self.record_tokens, self.num_tokens - index * self.record_tokens)
     ids = np.frombuffer(raw, self.dtype) if len(raw) % self.dtype.itemsize == 0 else None
-    if ids is None or len(ids) != want or (len(ids) and ids.max() >= self.vocab_size):
+    largest = (0 if ids is None or not len(ids) else
+               int(documents.token_ids(ids.astype(np.int64)).max()) if 'chat' in self.meta else
+               int(ids.max()))
+    if ids is None or len(ids) != want or largest >= self.vocab_size:
       shard, position = self._records.locate(index)
       found = (f'{len(raw)} bytes, not {want} {self.dtype.name} tokens'
                if ids is None or len(ids) != want else

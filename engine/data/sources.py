@@ -48,8 +48,9 @@ def _paths(source: str) -> list[str]:
   return sorted(found)
 
 
-def _checked_paths(source: str, text_field: str) -> list[str]:
-  """The files (or `datasets` directories) of one --input, each record file's field checked."""
+def _checked_paths(source: str, text_field: str, flag: str = '--text_field') -> list[str]:
+  """The files (or `datasets` directories) of one --input, each record file's field (which
+  `flag` names) checked."""
   if source == 'embedded':
     return _stdlib_modules()
   if record_files.is_datasets_directory(source):
@@ -64,7 +65,7 @@ def _checked_paths(source: str, text_field: str) -> list[str]:
   for path in paths:
     kind = record_files.kind_of(path)
     if kind:
-      record_files.check(path, kind, text_field, _what(source, path), '--text_field')
+      record_files.check(path, kind, text_field, _what(source, path), flag)
   return paths
 
 
@@ -113,6 +114,35 @@ def stream_inputs(inputs: list[str], text_field: str = 'text'):
         yield text
       if not any_text:
         _refuse_empty(source, found_files=True)
+  return stream()
+
+
+def stream_conversations(inputs: list[str], messages_field: str):
+  """(what, messages) of every record of every --input, streamed; every input is checked at the
+  call: only record files hold conversations."""
+  paths = []
+  for source in inputs:
+    if source == 'embedded':
+      raise ConfigError("--input='embedded' is the embedded text corpus, but --messages_field "
+                        'reads conversations from records; pass JSON lines, Parquet or datasets '
+                        'directories.')
+    found = _checked_paths(source, messages_field, '--messages_field')
+    if not found:
+      _refuse_empty(source, found_files=False)
+    for path in found:
+      if record_files.kind_of(path) is None:
+        raise ConfigError(f'{_what(source, path)} is a text file, but --messages_field reads '
+                          'conversations from records; pass JSON lines, Parquet or datasets '
+                          'directories.')
+    paths.extend((source, path) for path in found)
+
+  def stream():
+    for source, path in paths:
+      what = _what(source, path)
+      for number, messages in record_files.conversations(path, record_files.kind_of(path),
+                                                         messages_field, what,
+                                                         '--messages_field'):
+        yield f'{what}, record {number}', messages
   return stream()
 
 

@@ -32,6 +32,7 @@ from engine.assemble import CORPUS, Run, assemble_finished_run
 from engine.workdir.checkpoint import restore_params
 from engine.data import tokenizers as tokenizer_lib
 from engine.data.prompts import bos_ids, encode_prompts
+from engine.models import documents
 from engine.parallel import auto
 from engine.parallel.steps import Steps, kept_tokens
 from engine.data.text_files import read_text
@@ -79,7 +80,7 @@ def score(setup, params, windows: np.ndarray, batch: int, tokenizer=None,
             'tokens': int(counts.sum())}
   if tokenizer is not None:
     keep = kept_tokens(windows, setup.options.eos_id)[:, :-1]  # Of the targets windows[:, 1:].
-    num_bytes = int(tokenizer.byte_lengths(windows[:, 1:][keep]).sum())
+    num_bytes = int(tokenizer.byte_lengths(documents.token_ids(windows[:, 1:])[keep]).sum())
     nats = float(sums.sum())
     result['bytes'] = num_bytes
     result['bits_per_byte'] = nats / math.log(2) / num_bytes if num_bytes else math.nan

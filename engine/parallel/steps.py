@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from engine.models import expert_balance
+from engine.models import documents
 from engine.models.documents import segments_and_positions
 from engine.models.ops import LAYERS
 from engine.models.chunked_loss import chunked_cross_entropy
@@ -119,7 +120,9 @@ def _predictions(params, graphdef: nnx.GraphDef, tokens_BL1: jax.Array, ops,
   [B, L], which predictions the loss keeps [B, L] or None without documents): what both losses
   above start from."""
   model = ops.prepare_params(nnx.merge(graphdef, params))
-  inputs_BL, targets_BL = ops.inputs_and_targets(tokens_BL1)
+  # Packed documents' tokens may carry flags (engine/models/documents.py): the model sees ids.
+  inputs_BL, targets_BL = ops.inputs_and_targets(
+      tokens_BL1 if eos_id is None else documents.token_ids(tokens_BL1))
   keep_BL = None
   if eos_id is not None:
     ops, keep_BL = packed_documents(ops, tokens_BL1, eos_id)
@@ -138,12 +141,17 @@ def packed_documents(ops, tokens_BL1: jax.Array, eos_id: int):
 
 def kept_tokens(tokens_BL1, eos_id: int | None):
   """Whether the loss keeps the prediction made from each token of the windows ([B, L1]; the
-  last column predicts nothing): every one, or with packed documents all but those from an
-  end-of-text token, whose target is the next document's. NumPy windows give a NumPy mask
-  (engine.evaluate counts the bytes of the kept targets)."""
+  last column predicts nothing): every one, or with packed documents all but those from a
+  token that ends its document (whose target is the next document's) and those of a target
+  flagged as context (a conversation's prompt: engine/models/documents.py). NumPy windows give
+  a NumPy mask (engine.evaluate counts the bytes of the kept targets)."""
   if eos_id is None:
     return np.ones(tokens_BL1.shape, bool)
-  return tokens_BL1 != eos_id
+  xp = np if isinstance(tokens_BL1, np.ndarray) else jnp
+  next_trained_BL1 = xp.concatenate(
+      [documents.trained_targets(tokens_BL1[:, 1:]), xp.ones_like(tokens_BL1[:, :1], bool)],
+      axis=1)
+  return ~documents.document_ends(tokens_BL1, eos_id) & next_trained_BL1
 
 
 def kept_count(ops, tokens_BL1: jax.Array, eos_id: int | None, microbatches: int = 1):

@@ -16,10 +16,12 @@ from flax import nnx
 from engine import models, parallel
 from engine.assemble import lay_out
 from engine.models import attention
+from engine.models.documents import CONTEXT_FLAG as CONTEXT
+from engine.models.documents import INSIDE_FLAG as INSIDE
 from engine.models.documents import segments_and_positions
 from engine.models.ops import LocalOps
 from engine.parallel import manual
-from engine.parallel.steps import next_token_loss, packed_documents
+from engine.parallel.steps import kept_tokens, next_token_loss, packed_documents
 from tests.support.helpers import tiny_config
 
 EOS = 0
@@ -27,16 +29,27 @@ VOCAB = 64
 
 
 def _numpy_documents(row):
-  """Segment ids, positions and kept predictions of one window, by a plain loop."""
-  segments, positions, segment, position = [], [], 0, 0
+  """Segment ids, positions and kept predictions of one window, by a plain loop. A token may
+  carry a conversation's flags: context (its prediction is not trained), or an end-of-text id
+  inside a conversation (not ending it)."""
+  segments, positions, segment, position, ends = [], [], 0, 0, []
   for token in row:
     segments.append(segment)
     positions.append(position)
     position += 1
-    if token == EOS:
+    ends.append(token % CONTEXT == EOS)  # Context-flagged or not; never inside-flagged.
+    if ends[-1]:
       segment, position = segment + 1, 0
-  keep = [token != EOS for token in row[:-1]]
+  keep = [not ends[i] and row[i + 1] < CONTEXT for i in range(len(row) - 1)]
   return np.array(segments), np.array(positions), np.array(keep)
+
+
+def _flag(tokens, rng):
+  """Some tokens flagged as context (about a third), some ids inside-flagged as not ending
+  their document (about a third of the end-of-text ids)."""
+  context = rng.random(tokens.shape) < 1 / 3
+  inside = (tokens == EOS) & (rng.random(tokens.shape) < 1 / 3)
+  return tokens | np.where(context, CONTEXT, 0) | np.where(inside, INSIDE, 0)
 
 
 def test_segments_positions_and_kept_predictions():
@@ -47,7 +60,10 @@ def test_segments_positions_and_kept_predictions():
   np.testing.assert_array_equal(positions[0], [0, 1, 2, 0, 1, 0, 0, 1, 2])
   _, keep = packed_documents(LocalOps(), jnp.asarray(row), EOS)
   np.testing.assert_array_equal(keep[0], [1, 1, 0, 1, 0, 0, 1, 1])
-  rows = np.random.default_rng(0).integers(0, 4, (6, 40))  # Many boundaries, some adjacent.
+  rng = np.random.default_rng(0)
+  rows = rng.integers(0, 4, (6, 40))  # Many boundaries, some adjacent.
+  rows = np.concatenate([rows, _flag(rows, rng)])  # And a conversation's flags.
+  assert (rows >= CONTEXT).any() and (rows % CONTEXT >= INSIDE).any()
   segments, positions = segments_and_positions(jnp.asarray(rows), EOS)
   _, keep = packed_documents(LocalOps(), jnp.asarray(rows), EOS)
   for i, row in enumerate(rows):
@@ -91,7 +107,7 @@ def test_a_packed_window_is_its_documents_run_alone(name):
   docs = [doc for row in DOCUMENTS for doc in row]
   alone = np.asarray(jax.jit(apply)(params, jnp.asarray(
       [doc[:-1] + [1] * (20 - len(doc)) for doc in docs])))
-  all_losses, row, start = [], 0, 0
+  all_losses, targets, row, start = [], [], 0, 0
   for i, doc in enumerate(docs):
     if i == len(DOCUMENTS[0]):
       row, start = 1, 0
@@ -100,6 +116,7 @@ def test_a_packed_window_is_its_documents_run_alone(name):
     losses = optax.softmax_cross_entropy_with_integer_labels(alone[i, :len(doc) - 1],
                                                              np.asarray(doc[1:]))
     all_losses.extend(np.asarray(losses))
+    targets.extend((row, start + 1 + j) for j in range(len(doc) - 1))
     if start:  # Unmasked, a later document sees the earlier ones: the check can fail.
       assert np.abs(plain[row, span] - alone[i, :len(doc) - 1]).max() > 1e-3
     start += len(doc)
@@ -108,6 +125,15 @@ def test_a_packed_window_is_its_documents_run_alone(name):
   loss = jax.jit(lambda p, t: next_token_loss(p, graphdef, t, LocalOps(), with_aux=False,
                                               eos_id=EOS))(params, tokens)
   np.testing.assert_allclose(loss, np.mean(all_losses), rtol=1e-6)
+  # Targets flagged as context (a conversation's prompt) leave the loss; the rest keep theirs.
+  flagged = np.asarray(tokens).copy()
+  context = np.random.default_rng(2).random(flagged.shape) < 0.4
+  flagged[context] |= CONTEXT
+  trained = [not context[target] for target in targets]
+  assert 5 < sum(trained) < len(trained) - 5
+  loss = jax.jit(lambda p, t: next_token_loss(p, graphdef, t, LocalOps(), with_aux=False,
+                                              eos_id=EOS))(params, jnp.asarray(flagged))
+  np.testing.assert_allclose(loss, np.mean(np.asarray(all_losses)[trained]), rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -163,6 +189,7 @@ def reference():
   tokens = rng.integers(1, VOCAB, (8, 17))
   tokens[rng.random((8, 17)) < 1 / (2 + np.arange(8)[:, None])] = EOS
   tokens[:, 5] = EOS
+  tokens = _flag(tokens, rng)  # The loss trains on some targets only, unequally per row.
   loss, grads = parallel.build_steps('auto', setup).gradients(params, tokens)
   return jax.device_get(params), tokens, float(loss), jax.device_get(grads)
 
@@ -189,7 +216,7 @@ def test_a_mean_of_per_device_means_fails_the_check(reference, monkeypatch):
   params, tokens, want_loss, _ = reference
 
   def local_count(ops, tokens_BL1, eos_id, microbatches=1):
-    keep_BL = ops.inputs_and_targets(tokens_BL1 != eos_id)[0]
+    keep_BL = ops.inputs_and_targets(kept_tokens(tokens_BL1, eos_id))[0]
     return keep_BL.sum(dtype=jnp.float32) / microbatches
 
   monkeypatch.setattr(manual, 'kept_count', local_count)

@@ -58,6 +58,7 @@ COMMAND_SCRATCH = {
     'hello.txt': 'hello world\n',
     'records.jsonl': '{"body": "a document", "id": 1}\n',
     'null_record.jsonl': '{"text": "a document"}\n{"text": null}\n',
+    'chats.jsonl': '{"messages": [{"role": "user", "content": "hi"}]}\n',
     'empty_dir/': None,
     'other/notes.txt': 'keep me',
     'old_set/meta.json': '{}',  # An earlier shard set (prepare refuses to replace it silently).
@@ -356,6 +357,10 @@ COMMAND_ROWS = {
         (['--input=$T/records.jsonl', '--tokenizer=byte', '--out=$T/set'], 2,
          "--input='$T/records.jsonl' has no field 'text' (its records have 'body', 'id'); pass "
          '--text_field=the field that holds the text.'),
+        (['--input=$T/chats.jsonl', '--messages_field=messages', '--tokenizer=byte',
+          '--out=$T/set'], 2, '--messages_field renders conversations with a chat template, '
+         'which --tokenizer=byte has none of; pass --tokenizer=hf --tokenizer_path=the '
+         "model's tokenizer.json."),
         (['--input=$T/null_record.jsonl', '--tokenizer=byte', '--out=$T/set'], 2,
          "--input='$T/null_record.jsonl': record 2 has no 'text' (missing or null); fill it in or "
          'drop the record.'),

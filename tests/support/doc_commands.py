@@ -178,6 +178,12 @@ CHECKS = {
     'python -m engine.generate --workdir=/tmp/finetune --prompt=ROMEO: --max_new_tokens=50':
         TRAINED_FROM_HF,
     'python -m engine.export --workdir=/tmp/finetune --out=/tmp/finetune_hf': TRAINED_FROM_HF,
+    'python -m engine.data.prepare --input=chats.jsonl --messages_field=messages --tokenizer=hf '
+    '--tokenizer_path=/models/Qwen2.5-0.5B-Instruct/tokenizer.json --out=/tmp/chat_shards': NO_HF,
+    'python -m engine.main --config=experiments/sft_hf.py:hf=/models/Qwen2.5-0.5B-Instruct,'
+    'data=/tmp/chat_shards --workdir=/tmp/sft': NO_HF,
+    'python -m engine.evaluate --workdir=/tmp/sft': TRAINED_FROM_HF,
+    'python -m engine.export --workdir=/tmp/sft --out=/tmp/sft_hf': TRAINED_FROM_HF,
     'python -m engine.main --config=experiments/llama_124m.py:mesh=-1x1x1 '
     '--config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/llama_124m': ACCELERATOR,
     'python -m engine.data.train_tokenizer --input=../shared/data/tinyshakespeare.txt '

@@ -86,7 +86,7 @@ def test_records_are_read_a_batch_at_a_time(tmp_path, monkeypatch):
     f.write('{"text": 17}\n')
   stream = sources.stream_inputs([str(path)])
   assert next(stream).startswith('document 0 ')
-  with pytest.raises(ConfigError, match=r"cannot be read after record 19\d"):
+  with pytest.raises(ConfigError, match=r"cannot be read at or after record (19\d|20\d)"):
     list(stream)
 
 
@@ -114,7 +114,7 @@ def test_each_broken_record_file_is_one_line(tmp_path, name, content, flag, mess
 
 def test_a_parquet_field_of_numbers_and_a_dataset_dict_are_refused(tmp_path):
   pq.write_table(pa.table({'text': [1, 2]}), tmp_path / 'n.parquet')
-  with pytest.raises(ConfigError, match=r"field 'text' holds int64, not text"):
+  with pytest.raises(ConfigError, match=r"field 'text' of record 1 holds int, not text"):
     list(sources.stream_inputs([str(tmp_path / 'n.parquet')]))
   (tmp_path / 'dict').mkdir()
   (tmp_path / 'dict' / 'dataset_dict.json').write_text('{"splits": ["train", "test"]}')
