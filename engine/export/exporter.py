@@ -19,6 +19,11 @@ machine's devices (any mesh it was trained on), and writes a directory that tran
                            class for trust_remote_code=True; engine/hf/save.py says why); byte
                            and char vocabularies have no Hugging Face tokenizer file, and none is
                            written.
+
+A LoRA run (model.lora_rank > 0) is written with its adapters merged into the weights (W +
+lora_alpha / lora_rank A B), or with --lora=peft as a PEFT adapter instead of the weights
+(adapter_config.json and adapter_model.safetensors, beside the tokenizer files), which
+`peft.PeftModel.from_pretrained` loads onto the base checkpoint (engine/hf/lora_export.py).
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ import numpy as np
 
 from engine import models
 from engine.hf import load as hf
+from engine.hf import lora_export
 from engine.hf import save as hf_save
+from engine.models import lora
+from engine.workdir import run_dir as workdir_lib
 from engine.assemble import TOKENIZER, assemble_finished_run
 from engine.workdir.checkpoint import restore_params
 from engine.errors import ConfigError
@@ -52,12 +60,15 @@ def export(workdir: str, out: str, dtype: str = 'float32') -> list[str]:
   return export_files(workdir, out, dtype).tensors
 
 
+LORA_AS = ('merged', 'peft')
+
 # What a Hugging Face checkpoint directory holds: an --out holding only these is a previous export
 # (or a download), which an export replaces whole.
 _CHECKPOINT_FILES = re.compile(
     r'^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|'
     r'model\.safetensors\.index\.json|tokenizer(_config)?\.json|tokenizer\.model|'
-    r'special_tokens_map\.json|tokenization_exported\.py)$')
+    r'special_tokens_map\.json|tokenization_exported\.py|adapter_config\.json|'
+    r'adapter_model\.safetensors)$')
 
 
 def _check_out(out: str) -> None:
@@ -90,9 +101,12 @@ def _replace(staged: str, out: str) -> None:
   shutil.rmtree(old, ignore_errors=True)
 
 
-def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
+def export_files(workdir: str, out: str, dtype: str = 'float32',
+                 lora_as: str = 'merged') -> Exported:
   """The latest checkpoint of `workdir` and its tokenizer written to `out` (module docstring):
-  written beside it first, then put in its place, replacing an earlier export whole."""
+  written beside it first, then put in its place, replacing an earlier export whole. A LoRA
+  run's adapters are merged into the weights, or (`lora_as='peft'`) written alone as a PEFT
+  adapter (engine/hf/lora_export.py)."""
   if dtype not in hf_save.DTYPES:
     raise ConfigError(f'--dtype={dtype}: choose one of {", ".join(hf_save.DTYPES)}.')
   if not out.strip():
@@ -115,14 +129,26 @@ def export_files(workdir: str, out: str, dtype: str = 'float32') -> Exported:
     raise ConfigError(
         f'--workdir={workdir} trained {why}, which a Hugging Face export cannot write as '
         f'{fmt.architecture}; use the run with engine.generate and engine.evaluate.')
+  adapters = lora.from_config(config.model)
+  if lora_as not in LORA_AS:
+    raise ConfigError(f'--lora={lora_as}: choose merged or peft.')
+  if lora_as == 'peft' and adapters is None:
+    raise ConfigError(f'--lora=peft: --workdir={workdir} trained no LoRA adapters '
+                      '(model.lora_rank=0); export it whole without --lora.')
   params = restore_params(workdir, run.setup.abstract_state()['params'])
   host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
   token_ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id}
   staged = f'{out}.export-in-progress'
   shutil.rmtree(staged, ignore_errors=True)  # A failed export's leftovers: ours to remove.
   try:
-    names = hf_save.save(host, config.model, run.setup.model.vocab_size, staged, dtype,
-                         token_ids)
+    if lora_as == 'peft':
+      # The base checkpoint the run started from (config.json records it).
+      base = hf.path_of(workdir_lib.read_run_config(workdir).train.init_from) or ''
+      names = lora_export.save_adapter(host, fmt, adapters, staged, base, hf_save.DTYPES[dtype])
+    else:
+      weights = host if adapters is None else lora_export.merged(host, adapters)
+      names = hf_save.save(weights, config.model, run.setup.model.vocab_size, staged, dtype,
+                           token_ids)
     line = hf_save.save_tokenizer(tokenizer, staged, config.model.max_len)
   except BaseException:
     shutil.rmtree(staged, ignore_errors=True)

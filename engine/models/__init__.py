@@ -17,6 +17,7 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   layers.py          shared building blocks: 2-D dense products, stacked and scanned layers
   dense_taps.py      a stack's backward pass in an input-gradient and a weight-gradient half
   quantized_matmul.py  int8 / fp8 projections, forward and backward (Qwix's quantized training)
+  lora.py              low-rank adapters on the Llama family's projections, the rest frozen
   varying_axes.py    shard_map's varying-axes types, and the casts that widen them
   attention.py       causal attention: einsum, jax.nn.dot_product_attention or splash
   splash.py          the Pallas TPU splash-attention kernel, whole and per ring block

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models import quantized_matmul
+from engine.models import lora, quantized_matmul
+from engine.models.lora import LoraConfig
 from engine.models.latent_attention import LatentAttention, LatentConfig
 from engine.models.layers import (FIRST_LAYERS, apply_layers, dense, one_layer, param,
                                   stack_layers)
@@ -59,6 +60,7 @@ class LlamaConfig:
   latent: LatentConfig | None = None  # Multi-head latent attention in place of the attention.
   # With `moe`: the first this many layers keep the dense MLP (DeepSeek-V3), the rest are stacked.
   dense_layers: int = 0
+  lora: LoraConfig | None = None  # Low-rank adapters on the targeted projections.
 
 
 class Block(nnx.Module):
@@ -81,6 +83,8 @@ class Block(nnx.Module):
     self.w_gate_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
     self.w_up_DF = param(rngs, (D, F), ('embed', 'mlp'), cfg.init_std)
     self.w_down_FD = param(rngs, (F, D), ('mlp', 'embed'), cfg.init_std)
+    if cfg.lora:
+      lora.add_adapters(self, cfg.lora, rngs)
 
   def _init_attention(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     D, H, N, K = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -95,6 +99,8 @@ class Block(nnx.Module):
       self.q_norm = RMSNorm(K, cfg.norm_eps, rngs)
       self.k_norm = RMSNorm(K, cfg.norm_eps, rngs)
     self.w_o_HKD = param(rngs, (H, K, D), ('heads', 'head_dim', 'embed'), cfg.init_std)
+    if cfg.lora:
+      lora.add_adapters(self, cfg.lora, rngs)
 
   def attention(self, x_BLD, ops):
     cfg = self.cfg
@@ -112,14 +118,18 @@ class Block(nnx.Module):
     v_BLnK = ops.kv_for_query_heads(v_BLNK, cfg.num_heads)
     out_BLHK = ops.attention(q_BLHK, k_BLnK, v_BLnK, cfg.attention_scale_on, cfg.attention,
                              cfg.attention_scale)
-    y_BLD = dense(out_BLHK, self.w_o_HKD[...], in_dims=2, precision=self.cfg.matmul)
+    y_BLD = self._project('w_o_HKD', out_BLHK)
     return ops.finish_contraction(y_BLD, 'heads')
+
+  def _project(self, weight: str, x):
+    """x times a projection's weight (and its low-rank adapters', with LoRA)."""
+    return lora.project(self, weight, x, self.cfg.lora, self.cfg.matmul)
 
   def projections(self, x_BLD):
     """Queries, keys and values before rotary: biased (Qwen2), each head normalised (Qwen3)."""
-    q_BLHK = dense(x_BLD, self.w_q_DHK[...], precision=self.cfg.matmul)
-    k_BLNK = dense(x_BLD, self.w_k_DNK[...], precision=self.cfg.matmul)
-    v_BLNK = dense(x_BLD, self.w_v_DNK[...], precision=self.cfg.matmul)
+    q_BLHK = self._project('w_q_DHK', x_BLD)
+    k_BLNK = self._project('w_k_DNK', x_BLD)
+    v_BLNK = self._project('w_v_DNK', x_BLD)
     if self.cfg.qkv_bias:
       q_BLHK = q_BLHK + self.b_q_HK[...].astype(q_BLHK.dtype)
       k_BLNK = k_BLNK + self.b_k_NK[...].astype(k_BLNK.dtype)
@@ -130,10 +140,10 @@ class Block(nnx.Module):
 
   def mlp(self, x_BLD, ops):
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')  # Feeds the gate and up projections.
-    gate_BLF = dense(x_BLD, self.w_gate_DF[...], precision=self.cfg.matmul)
-    up_BLF = dense(x_BLD, self.w_up_DF[...], precision=self.cfg.matmul)
+    gate_BLF = self._project('w_gate_DF', x_BLD)
+    up_BLF = self._project('w_up_DF', x_BLD)
     h_BLF = ops.constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
-    y_BLD = dense(h_BLF, self.w_down_FD[...], precision=self.cfg.matmul)
+    y_BLD = self._project('w_down_FD', h_BLF)
     return ops.finish_contraction(y_BLD, 'mlp')
 
   def __call__(self, carry, ops):
@@ -262,7 +272,8 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       qk_norm=model_config.qk_norm, scan_layers=model_config.scan_layers,
       init_std=model_config.init_std, moe=moe_config(model_config),
       matmul=quantized_matmul.from_config(model_config), latent=latent_config(model_config),
-      dense_layers=model_config.num_layers - stacked_layers(model_config))
+      dense_layers=model_config.num_layers - stacked_layers(model_config),
+      lora=lora.from_config(model_config))
   D = cfg.embed_dim
   attention_params, score_width = _attention_sizes(cfg)
   mlp_params, projected = _mlp_sizes(cfg)

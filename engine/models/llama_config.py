@@ -9,6 +9,8 @@ from engine.models.config_keys import (ConfigKey, ModelConfigError, choose, requ
                                        require_positive)
 
 ROPE_TYPES = ('default', 'linear', 'llama3')
+# The projections LoRA adapts, by PEFT's names (engine/models/lora.py).
+LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
 CONFIG_KEYS = (
     ConfigKey('head_dim', -1, 'Llama: the size of each head; -1: embed_dim / num_heads (Qwen3 '
@@ -40,6 +42,14 @@ CONFIG_KEYS = (
               'head_dim.', exclusive=True),
     ConfigKey('mla_rope_interleave', True, "Llama MLA: rotary pairs dimensions 2i and 2i + 1 "
               "(DeepSeek's checkpoints, rope_interleave) rather than i and i + R / 2.",
+              exclusive=True),
+    ConfigKey('lora_rank', 0, 'Llama: LoRA, low-rank adapters of this rank on the '
+              'model.lora_targets projections, every other parameter frozen '
+              '(engine/models/lora.py); 0: none.', exclusive=True),
+    ConfigKey('lora_alpha', 16.0, 'Llama LoRA: the adapters\' product is scaled by '
+              'lora_alpha / lora_rank (PEFT\'s lora_alpha).', exclusive=True),
+    ConfigKey('lora_targets', ','.join(LORA_TARGETS), 'Llama LoRA: the projections to adapt, '
+              "comma-separated PEFT names (any of " + ', '.join(LORA_TARGETS) + ').',
               exclusive=True),
     *moe_config.CONFIG_KEYS,
     ConfigKey('hf_architecture', '', 'Llama: the Hugging Face architecture the model was loaded '
@@ -75,6 +85,33 @@ def check(model, mesh: dict[str, int]) -> None:
         'an even head size.')
   _check_latent_attention(model, mesh)
   moe_config.check(model, mesh)
+  _check_lora(model)
+
+
+def _check_lora(model) -> None:
+  if model.lora_rank < 0:
+    raise ModelConfigError(f'model.lora_rank={model.lora_rank} must be >= 0 (0: no LoRA).')
+  if not model.lora_rank:
+    return
+  require_finite(model, ['lora_alpha'])
+  require_positive(model, ['lora_alpha'])
+  targets = [t.strip() for t in model.lora_targets.split(',') if t.strip()]
+  unknown = [t for t in targets if t not in LORA_TARGETS]
+  if unknown or not targets:
+    raise ModelConfigError(
+        f'model.lora_targets={model.lora_targets!r}: ' +
+        (f'{unknown[0]!r} names no projection' if unknown else 'names no projection') +
+        f'; name any of {", ".join(LORA_TARGETS)}, comma-separated.')
+  mlp = [t for t in targets if t in LORA_TARGETS[4:]]
+  if model.num_experts and mlp:
+    raise ModelConfigError(
+        f'model.lora_targets names {mlp[0]!r}, but model.num_experts={model.num_experts} puts '
+        'experts in place of the MLP projections; adapt the attention projections only '
+        '(q_proj,k_proj,v_proj,o_proj).')
+  if model.mla_kv_rank:
+    raise ModelConfigError('model.lora_rank with latent attention (model.mla_kv_rank > 0) is '
+                           'not supported: its projections are not the ones LoRA adapts; '
+                           'fine-tune it whole (model.lora_rank=0).')
 
 
 def _check_latent_attention(model, mesh: dict[str, int]) -> None:

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine import sharding
-from engine.models import moe_dispatch
+from engine.models import lora, moe_dispatch
 from engine.models.attention import causal_attention
 from engine.models.ops import LocalOps
 from engine.parallel import expert_exchange, pipeline, pipeline_1f1b, stage_lanes
@@ -218,6 +218,8 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients_and_stats(state['params'], tokens_BL1)
+    if setup.options.adapters_only:
+      grads = lora.trainable_only(grads)
     if setup.options.optimizer_sharding == 'zero1':
       # Laid out as the moments, so that the update runs on each device's slice and the
       # parameters' layout (out_shardings) all-gathers the updated slices. XLA still all-reduces

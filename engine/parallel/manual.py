@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine.models import expert_balance
+from engine.models import expert_balance, lora
 from engine.parallel import manual_ops, pipeline, pipeline_1f1b, stage_lanes, zero1
 from engine.parallel.muon_blocks import MatrixBlocks
 from engine.parallel.model_cut import ModelCut
@@ -273,6 +273,8 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients.with_stats(state['params'], tokens_BL1)
+    if setup.options.adapters_only:
+      grads = lora.trainable_only(grads)
     norm = gradients.global_norm(grads)
     if not gradients.zero1:
       return apply_update(setup, state, loss, grads, norm, stats,

@@ -68,6 +68,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
   check_offload_platform(config, platform)
   check_data(config.data, config.model, reads_text)
   check_optim(config.optim)
+  if config.model.get('lora_rank', 0) > 0 and config.optim.name != 'adamw':
+    raise ConfigError(f'model.lora_rank={config.model.lora_rank} trains its adapters with AdamW; '
+                      f'optim.name={config.optim.name!r} is not supported with LoRA: pass '
+                      '--config.optim.name=adamw.')
   check_train(config.train)
   check_sample_keys(config.train, num_processes if training else 1)  # Samples only in training.
   if not 0 <= config.seed <= _MAX_SEED:

@@ -367,6 +367,13 @@ def restore_params(workdir: str, abstract_params):
   wanted = dict(jax.tree_util.tree_leaves_with_path(abstract_params))
   found = dict(jax.tree_util.tree_leaves_with_path(saved))
   shape = lambda key: tuple(found[key].shape) if key in found else 'missing'
+  adapters = [k for k in found if k not in wanted and 'lora_' in jax.tree_util.keystr(k)]
+  if adapters:
+    raise ConfigError(
+        f'train.init_from={workdir!r}: its checkpoint of step {step} holds LoRA adapters '
+        f'({jax.tree_util.keystr(adapters[0])}, ...), which this run would drop; export that run '
+        f'merged (python -m engine.export --workdir={workdir} --out=DIR) and start from '
+        'train.init_from=hf:DIR.')
   differ = [f'{jax.tree_util.keystr(k)}: checkpoint {shape(k)}, model {tuple(v.shape)}'
             for k, v in wanted.items() if shape(k) != tuple(v.shape)]
   if differ:

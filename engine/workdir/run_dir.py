@@ -111,6 +111,9 @@ ADDED_KEYS = {
     'train.wandb_entity': '',
     'train.wandb_name': '',
     'train.wandb_mode': '',
+    'model.lora_rank': 0,
+    'model.lora_alpha': 16.0,
+    'model.lora_targets': 'q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj',
 }
 
 

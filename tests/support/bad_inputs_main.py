@@ -315,6 +315,13 @@ BAD_INPUTS = [
      "train.local_checkpoint_dir='gs://bucket/local' is not on this host: the local tier is fast "
      'storage of each host (a local disk or RAM disk); pass such a path, or leave the bucket to '
      '--workdir.'),
+    ([TINY, RUN, '--config.model.name=llama', '--config.model.lora_rank=4',
+      '--config.model.lora_targets=q_proj,qkv'], 2, "model.lora_targets='q_proj,qkv': 'qkv' "
+     'names no projection; name any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, '
+     'down_proj, comma-separated.'),
+    ([TINY, RUN, '--config.model.name=llama', '--config.model.lora_rank=4',
+      '--config.optim.name=muon'], 2, "model.lora_rank=4 trains its adapters with AdamW; "
+     "optim.name='muon' is not supported with LoRA: pass --config.optim.name=adamw."),
     ([TINY, RUN, '--config.train.loggers=tensorboard'], 2, "train.loggers='tensorboard' leaves "
      "out jsonl: metrics.jsonl is the run's record (summary.json and sweeps read it); keep jsonl "
      'in the list, e.g. tensorboard,jsonl.'),

@@ -50,7 +50,8 @@ def test_every_key_has_a_line_of_help():
 
 
 @pytest.mark.parametrize('typed, meant', [
-    ('optim.lr', ['optim.learning_rate']), ('lr', ['optim.learning_rate']),
+    ('optim.lr', ['optim.learning_rate']),
+    ('lr', ['model.lora_rank', 'optim.learning_rate']),  # Both abbreviate to l_r.
     ('optim.wd', ['optim.weight_decay']), ('bs', ['data.global_batch_size']),
     ('batch_size', ['data.global_batch_size']), ('data.bs', ['data.global_batch_size']),
     ('steps', ['train.num_steps']), ('train.steps', ['train.num_steps']),
