@@ -9,7 +9,7 @@ the assistant's answers only.
   python -m engine.main --config=experiments/sft_hf.py:hf=/models/Qwen2.5-0.5B-Instruct,data=/tmp/chat_shards \
       --workdir=/tmp/sft
   #    or with LoRA adapters, the base frozen (add --config.model.lora_rank=16; docs/training.md,
-  #    "LoRA"), exported merged or, with --lora=peft, as a PEFT adapter.
+  #    "LoRA"), exported merged or, with --adapters=peft, as a PEFT adapter.
   # 3. The held-out conversations' answer loss, and the export:
   python -m engine.evaluate --workdir=/tmp/sft
   python -m engine.export --workdir=/tmp/sft --out=/tmp/sft_hf

@@ -30,6 +30,11 @@ COMMANDS = {
         'Prints the loss, perplexity and bits per byte of the latest checkpoint of the training '
         'run RUN, on its held-out split or on a text file.',
         'Evaluating a checkpoint'),
+    'engine.lm_eval': (
+        'python -m engine.lm_eval --workdir=RUN --tasks=TASK,... [--include_path=DIR]',
+        "Scores the latest checkpoint of the training run RUN on lm-eval's tasks (the lm_eval "
+        'extra), on its own compiled forward pass and generator.',
+        'Benchmarks with lm-eval'),
     'engine.export': (
         'python -m engine.export --workdir=RUN --out=DIR',
         'Writes the latest checkpoint of the Llama-family training run RUN as a Hugging Face '

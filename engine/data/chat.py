@@ -102,10 +102,12 @@ def _read_json(path: str) -> dict:
 class ChatTemplate:
   """A chat template and the special tokens it is rendered with."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, tokenizer_path: str = ''):
+    """`path`: a tokenizer_config.json or a .jinja file; the special tokens come from the
+    tokenizer's files (beside `tokenizer_path`, else beside `path`), then from `path` itself."""
     import jinja2  # pylint: disable=g-import-not-at-top
     self.path = path
-    directory = os.path.dirname(os.path.abspath(path))
+    directory = os.path.dirname(os.path.abspath(tokenizer_path or path))
     config = {}
     for name in ('special_tokens_map.json', 'tokenizer_config.json'):  # The latter wins.
       if os.path.isfile(os.path.join(directory, name)):

@@ -40,7 +40,7 @@ def _load_tokenizer(kind: str, path: str, template_path: str = '') -> None:
   _TOKENIZER, _CHAT = tokenizer_lib.load(kind, path), None
   if template_path:
     import tokenizers  # pylint: disable=g-import-not-at-top
-    _CHAT = chat.ChatTemplate(template_path), tokenizers.Tokenizer.from_file(path)
+    _CHAT = chat.ChatTemplate(template_path, path), tokenizers.Tokenizer.from_file(path)
 
 
 def _encode(piece):
@@ -170,7 +170,7 @@ def _check_chat(kind: str, path: str, tokenizer, chat_template: str) -> str:
     raise ConfigError(f'--tokenizer_path={path!r} has no end-of-text token to separate '
                       'conversations; pass a tokenizer with one.')
   template_path = chat.find_template(path, chat_template)
-  chat.ChatTemplate(template_path)
+  chat.ChatTemplate(template_path, path)
   return template_path
 
 

@@ -9,15 +9,16 @@ from engine.hf import save as hf_save
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The training run to export.')
 _OUT = flags.DEFINE_string('out', None, 'Directory to write.')
-_LORA = flags.DEFINE_enum('lora', 'merged', ['merged', 'peft'], 'A LoRA run: its adapters '
-                          'merged into the weights, or written alone as a PEFT adapter.')
+_ADAPTERS = flags.DEFINE_enum('adapters', 'merged', ['merged', 'peft'], 'A LoRA run: its '
+                              'adapters merged into the weights, or written alone as a PEFT '
+                              'adapter.')
 _DTYPE = flags.DEFINE_enum('dtype', 'float32', list(hf_save.DTYPES),
                            'The dtype of the written tensors.')
 
 
 def main(argv):
   del argv
-  written = export_files(_WORKDIR.value, _OUT.value, _DTYPE.value, _LORA.value)
+  written = export_files(_WORKDIR.value, _OUT.value, _DTYPE.value, _ADAPTERS.value)
   print(f'Wrote {len(written.tensors)} tensors ({_DTYPE.value}) and {", ".join(written.files)} '
         f'to {_OUT.value}\nTokenizer: {written.tokenizer}')
 

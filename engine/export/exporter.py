@@ -21,7 +21,7 @@ machine's devices (any mesh it was trained on), and writes a directory that tran
                            written.
 
 A LoRA run (model.lora_rank > 0) is written with its adapters merged into the weights (W +
-lora_alpha / lora_rank A B), or with --lora=peft as a PEFT adapter instead of the weights
+lora_alpha / lora_rank A B), or with --adapters=peft as a PEFT adapter instead of the weights
 (adapter_config.json and adapter_model.safetensors, beside the tokenizer files), which
 `peft.PeftModel.from_pretrained` loads onto the base checkpoint (engine/hf/lora_export.py).
 """
@@ -60,7 +60,7 @@ def export(workdir: str, out: str, dtype: str = 'float32') -> list[str]:
   return export_files(workdir, out, dtype).tensors
 
 
-LORA_AS = ('merged', 'peft')
+ADAPTERS_AS = ('merged', 'peft')
 
 # What a Hugging Face checkpoint directory holds: an --out holding only these is a previous export
 # (or a download), which an export replaces whole.
@@ -102,10 +102,10 @@ def _replace(staged: str, out: str) -> None:
 
 
 def export_files(workdir: str, out: str, dtype: str = 'float32',
-                 lora_as: str = 'merged') -> Exported:
+                 adapters_as: str = 'merged') -> Exported:
   """The latest checkpoint of `workdir` and its tokenizer written to `out` (module docstring):
   written beside it first, then put in its place, replacing an earlier export whole. A LoRA
-  run's adapters are merged into the weights, or (`lora_as='peft'`) written alone as a PEFT
+  run's adapters are merged into the weights, or (`adapters_as='peft'`) written alone as a PEFT
   adapter (engine/hf/lora_export.py)."""
   if dtype not in hf_save.DTYPES:
     raise ConfigError(f'--dtype={dtype}: choose one of {", ".join(hf_save.DTYPES)}.')
@@ -130,18 +130,18 @@ def export_files(workdir: str, out: str, dtype: str = 'float32',
         f'--workdir={workdir} trained {why}, which a Hugging Face export cannot write as '
         f'{fmt.architecture}; use the run with engine.generate and engine.evaluate.')
   adapters = lora.from_config(config.model)
-  if lora_as not in LORA_AS:
-    raise ConfigError(f'--lora={lora_as}: choose merged or peft.')
-  if lora_as == 'peft' and adapters is None:
-    raise ConfigError(f'--lora=peft: --workdir={workdir} trained no LoRA adapters '
-                      '(model.lora_rank=0); export it whole without --lora.')
+  if adapters_as not in ADAPTERS_AS:
+    raise ConfigError(f'--adapters={adapters_as}: choose merged or peft.')
+  if adapters_as == 'peft' and adapters is None:
+    raise ConfigError(f'--adapters=peft: --workdir={workdir} trained no LoRA adapters '
+                      '(model.lora_rank=0); export it whole without --adapters.')
   params = restore_params(workdir, run.setup.abstract_state()['params'])
   host = {path: np.asarray(jax.device_get(v)) for path, v in hf.by_path(params).items()}
   token_ids = {'bos_token_id': tokenizer.bos_id, 'eos_token_id': tokenizer.eos_id}
   staged = f'{out}.export-in-progress'
   shutil.rmtree(staged, ignore_errors=True)  # A failed export's leftovers: ours to remove.
   try:
-    if lora_as == 'peft':
+    if adapters_as == 'peft':
       # The base checkpoint the run started from (config.json records it).
       base = hf.path_of(workdir_lib.read_run_config(workdir).train.init_from) or ''
       names = lora_export.save_adapter(host, fmt, adapters, staged, base, hf_save.DTYPES[dtype])

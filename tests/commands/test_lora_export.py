@@ -47,7 +47,7 @@ def exported(tmp_path_factory):
       '--config.train.eval_batches=1'])
   assert code == 0
   export_files(str(root / 'run'), str(root / 'merged'))
-  export_files(str(root / 'run'), str(root / 'peft'), lora_as='peft')
+  export_files(str(root / 'run'), str(root / 'peft'), adapters_as='peft')
   return root
 
 

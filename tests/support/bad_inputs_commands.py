@@ -143,6 +143,11 @@ COMMAND_ROWS = {
         ([RUN, '--promt=hi'], 2, '--promt is not a flag (did you mean --prompt?); python -m '
          'engine.generate --helpfull lists them.'),
     ],
+    'engine.lm_eval': [
+        ([], 2, '--workdir is required: The training run to evaluate.'),
+        ([RUN, '--tasks=hellaswag'], 2, 'engine.lm_eval needs the lm_eval package, which is not '
+         'installed; pip install -e ".[lm_eval]" (or pip install lm_eval).'),
+    ],
     'engine.evaluate': [
         ([RUN, '--eval_batches=0'], 2, "--eval_batches=0 must be at least 1 (or leave it out: "
          "the run's train.eval_batches)."),
@@ -176,8 +181,8 @@ COMMAND_ROWS = {
          '--out=/tmp/hf_export.'),
         ([RUN, '--out=$T/notes.txt'], 2, '--out=$T/notes.txt is a file; pass a directory to '
          'write.'),
-        ([RUN, '--out=$T'], 2, "--out=$T holds 17 entries that are not a Hugging Face "
-         "checkpoint's, e.g. 'damaged_tokenizer_run'; pass a new or empty directory (an earlier "
+        ([RUN, '--out=$T'], 2, "--out=$T holds 20 entries that are not a Hugging Face "
+         "checkpoint's, e.g. 'chats.jsonl'; pass a new or empty directory (an earlier "
          'export there is replaced whole).'),
         ([RUN, '--out=$T/notes.txt/export'], 2, '--out=$T/notes.txt/export: $T/notes.txt is not '
          'a directory this process can write (the export is staged beside --out, then renamed); '

@@ -125,6 +125,11 @@ CHECKS = {
     'python -m engine.main --config=experiments/tiny.py --config.data.source=shards '
     '--config.data.shards=/tmp/stdlib_shards --config.data.tokenizer=hf --workdir=/tmp/tiny_bpe':
         Run('bpe', add=SHORT_TRAIN, outputs=('/tmp/tiny_bpe/metrics.jsonl',)),
+    # docs/commands.md: lm-eval.
+    'python -m engine.lm_eval --workdir=/tmp/sft --tasks=engine_arith_choice,engine_text_ppl '
+    '--include_path=/tmp/lm_tasks --out=/tmp/sft_lm_eval':
+        Skip('needs the lm_eval extra and an SFT run; tests/commands/test_lm_eval.py runs it with '
+             'LM_EVAL_PYTHON'),
     # docs/commands.md: record files and a datasets directory.
     'python -m engine.data.prepare --input=/tmp/docs.jsonl --text_field=body --tokenizer=byte '
     '--out=/tmp/jsonl_shards':

@@ -101,7 +101,8 @@ FLOORS = (
     # What runs on an assembled run: training, generation, evaluation, export.
     ('engine.generate', 'engine.train', 'engine.evaluate', 'engine.export'),
     # The training command and the tools.
-    ('engine.main', 'engine.bench', 'engine.plan', 'engine.sweep', 'engine.analysis'),
+    ('engine.main', 'engine.bench', 'engine.plan', 'engine.sweep', 'engine.analysis',
+     'engine.lm_eval'),
 )
 
 

@@ -157,3 +157,11 @@ def test_a_tokenizer_without_a_template_and_a_template_that_rewrites_turns(tmp_p
   with pytest.raises(ConfigError, match=r'does not render this conversation as the continuation '
                      r'of the messages before message 2 .* the answer of message 2 cannot be told apart'):
     template.answer_spans(CONVERSATIONS[0])
+
+
+def test_a_template_file_of_its_own_renders_with_the_tokenizers_special_tokens(
+    tokenizer_paths, tmp_path):
+  (tmp_path / 'inst.jinja').write_text(chat_tokenizers.INST)
+  template = chat.ChatTemplate(str(tmp_path / 'inst.jinja'), tokenizer_paths['inst'])
+  assert template.render(CONVERSATIONS[1]) == (
+      '<s>[INST] Count to three. [/INST]One, two, three.</s>')
