@@ -2,9 +2,10 @@
 the whole file): JSON lines (`.jsonl`, `.ndjson`, `.json`), Parquet (`.parquet`), and a Hugging
 Face `datasets` directory written by `save_to_disk` (its Arrow files, memory-mapped).
 
-Each record's `field` is one document. `check` refuses, before anything is read in full, a file
-whose records lack the field (naming the fields they have); `texts` refuses a record whose field
-is empty of text (null, or not a string), naming the record.
+Each record's `field` is one document (`texts`), or a conversation's list of {role, content}
+messages (`conversations`, engine/data/chat.py). `check` refuses, before anything is read in
+full, a file whose records lack the field (naming the fields they have); a record whose field is
+null or of another type is refused naming the record.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ _SUFFIXES = {'.jsonl': 'jsonl', '.ndjson': 'jsonl', '.json': 'jsonl', '.parquet'
 _JSON_BLOCK_BYTES = 1 << 20
 _JSON_BLOCK_LIMIT = 1 << 30
 _BATCH_RECORDS = 1024
+# A conversation as JSON lines are read: its messages' roles and contents (other keys ignored).
+MESSAGES = pa.list_(pa.struct([('role', pa.string()), ('content', pa.string())]))
 
 
 def is_datasets_directory(path: str) -> bool:
@@ -44,8 +47,9 @@ def _arrow_files(path: str, what: str) -> list[str]:
   if os.path.isfile(os.path.join(path, 'dataset_dict.json')):
     with open(os.path.join(path, 'dataset_dict.json')) as f:
       splits = json.load(f).get('splits', [])
+    example = os.path.join(path, (splits or ['train'])[0])
     raise ConfigError(f'{what} holds a DatasetDict (splits {", ".join(map(repr, splits))}); pass '
-                      f'one split\'s directory, e.g. --input={os.path.join(path, (splits or ["train"])[0])}.')
+                      f'one split\'s directory, e.g. --input={example}.')
   with open(os.path.join(path, 'state.json')) as f:
     names = [entry['filename'] for entry in json.load(f).get('_data_files', [])]
   missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
@@ -94,8 +98,6 @@ def check(path: str, kind: str, field: str, what: str, flag: str) -> None:
                       f'{", ".join(map(repr, names)) or "no fields"}); pass {flag}=the field that '
                       'holds the text.')
 
-
-MESSAGES = pa.list_(pa.struct([('role', pa.string()), ('content', pa.string())]))
 
 
 def _json_batches(path: str, field: str, value_type=pa.string()):

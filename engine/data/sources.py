@@ -37,13 +37,9 @@ def _paths(source: str) -> list[str]:
   """A directory's inputs, in path order: its files, and its `datasets` directories whole."""
   found = []
   for root, dirs, names in os.walk(source):
-    kept = []
-    for name in sorted(dirs):
-      if record_files.is_datasets_directory(os.path.join(root, name)):
-        found.append(os.path.join(root, name))
-      elif not name.startswith('.'):
-        kept.append(name)
-    dirs[:] = kept
+    datasets = [n for n in dirs if record_files.is_datasets_directory(os.path.join(root, n))]
+    found.extend(os.path.join(root, name) for name in datasets)
+    dirs[:] = [n for n in dirs if n not in datasets]
     found.extend(os.path.join(root, name) for name in names if not name.startswith('.'))
   return sorted(found)
 

@@ -320,6 +320,10 @@ BAD_INPUTS = [
      'names no projection; name any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, '
      'down_proj, comma-separated.'),
     ([TINY, RUN, '--config.model.name=llama', '--config.model.lora_rank=4',
+      '--config.model.num_experts=4'], 2, "model.lora_targets names 'gate_proj', but "
+     'model.num_experts=4 puts experts in place of the MLP projections; adapt the attention '
+     'projections only (q_proj,k_proj,v_proj,o_proj).'),
+    ([TINY, RUN, '--config.model.name=llama', '--config.model.lora_rank=4',
       '--config.optim.name=muon'], 2, "model.lora_rank=4 trains its adapters with AdamW; "
      "optim.name='muon' is not supported with LoRA: pass --config.optim.name=adamw."),
     ([TINY, RUN, '--config.train.loggers=tensorboard'], 2, "train.loggers='tensorboard' leaves "
