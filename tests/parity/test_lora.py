@@ -13,7 +13,7 @@ from engine import models, parallel
 from engine.assemble import lay_out
 from engine.models import lora
 from engine.models.ops import LocalOps
-from tests.support.helpers import collective_table, tiny_config
+from tests.support.helpers import assert_resumes_exactly, collective_table, tiny_config
 
 VOCAB = 64
 RANK, ALPHA = 4, 8.0
@@ -127,3 +127,17 @@ def test_manual_data_parallel_reduces_only_the_adapters_gradients():
   everything = sum(x.size * 4 for _, x in params)
   # The adapters' gradients and a few scalars (the loss, the norm); not the frozen weights'.
   assert adapters <= reduced < adapters + 1024 < everything, (reduced, adapters, everything)
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumes_exactly_in_the_other_mode(tmp_path):
+  def config(steps, mode='manual'):
+    c = _config((2, 2, 2, 1, 1))
+    c.parallelism.mode = mode
+    c.train.num_steps, c.optim.decay_steps = steps, 8
+    c.train.checkpoint_every, c.train.async_checkpoints = 2, False
+    c.data.source, c.data.synthetic_tokens = 'synthetic', 20_000
+    return c
+
+  # The adapters and their masked optimizer state saved in manual mode, restored in auto mode.
+  assert_resumes_exactly(config, tmp_path, {'mode': 'auto'})
