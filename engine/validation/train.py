@@ -5,7 +5,9 @@ engine/validation/samples.py)."""
 from __future__ import annotations
 
 import importlib.util
+import netrc
 import os
+import urllib.parse
 
 from ml_collections import ConfigDict
 
@@ -33,6 +35,18 @@ def _check_init_from(workdir: str) -> None:
     raise ConfigError(
         f'train.init_from={workdir!r} holds no complete checkpoint; pass the --workdir of a run '
         'that saved one.')
+
+
+def _wandb_key_configured() -> bool:
+  """Whether W&B will find an API key: WANDB_API_KEY, or the netrc entry `wandb login` writes
+  for its host."""
+  if os.environ.get('WANDB_API_KEY'):
+    return True
+  host = urllib.parse.urlparse(os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai')).hostname
+  try:
+    return netrc.netrc(os.environ.get('NETRC')).authenticators(host) is not None
+  except (FileNotFoundError, netrc.NetrcParseError):
+    return False
 
 
 def check_train(train: ConfigDict) -> None:
@@ -72,3 +86,8 @@ def check_train(train: ConfigDict) -> None:
       raise ConfigError(f'train.wandb_mode={train.wandb_mode!r} is not a mode; pass online, '
                         "offline (no network: wandb sync uploads it later), or '' (WANDB_MODE, "
                         'else online).')
+    mode = train.wandb_mode or os.environ.get('WANDB_MODE', 'online')
+    if mode == 'online' and not _wandb_key_configured():
+      raise ConfigError('train.loggers names wandb, online, but no W&B API key is configured '
+                        '(WANDB_API_KEY, or `wandb login`); log in, or pass '
+                        '--config.train.wandb_mode=offline to write the run for `wandb sync`.')

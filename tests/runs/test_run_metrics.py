@@ -135,7 +135,15 @@ def test_loggers_are_checked(monkeypatch):
     config.train.loggers = loggers
     with pytest.raises(ConfigError, match=message):
       validate(config, 8)
-  config.train.loggers = 'jsonl,wandb'
+  config.train.loggers, config.train.wandb_mode = 'jsonl,wandb', 'online'
+  monkeypatch.delenv('WANDB_API_KEY', raising=False)
+  monkeypatch.setenv('NETRC', '/nonexistent/netrc')
+  with pytest.raises(ConfigError, match=r'online, but no W&B API key is configured '
+                     r'\(WANDB_API_KEY, or `wandb login`\); log in, or pass '
+                     r'--config.train.wandb_mode=offline'):
+    validate(config, 8)
+  monkeypatch.setenv('WANDB_API_KEY', 'x' * 40)
+  validate(config, 1)  # A key: nothing to refuse.
   monkeypatch.setattr(importlib.util, 'find_spec',
                       lambda name, *a: None if name == 'wandb' else find_spec(name, *a))
   with pytest.raises(ConfigError, match=r'names wandb, but the wandb package is not installed; '
