@@ -12,7 +12,9 @@ from flax import nnx
 from engine import models, parallel
 from engine.assemble import lay_out
 from engine.models import lora
+from engine.models.documents import CONTEXT_FLAG
 from engine.models.ops import LocalOps
+from tests.parity.test_moe import moe_config
 from tests.support.helpers import assert_resumes_exactly, collective_table, tiny_config
 
 VOCAB = 64
@@ -141,3 +143,38 @@ def test_a_lora_run_resumes_exactly_in_the_other_mode(tmp_path):
 
   # The adapters and their masked optimizer state saved in manual mode, restored in auto mode.
   assert_resumes_exactly(config, tmp_path, {'mode': 'auto'})
+
+
+def _moe_config(mesh=(1, 1, 1, 1, 1, 1)):
+  """A tiny mixture of experts with LoRA on its attention projections, trained on packed
+  conversations (context-flagged tokens, document masking)."""
+  config = moe_config(mesh, 'dropless')
+  config.model.lora_rank, config.model.lora_alpha = RANK, ALPHA
+  config.model.lora_targets = 'q_proj,k_proj,v_proj,o_proj'
+  config.data.global_batch_size, config.data.document_masking = 8, True
+  return config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode', ['manual', 'auto'])
+def test_experts_with_adapters_on_packed_conversations_match_one_device(mode):
+  """The expert layout (expert 4 x data 2) with both new pieces at once: the adapters train and
+  the loss counts only the trained (unflagged) targets, as on one device."""
+  rng = np.random.default_rng(5)
+  tokens = rng.integers(1, VOCAB, (8, 17))
+  tokens[rng.random(tokens.shape) < 0.15] = 0  # Document ends (the end-of-text id 0).
+  tokens |= np.where(rng.random(tokens.shape) < 0.4, CONTEXT_FLAG, 0)
+  one = lay_out(_moe_config(), VOCAB, jax.devices()[:1], eos_id=0)
+  state, _ = one.init(0)
+  state = jax.device_get({**state, 'params': _with_random_b(state['params'])})
+  want, want_metrics = parallel.build_steps('auto', one).train(state, tokens)
+  setup = lay_out(_moe_config((2, 1, 1, 1, 1, 4)), VOCAB, jax.devices(), eos_id=0)
+  after, metrics = parallel.build_steps(mode, setup).train(
+      jax.device_put(state, setup.state_shardings()), tokens)
+  np.testing.assert_allclose(float(metrics['loss']), float(want_metrics['loss']), atol=1e-5)
+  got, expected = _flat(jax.device_get(after['params'])), _flat(jax.device_get(want['params']))
+  moved = 0
+  for key, value in expected.items():
+    np.testing.assert_allclose(got[key], value, atol=1e-5, err_msg=key)
+    moved += not np.array_equal(value, _flat(state['params'])[key])
+  assert moved == 8  # The four projections' A and B, and nothing else.
