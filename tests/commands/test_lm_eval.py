@@ -17,7 +17,7 @@ from engine.assemble import lay_out
 from engine.lm_eval.scoring import Scorer
 from engine.models.ops import LocalOps
 from tests.support import lm_eval_tasks
-from tests.support.helpers import tiny_config
+from tests.support.helpers import reference_python, tiny_config
 
 VOCAB, WINDOW = 64, 16
 
@@ -69,10 +69,8 @@ def test_continuations_score_as_the_model_computes_them(mesh):
 
 @pytest.mark.slow
 def test_lm_eval_scores_the_run_as_it_scores_its_export(tmp_path):
-  python = os.environ.get('LM_EVAL_PYTHON')
-  if not python:
-    pytest.skip('LM_EVAL_PYTHON is not set: the Python of an environment with lm_eval, torch, '
-                'transformers and the engine installed (tests/README.md)')
+  python = reference_python('LM_EVAL_PYTHON', 'lm_eval, torch, transformers and the engine '
+                            'installed')
   from engine.data.bpe_trainer import train as train_bpe  # pylint: disable=g-import-not-at-top
   from engine.export.exporter import export_files  # pylint: disable=g-import-not-at-top
   from engine.main import run as run_main  # pylint: disable=g-import-not-at-top

@@ -6,7 +6,6 @@ transformers and peft), peft's PeftModel on the base checkpoint computes the mer
 logits."""
 
 import json
-import os
 import subprocess
 
 import jax
@@ -23,6 +22,7 @@ from engine.hf import load as hf
 from engine.main import run as run_main
 from engine.models.ops import LocalOps
 from tests.unit.test_hf_families import FAMILIES, _checkpoint
+from tests.support.helpers import reference_python
 
 pytestmark = pytest.mark.slow  # Trains.
 
@@ -93,10 +93,7 @@ def test_the_peft_adapter_recombines_into_the_merged_weights(exported):
 
 
 def test_peft_loads_the_adapter_onto_the_base_checkpoint(exported):
-  python = os.environ.get('TRANSFORMERS_PYTHON')
-  if not python:
-    pytest.skip('TRANSFORMERS_PYTHON is not set: the Python of an environment with torch, '
-                'transformers and peft (tests/README.md)')
+  python = reference_python('TRANSFORMERS_PYTHON', 'torch, transformers and peft')
   script = (
       'import sys, json, torch, transformers, peft\n'
       'base, merged, adapter = sys.argv[1:4]\n'

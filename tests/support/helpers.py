@@ -2,10 +2,12 @@
 
 from concurrent import futures
 import dataclasses
+import os
 
 import jax
 import numpy as np
 import optax
+import pytest
 from optax.contrib import MuonState
 
 from engine import data, models, parallel
@@ -214,3 +216,14 @@ def assert_resumes_exactly(config_for, tmp_path, changed: dict):
   assert [resumed[s] for s in (3, 4)] == [full[s] for s in (3, 4)]
   after = train(config_for(6, **changed), str(tmp_path / 'resumed')).train_losses
   assert sorted(after) == [5, 6] and all(np.isfinite(list(after.values())))
+
+
+def reference_python(variable: str, needs: str) -> str:
+  """The Python the environment variable `variable` names (another virtualenv, whose libraries
+  are the reference: transformers, peft, lm-eval); the test skips, saying so, where it is unset.
+  `needs`: what that environment must have."""
+  python = os.environ.get(variable)
+  if not python:
+    pytest.skip(f'{variable} is not set: the Python of an environment with {needs} '
+                '(tests/README.md)')
+  return python

@@ -20,7 +20,7 @@ from engine.errors import ConfigError
 from engine.models.documents import CONTEXT_FLAG, INSIDE_FLAG, token_ids
 from tests.support import chat_tokenizers
 from tests.support.chat_tokenizers import CONVERSATIONS, WITH_SYSTEM
-from tests.support.helpers import tiny_config
+from tests.support.helpers import reference_python, tiny_config
 
 # What each template writes after an answer, trained with it.
 END_OF_ANSWER = {'chatml': '<|im_end|>\n', 'chatml_marked': '<|im_end|>\n', 'inst': '</s>'}
@@ -64,10 +64,7 @@ def test_ids_and_answers_equal_transformers(tokenizer_paths):
   """Needs a Python with transformers (TRANSFORMERS_PYTHON): its apply_chat_template's ids for
   every template and conversation, and its assistant mask for the template that marks answers
   with {% generation %}."""
-  python = os.environ.get('TRANSFORMERS_PYTHON')
-  if not python:
-    pytest.skip('TRANSFORMERS_PYTHON is not set: the Python of an environment with transformers, '
-                'whose apply_chat_template is the reference (tests/README.md)')
+  python = reference_python('TRANSFORMERS_PYTHON', 'transformers')
   names = {n: os.path.dirname(p) for n, p in tokenizer_paths.items() if n != 'inst'}
   request = {'tokenizers': names, 'conversations': _conversations('chatml')}
   inst = {'tokenizers': {'inst': os.path.dirname(tokenizer_paths['inst'])},

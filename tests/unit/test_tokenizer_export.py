@@ -19,6 +19,7 @@ import tokenizers
 
 from engine.analysis import tokenizer_compare as tc
 from engine.hf import save as hf_save
+from tests.support.helpers import reference_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXT_FILE = ROOT / '../shared/data/tinyshakespeare.txt'
@@ -127,10 +128,7 @@ def test_the_class_check_catches_an_export_transformers_would_rebuild(exports, t
 
 @pytest.mark.slow
 def test_autotokenizer_gives_the_engines_ids_in_a_transformers_environment(tmp_path):
-  python = os.environ.get('TRANSFORMERS_PYTHON')
-  if not python:
-    pytest.skip('TRANSFORMERS_PYTHON is not set: the Python of an environment with transformers, '
-                'sentencepiece and protobuf (tests/README.md)')
+  python = reference_python('TRANSFORMERS_PYTHON', 'transformers, sentencepiece and protobuf')
   proc = subprocess.run(
       [sys.executable, '-m', 'engine.analysis.tokenizer_check', f'--transformers_python={python}',
        f'--text_file={TEXT_FILE}', f'--out={tmp_path / "tok"}'], cwd=ROOT, capture_output=True,
