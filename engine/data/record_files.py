@@ -140,21 +140,22 @@ def _batches(path: str, kind: str, field: str, what: str, value_type=pa.string()
 
 
 def texts(path: str, kind: str, field: str, what: str, flag: str):
-  """Each record's `field`, in order: one document per record."""
-  for number, value in _values(path, kind, field, what, flag, pa.string()):
+  """Each record's `field`, in order: one document per record (after `check`)."""
+  for number, value in _values(path, kind, field, what, pa.string()):
     if not isinstance(value, str):
       raise ConfigError(f'{what}: field {field!r} of record {number} holds '
                         f'{type(value).__name__}, not text; pass {flag}=a field of strings.')
     yield value
 
 
-def conversations(path: str, kind: str, field: str, what: str, flag: str):
-  """(record number, its `field`) of each record: a conversation's messages, unchecked."""
-  yield from _values(path, kind, field, what, flag, MESSAGES)
+def conversations(path: str, kind: str, field: str, what: str):
+  """(record number, its `field`) of each record (after `check`): a conversation's messages, not
+  yet checked to be messages (engine/data/chat.py: messages_of)."""
+  yield from _values(path, kind, field, what, MESSAGES)
 
 
-def _values(path: str, kind: str, field: str, what: str, flag: str, value_type):
-  check(path, kind, field, what, flag)
+def _values(path: str, kind: str, field: str, what: str, value_type):
+  """(record number, value) of each record's `field`; the file is `check`ed already."""
   number = 0
   try:
     for column in _batches(path, kind, field, what, value_type):

@@ -74,12 +74,17 @@ def documents(source: str, text_field: str = 'text'):
   UTF-8 text file (one document), a file of records (JSON lines, Parquet) or a `datasets`
   directory (each record's `text_field` one document, engine/data/record_files.py), or a
   directory (each of those below it, in path order)."""
+  return _documents(source, _checked_paths(source, text_field), text_field)
+
+
+def _documents(source: str, paths: list[str], text_field: str):
+  """The documents of `source`'s files (_checked_paths')."""
   if source == 'embedded':
-    for path in _stdlib_modules():
+    for path in paths:
       with open(path, encoding='utf-8', errors='replace') as f:
         yield f.read()
     return
-  for path in _checked_paths(source, text_field):
+  for path in paths:
     kind = record_files.kind_of(path)
     if kind:
       yield from record_files.texts(path, kind, text_field, _what(source, path), '--text_field')
@@ -98,14 +103,15 @@ def stream_inputs(inputs: list[str], text_field: str = 'text'):
   """The documents of every --input of the data commands, streamed. Every input is checked at
   the call (it exists, holds files, its record files have the field); one that turns out to hold
   no text is refused when its documents end."""
+  paths = {source: _checked_paths(source, text_field) for source in inputs}
   for source in inputs:
-    if not _checked_paths(source, text_field):
+    if not paths[source]:
       _refuse_empty(source, found_files=False)
 
   def stream():
     for source in inputs:
       any_text = False
-      for text in documents(source, text_field):
+      for text in _documents(source, paths[source], text_field):
         any_text = any_text or bool(text)
         yield text
       if not any_text:
@@ -136,8 +142,7 @@ def stream_conversations(inputs: list[str], messages_field: str):
     for source, path in paths:
       what = _what(source, path)
       for number, messages in record_files.conversations(path, record_files.kind_of(path),
-                                                         messages_field, what,
-                                                         '--messages_field'):
+                                                         messages_field, what):
         yield f'{what}, record {number}', messages
   return stream()
 

@@ -18,24 +18,21 @@ from safetensors.numpy import save_file
 from engine.models import lora
 from engine.models.hf_format import first_layer, tensor_name
 
-ADAPTER_FILES = ('adapter_config.json', 'adapter_model.safetensors')
-
-
 def _adapted(host: dict[str, np.ndarray], cfg: lora.LoraConfig):
-  """(weight path, its A, its B, input dimensions, PEFT target) of each adapted projection."""
+  """(weight path, its A, its B, input dimensions) of each adapted projection."""
   for name in cfg.targets:
     weight, in_dims, _ = lora.TARGETS[name]
     for path in [p for p in host if p.rsplit('/', 1)[-1] == weight]:
       a_name, b_name = lora.adapter_names(weight)
       prefix = path.rsplit('/', 1)[0] + '/'
-      yield path, host[prefix + a_name], host[prefix + b_name], in_dims, name
+      yield path, host[prefix + a_name], host[prefix + b_name], in_dims
 
 
 def merged(host: dict[str, np.ndarray], cfg: lora.LoraConfig) -> dict[str, np.ndarray]:
   """The parameters with each adapted weight replaced by W + scale A B (in float64, then the
   weight's dtype) and the adapters left out."""
   out = {p: v for p, v in host.items() if not lora.is_adapter(p)}
-  for path, a, b, in_dims, _ in _adapted(host, cfg):
+  for path, a, b, in_dims in _adapted(host, cfg):
     w = host[path]
     lead = a.ndim - in_dims - 1  # Stacked layers (and groups).
     rank = a.shape[-1]
@@ -51,7 +48,7 @@ def save_adapter(host: dict[str, np.ndarray], fmt, cfg: lora.LoraConfig, out: st
   names = {t.path: t.name for t in fmt.tensors}
   shapes = {path: np.shape(array) for path, array in host.items()}
   tensors = {}
-  for path, a, b, in_dims, _ in _adapted(host, cfg):
+  for path, a, b, in_dims in _adapted(host, cfg):
     lead = a.shape[:a.ndim - in_dims - 1]  # Stacked layers (and groups).
     rank = a.shape[-1]
     for at in np.ndindex(*lead):

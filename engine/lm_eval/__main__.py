@@ -51,9 +51,9 @@ def main(argv):
     raise ConfigError(f'--tasks: {unknown[0]!r} is no lm-eval task or group (lm-eval '
                       f'{lm_eval.__version__} knows {len(manager.all_tasks)}); check the name, '
                       'or pass --include_path=the directory of its YAML file.')
-  from engine.lm_eval.harness import engine_lm  # pylint: disable=g-import-not-at-top
+  from engine.lm_eval.harness import EngineLM  # pylint: disable=g-import-not-at-top
   results = lm_eval.simple_evaluate(
-      model=engine_lm(_WORKDIR.value, _MESH.value, _BATCH.value), tasks=_TASKS.value,
+      model=EngineLM(_WORKDIR.value, _MESH.value, _BATCH.value), tasks=_TASKS.value,
       task_manager=manager, num_fewshot=_FEWSHOT.value, limit=_LIMIT.value)
   print(lm_eval.utils.make_table(results))
   if _OUT.value:

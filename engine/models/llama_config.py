@@ -88,6 +88,11 @@ def check(model, mesh: dict[str, int]) -> None:
   _check_lora(model)
 
 
+def lora_targets(model) -> tuple[str, ...]:
+  """model.lora_targets' names."""
+  return tuple(t.strip() for t in model.lora_targets.split(',') if t.strip())
+
+
 def _check_lora(model) -> None:
   if model.lora_rank < 0:
     raise ModelConfigError(f'model.lora_rank={model.lora_rank} must be >= 0 (0: no LoRA).')
@@ -95,7 +100,7 @@ def _check_lora(model) -> None:
     return
   require_finite(model, ['lora_alpha'])
   require_positive(model, ['lora_alpha'])
-  targets = [t.strip() for t in model.lora_targets.split(',') if t.strip()]
+  targets = lora_targets(model)
   unknown = [t for t in targets if t not in LORA_TARGETS]
   if unknown or not targets:
     raise ModelConfigError(

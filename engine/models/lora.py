@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from engine.models import layers
+from engine.models import layers, llama_config, quantized_matmul
 
 # PEFT's module name -> (the engine's weight, its input dimensions, the adapters' short name).
 TARGETS = {
@@ -49,11 +49,7 @@ def from_config(model_config) -> LoraConfig | None:
   if model_config.lora_rank <= 0:
     return None
   return LoraConfig(model_config.lora_rank, float(model_config.lora_alpha),
-                    parse_targets(model_config.lora_targets))
-
-
-def parse_targets(text: str) -> tuple[str, ...]:
-  return tuple(t.strip() for t in text.split(',') if t.strip())
+                    llama_config.lora_targets(model_config))
 
 
 def adapter_names(weight: str) -> tuple[str, str]:
@@ -83,11 +79,11 @@ def add_adapters(module, cfg: LoraConfig, rngs) -> None:
 
 
 def project(module, weight: str, x: jax.Array, cfg: LoraConfig | None,
-            precision=None) -> jax.Array:
-  """x times `module`'s `weight`, plus its adapters' product when it has them."""
+            precision: quantized_matmul.MatmulPrecision = quantized_matmul.DEFAULT) -> jax.Array:
+  """x times `module`'s `weight` (at `precision`), plus its adapters' product when it has
+  them."""
   in_dims = BY_WEIGHT[weight][1]
-  kwargs = {} if precision is None else {'precision': precision}
-  y = layers.dense(x, getattr(module, weight)[...], in_dims=in_dims, **kwargs)
+  y = layers.dense(x, getattr(module, weight)[...], in_dims=in_dims, precision=precision)
   a_name, b_name = adapter_names(weight)
   if cfg is None or not hasattr(module, a_name):
     return y
@@ -96,24 +92,17 @@ def project(module, weight: str, x: jax.Array, cfg: LoraConfig | None,
   return y + (cfg.scale * layers.dense(low, b.astype(low.dtype))).astype(y.dtype)
 
 
-def merged(base: jax.Array, a: jax.Array, b: jax.Array, in_dims: int, scale: float) -> jax.Array:
-  """W + scale * A @ B, in float32 (an export's merged weight)."""
-  a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
-  product = jnp.tensordot(a32, b32, axes=([a32.ndim - 1], [0]))
-  return (base.astype(jnp.float32) + scale * product).astype(base.dtype)
-
-
 def trainable_only(grads):
   """`grads` with every frozen parameter's gradient replaced by zeros (the adapters' kept): the
   frozen ones' weight gradients, and their reductions, are then dead code."""
   return jax.tree_util.tree_map_with_path(
-      lambda keys, g: g if is_adapter(_path(keys)) else jnp.zeros_like(g), grads)
+      lambda keys, g: g if _adapter_key(keys) else jnp.zeros_like(g), grads)
 
 
 def labels(params):
   """'adapters' or 'frozen' for each parameter (the optimizer's partition)."""
   return jax.tree_util.tree_map_with_path(
-      lambda keys, _: 'adapters' if is_adapter(_path(keys)) else 'frozen', params)
+      lambda keys, _: 'adapters' if _adapter_key(keys) else 'frozen', params)
 
 
 def base_params(params):
@@ -131,5 +120,6 @@ def with_base(params, base):
   return {k: v if k.startswith(PREFIX) else with_base(v, base[k]) for k, v in params.items()}
 
 
-def _path(keys) -> str:
-  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', k))) for k in keys)
+def _adapter_key(keys) -> bool:
+  """Whether the parameter dict entry at these tree keys is an adapter."""
+  return str(keys[-1].key).startswith(PREFIX)

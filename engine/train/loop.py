@@ -281,11 +281,7 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
   _record_start(run, workdir)
   num_steps = config.train.num_steps
   mesh = run.setup.mesh
-  writer = MetricsWriter(workdir, num_steps, config.data.global_batch_size * config.data.seq_len,
-                         run.setup.model.flops_per_token(config.data.seq_len), start_step,
-                         run_summary.peak_flops_of_devices(
-                             jax.devices()[0].device_kind, config.model.dtype, mesh.size),
-                         loggers=config_lib.logger_names(config.train.loggers), config=config)
+  writer = _metrics_writer(run, workdir, start_step)
   peak_memory = run_summary.PeakMemory(memory['train_step'].get('peak_estimate_bytes'))
   result = TrainResult({}, {}, {}, start_step, memory)
   goodput = goodput_lib.Goodput(workdir, start_step, started)
@@ -323,6 +319,18 @@ def _train(run: Run, workdir, sampler: Sampler, compiled: compile_cache.Counts,
       goodput=totals, compilation=compiled.record())
   writer.end_run(result.summary)
   return result
+
+
+def _metrics_writer(run: Run, workdir, start_step: int) -> MetricsWriter:
+  """The run's metrics writer: its loggers (train.loggers), tokens and FLOPs per step, and the
+  devices' peak for MFU."""
+  config = run.config
+  return MetricsWriter(workdir, config.train.num_steps,
+                       config.data.global_batch_size * config.data.seq_len,
+                       run.setup.model.flops_per_token(config.data.seq_len), start_step,
+                       run_summary.peak_flops_of_devices(
+                           jax.devices()[0].device_kind, config.model.dtype, run.setup.mesh.size),
+                       loggers=config_lib.logger_names(config.train.loggers), config=config)
 
 
 def _record_start(run: Run, workdir) -> None:

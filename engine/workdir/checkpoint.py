@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import multihost
 
 from engine.distributed import startup as distributed
+from engine.models import lora
 from engine.workdir import run_dir as workdir_lib
 from engine.workdir.checksums import CHECKSUMS_FILE, file_checksums, find_damage
 from engine.errors import DISK_FULL, CheckpointError, ConfigError, is_disk_full
@@ -367,7 +368,8 @@ def restore_params(workdir: str, abstract_params):
   wanted = dict(jax.tree_util.tree_leaves_with_path(abstract_params))
   found = dict(jax.tree_util.tree_leaves_with_path(saved))
   shape = lambda key: tuple(found[key].shape) if key in found else 'missing'
-  adapters = [k for k in found if k not in wanted and 'lora_' in jax.tree_util.keystr(k)]
+  adapters = [k for k in found
+              if k not in wanted and str(k[-1].key).startswith(lora.PREFIX)]
   if adapters:
     raise ConfigError(
         f'train.init_from={workdir!r}: its checkpoint of step {step} holds LoRA adapters '

@@ -19,7 +19,9 @@ from engine.data.bpe_trainer import train as train_bpe
 from engine.export.exporter import export_files
 from engine.generate.sampling import load_run
 from engine.hf import load as hf
+from engine.errors import ConfigError
 from engine.main import run as run_main
+from engine.workdir.checkpoint import restore_params
 from engine.models.ops import LocalOps
 from tests.unit.test_hf_families import FAMILIES, _checkpoint
 from tests.support.helpers import reference_python
@@ -110,3 +112,13 @@ def test_peft_loads_the_adapter_onto_the_base_checkpoint(exported):
   assert proc.returncode == 0, proc.stderr[-3000:]
   differences = json.loads(proc.stdout.strip().splitlines()[-1])
   assert differences['merged'] < 2e-5 < 1e-3 < differences['base'], differences
+
+
+def test_a_lora_run_as_init_from_is_refused_rather_than_dropping_its_adapters(exported):
+  run, _ = load_run(str(exported / 'run'))
+  config = run.config.copy_and_resolve_references()
+  config.model.lora_rank = 0
+  plain = lay_out(config, run.setup.model.vocab_size, jax.devices()[:1])
+  with pytest.raises(ConfigError, match=r"holds LoRA adapters \(\['blocks'\]\['lora_\w+'\], \.\.\.\), "
+                     r'which this run would drop; export that run merged'):
+    restore_params(str(exported / 'run'), plain.abstract_state()['params'])
