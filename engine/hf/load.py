@@ -159,6 +159,8 @@ def _read_block(files: _Files, name: str, layout: str, index: tuple[slice, ...],
   index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
   if layout == 'same':
     return files.read(name, index)
+  if layout == 'plus_one':
+    return files.read(name, index).astype(np.float32) + 1
   if layout == 'linear':
     return files.read(name, index[::-1]).T
   if layout == 'heads_out':  # Engine [D, H, K] from [H K, D].
@@ -375,7 +377,7 @@ def load_params(path: str, abstract_params):
 
 
 def _hf_shape(layout: str, inner: tuple[int, ...]) -> tuple[int, ...]:
-  if layout == 'same':
+  if layout in ('same', 'plus_one'):
     return inner
   if layout == 'linear':
     return inner[::-1]

@@ -24,6 +24,8 @@ def to_hf(layout: str, array: np.ndarray) -> np.ndarray:
   """One layer's engine array in the Hugging Face layout (the inverse of _read_block)."""
   if layout == 'same':
     return array
+  if layout == 'plus_one':
+    return np.asarray(array, np.float32) - 1
   if layout == 'linear':
     return array.T
   if layout == 'heads_out':  # [D, H, K] -> [H K, D]

@@ -34,6 +34,7 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   hf_format.py       HFTensor, HFFormat: how a family describes its Hugging Face checkpoints
   llama_hf.py        the Llama family's formats (Llama 2 / 3.x, Mistral, Qwen2, Qwen3)
   llama_moe_hf.py    its mixtures of experts' formats (Mixtral, Qwen3-MoE)
+  gemma_hf.py        Gemma 2 and Gemma 3's formats (the Llama with Gemma's options)
   latent_attention.py  multi-head latent attention (DeepSeek-V2 / V3)
   llama_layers.py    RMSNorm and rotary positions, shared by both attentions
   deepseek_hf.py     DeepSeek-V3's format (latent attention, sigmoid-routed experts)
@@ -58,12 +59,14 @@ MODEL_CHECKS = {'llama': llama_config.check}
 
 def _registries() -> dict[str, object]:
   # pylint: disable-next=g-import-not-at-top
-  from engine.models import deepseek_hf, gpt, hf_format, llama, llama_hf, llama_moe_hf, spec
+  from engine.models import (deepseek_hf, gemma_hf, gpt, hf_format, llama, llama_hf,
+                             llama_moe_hf, spec)
   return {
       'MODELS': {'gpt': gpt.build, 'llama': llama.build},
       # Hugging Face architecture -> its format; the first of a model's is what it exports by
       # default.
-      'HF_FORMATS': {fmt.architecture: fmt for fmt in (llama_hf.FORMATS + llama_moe_hf.FORMATS +
+      'HF_FORMATS': {fmt.architecture: fmt for fmt in (llama_hf.FORMATS + gemma_hf.FORMATS +
+                                                        llama_moe_hf.FORMATS +
                                                         deepseek_hf.FORMATS)},
       'HFFormat': hf_format.HFFormat, 'ModelSpec': spec.ModelSpec}
 

@@ -6,7 +6,9 @@ heads (grouped-query attention: N divides the H query heads, query head h reads 
 head h // (H / N)); the einsum and dot_product_attention paths never materialise them per query
 head. The softmax runs in float32 whatever the compute dtype. With packed documents
 (engine/models/documents.py) every path also masks the keys of other documents, given each
-position's segment id.
+position's segment id. Gemma 2 caps the scaled logits softly, c tanh(logits / c), before the
+mask (`softcap`; the einsum path, ring attention and the generation cache compute it, and
+validation refuses it with the other two paths, which have no such step).
 
 Shape suffixes: B batch, L (Q, S) length, H heads, N key / value heads, G = H / N, K head_dim.
 """
@@ -34,6 +36,14 @@ def prescale(q_BLHK, scale: float | None, scale_on: str):
   return q_BLHK, scale
 
 
+def soft_cap(logits, cap: float | None):
+  """cap tanh(logits / cap) (None: the logits unchanged): Gemma 2's attention and output logits
+  kept within (-cap, cap) smoothly."""
+  if not cap:
+    return logits
+  return cap * jnp.tanh(logits / cap)
+
+
 def grouped_logits(q_BQHK, k_BSNK):
   """q k^T [B, H, Q, S] in float32, each query head against its key head: a grouped einsum over
   [B, Q, N, G, K] queries, so the keys are never repeated G times."""
@@ -55,12 +65,13 @@ def grouped_values(p_BHQS, v_BSNK, preferred_element_type=None):
 
 def causal_attention(q_BLHK, k_BLNK, v_BLNK, scale_on: str = 'queries',
                      implementation: str = 'einsum', scale: float | None = None,
-                     segments_BL: jax.Array | None = None):
-  """softmax(scale q k^T + causal mask) v, scale 1/sqrt(K) unless given (prescale); keys and
-  values of N heads, N dividing the H query heads. `segments_BL`: each position's document
-  (packed documents); a query then sees only keys of its own document."""
+                     segments_BL: jax.Array | None = None, softcap: float | None = None):
+  """softmax(soft_cap(scale q k^T) + causal mask) v, scale 1/sqrt(K) unless given (prescale);
+  keys and values of N heads, N dividing the H query heads. `segments_BL`: each position's
+  document (packed documents); a query then sees only keys of its own document."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   mask_B1QS = None if segments_BL is None else same_document(segments_BL, segments_BL)
+  assert not softcap or implementation == 'einsum', implementation  # Validation refuses it.
   if implementation == 'dot_product_attention':  # Grouped-query natively (N < H).
     return jax.nn.dot_product_attention(q_BLHK, k_BLNK, v_BLNK, mask=mask_B1QS, scale=scale,
                                         is_causal=True)
@@ -70,6 +81,7 @@ def causal_attention(q_BLHK, k_BLNK, v_BLNK, scale_on: str = 'queries',
   logits_BHQS = grouped_logits(q_BLHK, k_BLNK)
   if scale != 1.0:
     logits_BHQS = logits_BHQS * scale
+  logits_BHQS = soft_cap(logits_BHQS, softcap)
   length = q_BLHK.shape[1]
   visible_BHQS = jnp.tril(jnp.ones((length, length), bool))
   if mask_B1QS is not None:

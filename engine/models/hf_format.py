@@ -12,7 +12,9 @@ split out and stacked layers along leading axes):
   linear     transposed: [out, in] -> [in, out];
   heads_out  [H K, D] -> [D, H, K] (a projection into heads);
   heads_in   [D, H K] -> [H, K, D] (a projection out of heads);
-  heads_bias [H K] -> [H, K] (a bias on a projection into heads).
+  heads_bias [H K] -> [H, K] (a bias on a projection into heads);
+  plus_one   identical layout, the engine's value one more (Gemma's RMSNorm multiplies by 1 + w,
+             the engine's by its scale; added and subtracted in float32).
 A stacked parameter's name has '{i}' for its layer (counted on from the stacks before its own,
 STACKS); a parameter stacked over experts too (a
 mixture of experts' [L, E, ...] weights, one tensor per layer and expert) also has '{e}', the
@@ -29,9 +31,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-LAYOUTS = ('same', 'linear', 'heads_out', 'heads_in', 'heads_bias')
+LAYOUTS = ('same', 'linear', 'heads_out', 'heads_in', 'heads_bias', 'plus_one')
 # Dimensions of one layer's engine array, by layout (stacked parameters have more in front).
-LAYER_NDIM = {'same': 1, 'linear': 2, 'heads_out': 3, 'heads_in': 3, 'heads_bias': 2}
+LAYER_NDIM = {'same': 1, 'linear': 2, 'heads_out': 3, 'heads_in': 3, 'heads_bias': 2,
+              'plus_one': 1}
 
 
 class UnsupportedCheckpoint(ValueError):

@@ -26,6 +26,7 @@ from flax import nnx
 
 from engine.models import lora, quantized_matmul
 from engine.models.lora import LoraConfig
+from engine.models.attention import soft_cap
 from engine.models.latent_attention import LatentAttention, LatentConfig
 from engine.models.layers import (FIRST_LAYERS, apply_layers, dense, one_layer, param,
                                   stack_layers)
@@ -61,6 +62,17 @@ class LlamaConfig:
   # With `moe`: the first this many layers keep the dense MLP (DeepSeek-V3), the rest are stacked.
   dense_layers: int = 0
   lora: LoraConfig | None = None  # Low-rank adapters on the targeted projections.
+  # Gemma 2 / 3 (engine/models/gemma_hf.py): each sublayer's output normalised before its
+  # residual add; GeGLU ('gelu_tanh'); the embedding scaled by sqrt(embed_dim); the attention's and
+  # the output's logits capped softly (attention.soft_cap); every `global_every`-th layer global,
+  # the others local, rotating by `local_rope` (None: `rope` in every layer).
+  post_norms: bool = False
+  mlp_activation: str = 'silu'  # llama_config.MLP_ACTIVATIONS
+  embed_scale: bool = False
+  attention_softcap: float | None = None
+  logit_softcap: float | None = None
+  global_every: int = 0
+  local_rope: Rope | None = None
 
 
 class Block(nnx.Module):
@@ -73,6 +85,9 @@ class Block(nnx.Module):
     self.cfg = cfg
     self.attn_norm = RMSNorm(D, cfg.norm_eps, rngs)
     self.mlp_norm = RMSNorm(D, cfg.norm_eps, rngs)
+    if cfg.post_norms:
+      self.attn_out_norm = RMSNorm(D, cfg.norm_eps, rngs)
+      self.mlp_out_norm = RMSNorm(D, cfg.norm_eps, rngs)
     if cfg.latent:
       self.mla = LatentAttention(D, H, K, cfg.latent, cfg.init_std, rngs)
     else:
@@ -102,7 +117,9 @@ class Block(nnx.Module):
     if cfg.lora:
       lora.add_adapters(self, cfg.lora, rngs)
 
-  def attention(self, x_BLD, ops):
+  def attention(self, x_BLD, ops, layer=None):
+    """`layer`: this layer's number in the stack (traced; counted by the carry where the layers
+    differ: model.global_every with a local rotary), or None."""
     cfg = self.cfg
     if cfg.latent:
       return self.mla(x_BLD, ops, cfg.rope, cfg.matmul, cfg.attention_scale_on, cfg.attention)
@@ -110,16 +127,28 @@ class Block(nnx.Module):
     positions_L = ops.positions(x_BLD.shape[1])
     x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
     q_BLHK, k_BLNK, v_BLNK = self.projections(x_BLD)
-    q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope), heads)
-    k_BLNK = rotary(k_BLNK, positions_L, cfg.rope)
+    inverse = self._inverse_frequency(layer)
+    q_BLHK = ops.constrain(rotary(q_BLHK, positions_L, cfg.rope, inverse_frequency=inverse),
+                           heads)
+    k_BLNK = rotary(k_BLNK, positions_L, cfg.rope, inverse_frequency=inverse)
     # The key / value heads this device's query heads read, not repeated per query head: the
     # attention groups the query heads over them (ring attention passes only these around).
     k_BLnK = ops.kv_for_query_heads(k_BLNK, cfg.num_heads)
     v_BLnK = ops.kv_for_query_heads(v_BLNK, cfg.num_heads)
     out_BLHK = ops.attention(q_BLHK, k_BLnK, v_BLnK, cfg.attention_scale_on, cfg.attention,
-                             cfg.attention_scale)
+                             cfg.attention_scale, cfg.attention_softcap)
     y_BLD = self._project('w_o_HKD', out_BLHK)
     return ops.finish_contraction(y_BLD, 'heads')
+
+  def _inverse_frequency(self, layer):
+    """The rotary frequencies of layer `layer` (Gemma 3: a local layer's base is not the global
+    layers'), or None: cfg.rope's, the same in every layer."""
+    cfg = self.cfg
+    if cfg.local_rope is None:
+      return None
+    local = (layer + 1) % cfg.global_every != 0
+    return jnp.where(local, cfg.local_rope.inverse_frequencies(cfg.head_dim),
+                     cfg.rope.inverse_frequencies(cfg.head_dim))
 
   def _project(self, weight: str, x):
     """x times a projection's weight (and its low-rank adapters', with LoRA)."""
@@ -142,21 +171,30 @@ class Block(nnx.Module):
     x_BLD = ops.column_parallel_input(x_BLD, 'mlp')  # Feeds the gate and up projections.
     gate_BLF = self._project('w_gate_DF', x_BLD)
     up_BLF = self._project('w_up_DF', x_BLD)
-    h_BLF = ops.constrain(jax.nn.silu(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
+    activation = (jax.nn.silu if self.cfg.mlp_activation == 'silu' else
+                  lambda x: jax.nn.gelu(x, approximate=True))
+    h_BLF = ops.constrain(activation(gate_BLF) * up_BLF, ('batch', 'length', 'mlp'))
     y_BLD = self._project('w_down_FD', h_BLF)
     return ops.finish_contraction(y_BLD, 'mlp')
 
   def __call__(self, carry, ops):
     """x [B, L, D] -> x; or, for the training loss, (x, {'loss': auxiliary loss so far, and the
-    router statistics summed so far}) -> the same with this block's mixture of experts' added."""
+    router statistics summed so far}) -> the same with this block's mixture of experts' added;
+    or, where the layers differ (local and global), (x, {'layer': this layer's number}) -> (x,
+    the next's)."""
     x_BLD, aux = carry if isinstance(carry, tuple) else (carry, None)
-    x_BLD = x_BLD + self.attention(self.attn_norm(x_BLD), ops)
-    x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
+    y_BLD = self.attention(self.attn_norm(x_BLD), ops, None if aux is None else aux['layer'])
+    if self.cfg.post_norms:
+      y_BLD = self.attn_out_norm(y_BLD)
+    x_BLD = ops.constrain(x_BLD + y_BLD, ('batch', 'length', 'embed'))
     if self.cfg.moe:
       y_BLD, layer_loss, stats = self.moe(self.mlp_norm(x_BLD), ops)
       aux = aux if aux is None else _add_layer(aux, layer_loss, stats)
     else:
       y_BLD = self.mlp(self.mlp_norm(x_BLD), ops)
+      aux = aux if aux is None else {**aux, 'layer': aux['layer'] + 1}
+    if self.cfg.post_norms:
+      y_BLD = self.mlp_out_norm(y_BLD)
     x_BLD = ops.constrain(x_BLD + y_BLD, ('batch', 'length', 'embed'))
     return x_BLD if aux is None else (x_BLD, aux)
 
@@ -209,8 +247,10 @@ class Llama(nnx.Module):
                                   with_aux: bool = True):
     """logits_aux_loss_and_stats before the head: the normalised features [B, L, D] that
     `head_logits` projects (a chunked loss projects them a slice at a time)."""
-    x_BLD = ops.constrain(ops.embed_lookup(self.tok_embed_VD[...], tokens_BL),
-                          ('batch', 'length', 'embed'))
+    x_BLD = ops.embed_lookup(self.tok_embed_VD[...], tokens_BL)
+    if self.cfg.embed_scale:  # Gemma: sqrt(D) rounded to the embedding's dtype first.
+      x_BLD = x_BLD * jnp.asarray(self.cfg.embed_dim ** 0.5, x_BLD.dtype)
+    x_BLD = ops.constrain(x_BLD, ('batch', 'length', 'embed'))
     # The dense first layers one by one in Python: generation's cache must not leave a scan.
     for index in range(self.cfg.dense_layers):
       x_BLD = one_layer(self.dense_blocks, index, FIRST_LAYERS)(x_BLD, ops)
@@ -225,6 +265,9 @@ class Llama(nnx.Module):
       aux, load_LE = sums['loss'], sums['load']
       stats = {name: sums[name] / L for name in ('balance', 'z', 'dropped')}
       stats['load'] = load_LE
+    elif self.cfg.local_rope is not None:  # Each layer reads its number from the carry.
+      x_BLD, _ = apply_layers(self.blocks, (x_BLD, {'layer': jnp.zeros((), jnp.int32)}), ops,
+                              unroll)
     else:
       x_BLD = apply_layers(self.blocks, x_BLD, ops, unroll)
     return self.final_norm(x_BLD), aux, stats
@@ -232,7 +275,8 @@ class Llama(nnx.Module):
   def head_logits(self, x_BLD: jax.Array, ops=LocalOps()) -> jax.Array:
     """Float32 logits of normalised features (any number of positions)."""
     logits_BLV = dense(x_BLD, self.head_DV[...], preferred_element_type=jnp.float32)
-    return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
+    return ops.constrain(soft_cap(logits_BLV, self.cfg.logit_softcap),
+                         ('batch', 'length', 'vocab'))
 
 
 def moe_config(model_config) -> MoeConfig | None:
@@ -273,7 +317,11 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       init_std=model_config.init_std, moe=moe_config(model_config),
       matmul=quantized_matmul.from_config(model_config), latent=latent_config(model_config),
       dense_layers=model_config.num_layers - stacked_layers(model_config),
-      lora=lora.from_config(model_config))
+      lora=lora.from_config(model_config), post_norms=model_config.post_norms,
+      mlp_activation=model_config.mlp_activation, embed_scale=model_config.embed_scale,
+      attention_softcap=model_config.attention_softcap or None,
+      logit_softcap=model_config.logit_softcap or None, global_every=model_config.global_every,
+      local_rope=Rope(model_config.rope_local_base) if model_config.rope_local_base else None)
   D = cfg.embed_dim
   attention_params, score_width = _attention_sizes(cfg)
   mlp_params, projected = _mlp_sizes(cfg)

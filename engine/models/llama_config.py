@@ -9,6 +9,7 @@ from engine.models.config_keys import (ConfigKey, ModelConfigError, choose, requ
                                        require_positive)
 
 ROPE_TYPES = ('default', 'linear', 'llama3')
+MLP_ACTIVATIONS = ('silu', 'gelu_tanh')
 # The projections LoRA adapts, by PEFT's names (engine/models/lora.py).
 LORA_TARGETS = ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
 
@@ -30,6 +31,25 @@ CONFIG_KEYS = (
     ConfigKey('sliding_window', 0, 'Llama: attend only to this many most recent positions '
               '(Mistral); 0: all. The engine computes full causal attention, so a window shorter '
               'than the sequence is refused.', exclusive=True),
+    ConfigKey('global_every', 0, 'Llama: every this many-th layer (layers n - 1, 2n - 1, ...) '
+              'attends globally and the others within model.sliding_window with their own rotary '
+              'base (model.rope_local_base): Gemma 2: 2, Gemma 3: 6; 0: every layer alike.',
+              exclusive=True),
+    ConfigKey('rope_local_base', 0.0, 'Llama: the rotary base of the layers model.global_every '
+              'makes local (Gemma 3: 10000), the global ones keeping model.rope_*; 0: the same '
+              'rotary in every layer.', exclusive=True),
+    ConfigKey('post_norms', False, "Llama: RMSNorm on the attention's and the MLP's outputs too, "
+              'before each residual add (Gemma 2 / 3).', exclusive=True),
+    ConfigKey('mlp_activation', 'silu', "Llama: the gated MLP's activation: " +
+              ' | '.join(MLP_ACTIVATIONS) + ' (SwiGLU; GeGLU with tanh-approximated GELU, Gemma).',
+              exclusive=True),
+    ConfigKey('embed_scale', False, 'Llama: the embeddings multiplied by sqrt(embed_dim), '
+              'rounded to their dtype (Gemma).', exclusive=True),
+    ConfigKey('attention_softcap', 0.0, 'Llama: the scaled attention logits capped softly, '
+              'c tanh(logits / c), before the mask (Gemma 2: 50; the einsum attention, ring '
+              'attention and generation compute it); 0: none.', exclusive=True),
+    ConfigKey('logit_softcap', 0.0, 'Llama: the output logits capped softly, c tanh(logits / c) '
+              '(Gemma 2: 30); 0: none.', exclusive=True),
     ConfigKey('mla_kv_rank', 0, "Llama: multi-head latent attention (DeepSeek-V2 / V3, "
               'engine/models/latent_attention.py): keys and values from a latent of this size '
               "per position (DeepSeek's kv_lora_rank); 0: the Llama attention.", exclusive=True),
@@ -86,6 +106,7 @@ def check(model, mesh: dict[str, int]) -> None:
   _check_latent_attention(model, mesh)
   moe_config.check(model, mesh)
   _check_lora(model)
+  _check_gemma(model)
 
 
 def lora_targets(model) -> tuple[str, ...]:
@@ -119,6 +140,34 @@ def _check_lora(model) -> None:
                            'fine-tune it whole (model.lora_rank=0).')
 
 
+def _check_gemma(model) -> None:
+  """Gemma's options: the soft caps, the activation, and the local layers' pattern and rotary."""
+  require_finite(model, ['attention_softcap', 'logit_softcap', 'rope_local_base'])
+  for key in ('attention_softcap', 'logit_softcap', 'rope_local_base', 'global_every'):
+    if model[key] < 0:
+      raise ModelConfigError(f'model.{key}={model[key]} must be >= 0 (0: none).')
+  choose(model, 'mlp_activation', MLP_ACTIVATIONS)
+  if model.attention_softcap and model.attention != 'einsum':
+    raise ModelConfigError(
+        f'model.attention_softcap={model.attention_softcap} with model.attention='
+        f'{model.attention!r}: only the einsum attention caps the logits; set '
+        "model.attention='einsum'.")
+  if model.rope_local_base and not model.global_every:
+    raise ModelConfigError(
+        f'model.rope_local_base={model.rope_local_base} needs model.global_every > 0 (which '
+        'layers are local); set it, or model.rope_local_base=0.')
+  if model.global_every and (model.num_experts or model.mla_kv_rank):
+    raise ModelConfigError(
+        f'model.global_every={model.global_every} with '
+        + ('model.num_experts' if model.num_experts else 'model.mla_kv_rank') +
+        ': local and global layers are built for the dense Llama attention and MLP; set '
+        'model.global_every=0.')
+  if model.mlp_activation != 'silu' and model.num_experts:
+    raise ModelConfigError(
+        f"model.mlp_activation={model.mlp_activation!r} with model.num_experts="
+        f'{model.num_experts}: the experts compute SwiGLU; set model.mlp_activation=silu.')
+
+
 def _check_latent_attention(model, mesh: dict[str, int]) -> None:
   """MLA's sizes, and what it does not combine with (the Llama attention's own options, the
   kernels and the ring attention written for equal key and value heads)."""
@@ -133,11 +182,13 @@ def _check_latent_attention(model, mesh: dict[str, int]) -> None:
   refused = [(model.qkv_bias, 'model.qkv_bias=True'), (model.qk_norm, 'model.qk_norm=True'),
              (model.attention != 'einsum', f'model.attention={model.attention!r}'),
              (model.attention_scale != -1, f'model.attention_scale={model.attention_scale}'),
+             (model.attention_softcap, f'model.attention_softcap={model.attention_softcap}'),
              (mesh.get('context', 1) > 1, f"mesh.context={mesh.get('context')}")]
   for given, what in refused:
     if given:
       raise ModelConfigError(
           f'model.mla_kv_rank={model.mla_kv_rank} (multi-head latent attention) with {what}: '
           'latent attention runs the einsum attention on whole sequences, scaled by 1 / '
-          'sqrt(head_dim + mla_rope_dim), without q/k/v biases or q/k norms; drop that setting '
+          'sqrt(head_dim + mla_rope_dim), without q/k/v biases, q/k norms or a logit cap; drop '
+          'that setting '
           'or set model.mla_kv_rank=0.')

@@ -161,11 +161,26 @@ def to_hf_config(architecture: str, model_type: str):
   return to_hf_config
 
 
+# Gemma's options (engine/models/gemma_hf.py) at the values that leave a Llama unchanged.
+GEMMA_NEUTRAL = {'post_norms': False, 'mlp_activation': 'silu', 'embed_scale': False,
+                 'attention_softcap': 0.0, 'logit_softcap': 0.0, 'global_every': 0,
+                 'rope_local_base': 0.0}
+
+
+def gemma_option(model) -> str:
+  """'model.KEY=VALUE' of the first Gemma option `model` sets, or ''."""
+  return next((f'model.{key}={model[key]!r}' for key, neutral in GEMMA_NEUTRAL.items()
+               if model.get(key, neutral) != neutral), '')
+
+
 def no_latent_attention(architecture: str):
   def why(model) -> str:
-    """What of the model `architecture` cannot write ('' if nothing)."""
+    """What of the model `architecture` cannot write ('' if nothing): latent attention, or an
+    option of Gemma's."""
     if model.get('mla_kv_rank', 0):
       return f'model.mla_kv_rank={model.mla_kv_rank} ({architecture} has no latent attention)'
+    if option := gemma_option(model):
+      return f'{option} ({architecture} computes none of Gemma\'s options)'
     return ''
   return why
 

@@ -62,9 +62,11 @@ class RMSNorm(nnx.Module):
 
 
 def rotary(x_BLHK: jax.Array, positions: jax.Array, rope: Rope,
-           interleaved: bool = False) -> jax.Array:
+           interleaved: bool = False, inverse_frequency: jax.Array | None = None) -> jax.Array:
   """Rotary position embedding, rotate-half form: dimension i pairs with i + K/2. `positions`
   is [L] (every row alike) or [B, L] (generation: each row at its own position).
+  `inverse_frequency` [K / 2]: these frequencies rather than `rope`'s (a layer's own, chosen
+  inside the layer stack: Gemma 3's local and global layers).
 
   `interleaved`: dimension 2i pairs with 2i + 1 instead (DeepSeek's checkpoints, whose
   transformers code reorders each head to [evens, odds] and rotates halves): the same rotation
@@ -72,10 +74,11 @@ def rotary(x_BLHK: jax.Array, positions: jax.Array, rope: Rope,
   if interleaved:
     *lead, K = x_BLHK.shape
     halves = x_BLHK.reshape(*lead, K // 2, 2).swapaxes(-1, -2).reshape(*lead, K)
-    rotated = rotary(halves, positions, rope)
+    rotated = rotary(halves, positions, rope, inverse_frequency=inverse_frequency)
     return rotated.reshape(*lead, 2, K // 2).swapaxes(-1, -2).reshape(*lead, K)
   half = x_BLHK.shape[-1] // 2
-  inverse_frequency = rope.inverse_frequencies(x_BLHK.shape[-1])
+  if inverse_frequency is None:
+    inverse_frequency = rope.inverse_frequencies(x_BLHK.shape[-1])
   angles = positions.astype(jnp.float32)[..., None] * inverse_frequency
   angles_K = jnp.concatenate([angles, angles], axis=-1)  # [(B,) L, K]
   x = x_BLHK.astype(jnp.float32)

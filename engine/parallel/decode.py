@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from engine.models.attention import grouped_logits, grouped_values, prescale
+from engine.models.attention import grouped_logits, grouped_values, prescale, soft_cap
 from engine.models.layers import layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup
@@ -91,14 +91,15 @@ class DecodeOps(AutoOps):
     return self._written({'latent': latent_BLC, 'rope': key_rope_BLR})
 
   def attention(self, q_BLHK, k_BLNK, v_BLNK, scale_on='queries', implementation='einsum',
-                scale=None):
+                scale=None, softcap=None):
     del implementation
     if 'k' in self.cache:
       keys_BSNK, values_BSNK = self._written({'k': k_BLNK, 'v': v_BLNK})
     else:  # Latent attention's keys and values, from its cache: every slot already.
       keys_BSNK, values_BSNK = k_BLNK, v_BLNK
     q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
-    logits_BHQS = grouped_logits(q_BLHK, keys_BSNK.astype(q_BLHK.dtype)) * scale
+    logits_BHQS = soft_cap(grouped_logits(q_BLHK, keys_BSNK.astype(q_BLHK.dtype)) * scale,
+                           softcap)
     slots_S = jnp.arange(keys_BSNK.shape[1])
     visible_BQS = slots_S[None, None, :] <= self.positions_BL[:, :, None]
     logits_BHQS = jnp.where(visible_BQS[:, None], logits_BHQS, jnp.finfo(jnp.float32).min)

@@ -216,11 +216,11 @@ class ManualOps(LocalOps):
     return context.local_positions(length, self.context_axis, self.context_size)
 
   def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on='queries', implementation='einsum',
-                scale=None):
+                scale=None, softcap=None):
     if self.context_axis is None:
-      return super().attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale)
+      return super().attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale, softcap)
     return context.ring_attention(q_BLHK, k_BLnK, v_BLnK, self.context_axis, self.context_size,
-                                  scale_on, scale, implementation, self.segments())
+                                  scale_on, scale, implementation, self.segments(), softcap)
 
   def embed_lookup(self, table_VD, tokens_BL):
     if not self.lookup_axes:

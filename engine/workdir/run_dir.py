@@ -114,6 +114,13 @@ ADDED_KEYS = {
     'model.lora_rank': 0,
     'model.lora_alpha': 16.0,
     'model.lora_targets': 'q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj',
+    'model.global_every': 0,
+    'model.rope_local_base': 0.0,
+    'model.post_norms': False,
+    'model.mlp_activation': 'silu',
+    'model.embed_scale': False,
+    'model.attention_softcap': 0.0,
+    'model.logit_softcap': 0.0,
 }
 
 

@@ -346,7 +346,8 @@ def test_attention_scale_sets_the_logit_scale(tmp_path):
     ({'mlp_bias': True}, 'mlp_bias=true is not supported'),
     ({'hidden_act': 'gelu'}, "hidden_act='gelu' is not supported"),
     ({'architectures': ['GPT2LMHeadModel'], 'model_type': 'gpt2'},
-     'the engine loads DeepseekV3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, '
+     'the engine loads DeepseekV3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, '
+     'LlamaForCausalLM, MistralForCausalLM, '
      'MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM'),
 ])
 def test_what_the_engine_does_not_compute_is_refused(change, message):
