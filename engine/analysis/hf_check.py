@@ -1,7 +1,7 @@
 """The engine's Hugging Face Llama-family support checked against transformers itself.
 
   python -m engine.analysis.hf_check --torch_python=/path/to/python-with-torch \
-      [--families=llama2,llama3,mistral,qwen2,qwen3,mixtral,qwen3_moe,deepseek_v3] \
+      [--families=llama2,llama3,mistral,qwen2,qwen3,mixtral,qwen3_moe,deepseek_v3,gemma2,gemma3] \
       [--formats=v5,legacy] [--modes=auto,manual] [--mesh=2x2x2] [--out=/tmp/hf_check] \
       [--dir=KEEP_FILES_HERE]
 
@@ -11,7 +11,8 @@ builds a tiny random model of the family with transformers, saves it with save_p
 transformers 5's `rope_parameters` config format, "v5", or rewritten into the older top-level
 `rope_theta` / `rope_scaling` one, "legacy"), and writes transformers' logits on fixed token ids
 (the models: hf_reference.py's docstring; Llama 3 rotary, Qwen2 biases, Qwen3 q/k norms, head_dim
-and a tied head, Mixtral's and Qwen3-MoE's experts (the engine's dropless dispatch), every norm
+and a tied head, Mixtral's and Qwen3-MoE's experts (the engine's dropless dispatch), DeepSeek-V3's
+latent attention and routing, Gemma 2's soft caps and Gemma 3's rotary by layer type, every norm
 and bias random). Then, in each mode, this process:
 
   1. loads the directory as `train.init_from=hf:DIR` does (engine.assemble,

@@ -21,7 +21,7 @@ from engine.analysis.hf_compare import (LOGITS_RTOL, LOSS_RTOL, ROWS, SEED, SEQ_
 from engine.errors import ConfigError
 
 FAMILIES = ('llama2', 'llama3', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen3_moe',
-            'deepseek_v3')
+            'deepseek_v3', 'gemma2', 'gemma3')
 FORMATS = ('v5', 'legacy')
 REFERENCE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'hf_reference.py')
 

@@ -24,6 +24,12 @@ initialises to one and zero, so that a norm or a bias the engine dropped would s
   mixtral  MixtralForCausalLM, 4 experts of hidden 128, 2 per token (per-expert tensors on disk)
   qwen3_moe  Qwen3MoeForCausalLM, 4 experts of hidden 32 (moe_intermediate_size), 2 per token,
            norm_topk_prob, q / k norms, head_dim 32
+  gemma2   Gemma2ForCausalLM: head_dim 16, query_pre_attn_scalar 24, attention and final logit
+           soft caps 4 and 5 (small enough to bite), every other layer local (a window of 4096,
+           longer than the sequence), the head tied to the embedding
+  gemma3   Gemma3ForCausalLM: 4 layers, every third global; q / k norms; the local layers'
+           rotary base 10000, the global ones' 1000000 scaled linearly by 8 (as Gemma 3 4B and
+           up); query_pre_attn_scalar 24, the head tied
   deepseek_v3  DeepseekV3ForCausalLM: latent attention (kv latent 16, query latent 24, key part
            16 + rotary 8, values 12, interleaved rotary pairs; rms_norm_eps 1e-5 against the
            latent norms' 1e-6), 8 experts of hidden 32 in 4 groups, 2 per token from the best
@@ -34,7 +40,8 @@ initialises to one and zero, so that a norm or a bias the engine dropped would s
 Config formats: `v5` is what transformers 5's save_pretrained writes (`rope_parameters`);
 `legacy` is the same checkpoint with config.json rewritten in the older format: a top-level
 `rope_theta`, `rope_scaling` = the other rotary settings with their `rope_type` (null for the
-default rotary), no `rope_parameters`.
+default rotary), no `rope_parameters` (Gemma 3: the global layers' in those, the local layers'
+base as `rope_local_base_freq`).
 
 Protocol on stdin / stdout: after importing torch and transformers it prints one line of JSON,
 {"ready": true, "torch": VERSION, "transformers": VERSION}. Then one JSON command per line, one
@@ -65,8 +72,9 @@ import sys
 import numpy as np
 import torch
 import transformers
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, MistralConfig,
-                          MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, Gemma3TextConfig,
+                          LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from transformers_output import captured_warnings  # A sibling file: this runs as a script.
 
@@ -106,6 +114,21 @@ FAMILIES = {
         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
         norm_topk_prob=True, rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0}),
 }
+GEMMA = dict(COMMON, hidden_act='gelu_pytorch_tanh', hidden_activation='gelu_pytorch_tanh',
+             tie_word_embeddings=True, query_pre_attn_scalar=24, sliding_window=4096)
+FAMILIES.update({
+    'gemma2': lambda: Gemma2Config(**GEMMA, head_dim=16, attn_logit_softcapping=4.0,
+                                   final_logit_softcapping=5.0,
+                                   rope_parameters={'rope_type': 'default',
+                                                    'rope_theta': 10000.0}),
+    'gemma3': lambda: Gemma3TextConfig(
+        **dict(GEMMA, num_hidden_layers=4), head_dim=16,
+        layer_types=['sliding_attention', 'sliding_attention', 'full_attention',
+                     'sliding_attention'],
+        rope_parameters={'full_attention': {'rope_type': 'linear', 'factor': 8.0,
+                                            'rope_theta': 1000000.0},
+                         'sliding_attention': {'rope_type': 'default', 'rope_theta': 10000.0}}),
+})
 FORMATS = ('v5', 'legacy')
 
 
@@ -134,6 +157,9 @@ def legacy_config(config: dict) -> dict:
   """transformers 5's config.json in the older format: top-level rope_theta, rope_scaling."""
   config = dict(config)
   rope = dict(config.pop('rope_parameters'))
+  if 'full_attention' in rope:  # Gemma 3: by layer type.
+    config['rope_local_base_freq'] = rope['sliding_attention']['rope_theta']
+    rope = dict(rope['full_attention'])
   config['rope_theta'] = rope.pop('rope_theta')
   config['rope_scaling'] = rope if rope.get('rope_type', 'default') != 'default' else None
   return config

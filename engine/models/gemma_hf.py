@@ -55,7 +55,8 @@ GLOBAL, LOCAL = 'full_attention', 'sliding_attention'
 
 def _global_every(hf: dict, where: str, default_pattern: int) -> int:
   """model.global_every of config.json's `layer_types` (older files: every
-  `sliding_window_pattern`-th layer global); 0 when every layer is global."""
+  `sliding_window_pattern`-th layer global); 0 when every layer is global, more than the layers
+  when none is."""
   layers = hf['num_hidden_layers']
   types = hf.get('layer_types')
   if types is None:
@@ -63,6 +64,8 @@ def _global_every(hf: dict, where: str, default_pattern: int) -> int:
     types = [GLOBAL if (i + 1) % n == 0 else LOCAL for i in range(layers)]
   if all(t == GLOBAL for t in types):
     return 0
+  if all(t == LOCAL for t in types):  # A stack shorter than the pattern (a small test model).
+    return len(types) + 1
   n = types.index(GLOBAL) + 1 if GLOBAL in types else 0
   if not n or types != [GLOBAL if (i + 1) % n == 0 else LOCAL for i in range(len(types))]:
     raise UnsupportedCheckpoint(

@@ -537,13 +537,26 @@ BAD_INPUTS = [
      "model.mla_kv_rank=16 (multi-head latent attention) with "
      "model.attention='dot_product_attention': latent "
      'attention runs the einsum attention on whole sequences, scaled by 1 / sqrt(head_dim + '
-     'mla_rope_dim), without q/k/v biases or q/k norms; drop that setting or set '
+     'mla_rope_dim), without q/k/v biases, q/k norms or a logit cap; drop that setting or set '
      'model.mla_kv_rank=0.'),
     ([TINY, RUN, LLAMA, '--config.model.mla_kv_rank=16', '--config.mesh.context=2',
       '--config.parallelism.mode=manual'], 2,
      'model.mla_kv_rank=16 (multi-head latent attention) with mesh.context=2: latent attention '
      'runs the einsum attention on whole sequences, scaled by 1 / sqrt(head_dim + mla_rope_dim), '
-     'without q/k/v biases or q/k norms; drop that setting or set model.mla_kv_rank=0.'),
+     'without q/k/v biases, q/k norms or a logit cap; drop that setting or set '
+     'model.mla_kv_rank=0.'),
+    ([TINY, RUN, LLAMA, '--config.model.attention_softcap=50',
+      '--config.model.attention=dot_product_attention'], 2,
+     "model.attention_softcap=50.0 with model.attention='dot_product_attention': only the einsum "
+     "attention caps the logits; set model.attention='einsum'."),
+    ([TINY, RUN, LLAMA, '--config.model.rope_local_base=10000'], 2,
+     'model.rope_local_base=10000.0 needs model.global_every > 0 (which layers are local); set '
+     'it, or model.rope_local_base=0.'),
+    ([TINY, RUN, LLAMA, '--config.model.mlp_activation=relu'], 2,
+     "model.mlp_activation='relu' is unknown; choose one of ('silu', 'gelu_tanh')."),
+    ([TINY, RUN, *MOE, '--config.model.global_every=2'], 2,
+     'model.global_every=2 with model.num_experts: local and global layers are built for the '
+     'dense Llama attention and MLP; set model.global_every=0.'),
     ([TINY, RUN, *MOE, '--config.model.moe_balance=switch'], 2, "model.moe_balance='switch' "
      "is unknown; choose one of ('aux_loss', 'aux_free')."),
     ([TINY, RUN, *MOE, '--config.model.moe_balance=aux_free', '--config.model.moe_bias_rate=0'],

@@ -191,12 +191,12 @@ def test_bad_lists_and_a_python_without_torch_are_config_errors(tmp_path):
 
 def test_the_command_reports_bad_flags_in_one_line():
   done = subprocess.run([sys.executable, '-m', 'engine.analysis.hf_check',
-                         '--torch_python=/nonexistent/python', '--families=llama2,gemma'],
+                         '--torch_python=/nonexistent/python', '--families=llama2,gemma9'],
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 2
   lines = [l for l in done.stderr.splitlines() if l.strip()]
-  assert lines == ["error: --families: 'gemma' is unknown; choose from llama2,llama3,mistral,"
-                   "qwen2,qwen3,mixtral,qwen3_moe,deepseek_v3."], done.stderr
+  assert lines == ["error: --families: 'gemma9' is unknown; choose from llama2,llama3,mistral,"
+                   "qwen2,qwen3,mixtral,qwen3_moe,deepseek_v3,gemma2,gemma3."], done.stderr
 
 
 def test_the_reference_loss_is_optax_cross_entropy(checkpoint):
