@@ -21,10 +21,11 @@ from engine.hf import load as hf
 from engine.parallel.decode import build_decode_steps
 from engine.models import llama_config
 from engine.models.config_keys import ModelConfigError
-from tests.unit.test_hf_families import _engine_logits, assert_export_writes_back, legacy
+from tests.unit.test_hf_families import (SEQ, _engine_logits, _tokens,
+                                         assert_export_writes_back, legacy)
+from tests.unit.test_hf_families import _engine_config as _config
 from tests.support.helpers import tiny_config
 
-SEQ = 16
 BASE = {'hidden_size': 64, 'intermediate_size': 128, 'num_attention_heads': 4,
         'num_key_value_heads': 2, 'head_dim': 16, 'vocab_size': 256, 'rms_norm_eps': 1e-6,
         'max_position_embeddings': 64, 'hidden_activation': 'gelu_pytorch_tanh',
@@ -139,17 +140,6 @@ def reference_logits(t: dict, config: dict, tokens: np.ndarray,
     x = x + norm(y, p + 'post_feedforward_layernorm.weight')
   logits = norm(x, 'model.norm.weight') @ g('model.embed_tokens.weight').T
   return cap(logits, config.get('final_logit_softcapping'))
-
-
-def _config(path, mesh=(1, 1, 1)):
-  config = tiny_config(mesh=mesh)
-  config.train.init_from = f'hf:{path}'
-  config.data.seq_len = SEQ
-  return config
-
-
-def _tokens():
-  return np.random.default_rng(1).integers(0, 256, (8, SEQ + 1)).astype(np.int32)
 
 
 def _mean_loss(logits, tokens):
