@@ -198,12 +198,14 @@ def prompts_and_slots(config, tokenizer, texts: list[str], max_prompt_len: int,
     raise ConfigError(
         f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '
         f'GPT model\'s {config.model.max_len} learned positions; shorten them.')
-  window = config.model.sliding_window  # An older run's config gains it (run_dir.upgrade).
+  # The cache attends within the window; latent attention computes none (an older run's config
+  # gains both keys: run_dir.upgrade).
+  window = config.model.sliding_window if config.model.get('mla_kv_rank', 0) else 0
   if window and prompt_len + bos + max_new_tokens > window:
     raise ConfigError(
         f'--max_prompt_len={prompt_len}{plus} + --max_new_tokens={max_new_tokens} exceeds the '
-        f'model\'s sliding window of {window} tokens (model.sliding_window), past which the '
-        'engine\'s full attention would differ from the model\'s; shorten them.')
+        f'model\'s sliding window of {window} tokens (model.sliding_window), past which '
+        'latent attention\'s full attention would differ from the model\'s; shorten them.')
   if not bos and min(len(i) for i in ids) == 0:
     raise ConfigError('a prompt is empty, and the run\'s tokenizer has no '
                       'beginning-of-text token to start from; give it some text.')

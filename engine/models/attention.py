@@ -8,7 +8,10 @@ head. The softmax runs in float32 whatever the compute dtype. With packed docume
 (engine/models/documents.py) every path also masks the keys of other documents, given each
 position's segment id. Gemma 2 caps the scaled logits softly, c tanh(logits / c), before the
 mask (`softcap`; the einsum path, ring attention and the generation cache compute it, and
-validation refuses it with the other two paths, which have no such step).
+validation refuses it with the other two paths, which have no such step). A sliding window
+(`window`: a query sees the keys fewer than that many positions back, itself included; Mistral,
+Gemma's local layers) is computed by the einsum path and the generation cache; validation
+refuses a window shorter than the sequence on the other paths, which ignore it.
 
 Shape suffixes: B batch, L (Q, S) length, H heads, N key / value heads, G = H / N, K head_dim.
 """
@@ -65,10 +68,13 @@ def grouped_values(p_BHQS, v_BSNK, preferred_element_type=None):
 
 def causal_attention(q_BLHK, k_BLNK, v_BLNK, scale_on: str = 'queries',
                      implementation: str = 'einsum', scale: float | None = None,
-                     segments_BL: jax.Array | None = None, softcap: float | None = None):
+                     segments_BL: jax.Array | None = None, softcap: float | None = None,
+                     window=None):
   """softmax(soft_cap(scale q k^T) + causal mask) v, scale 1/sqrt(K) unless given (prescale);
   keys and values of N heads, N dividing the H query heads. `segments_BL`: each position's
-  document (packed documents); a query then sees only keys of its own document."""
+  document (packed documents); a query then sees only keys of its own document. `window` (an
+  int, or traced: a layer's own): each query sees only the keys fewer than `window` positions
+  back (the einsum path; None: all before it)."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
   mask_B1QS = None if segments_BL is None else same_document(segments_BL, segments_BL)
   assert not softcap or implementation == 'einsum', implementation  # Validation refuses it.
@@ -84,6 +90,8 @@ def causal_attention(q_BLHK, k_BLNK, v_BLNK, scale_on: str = 'queries',
   logits_BHQS = soft_cap(logits_BHQS, softcap)
   length = q_BLHK.shape[1]
   visible_BHQS = jnp.tril(jnp.ones((length, length), bool))
+  if window is not None:
+    visible_BHQS = visible_BHQS & (jnp.arange(length)[:, None] - jnp.arange(length) < window)
   if mask_B1QS is not None:
     visible_BHQS = visible_BHQS & mask_B1QS
   logits_BHQS = jnp.where(visible_BHQS, logits_BHQS, jnp.finfo(jnp.float32).min)

@@ -73,6 +73,9 @@ class LlamaConfig:
   logit_softcap: float | None = None
   global_every: int = 0
   local_rope: Rope | None = None
+  # Each query sees the keys fewer than this many positions back (Mistral; with global_every, the
+  # local layers only); 0: all before it. The einsum attention and generation compute it.
+  sliding_window: int = 0
 
 
 class Block(nnx.Module):
@@ -119,7 +122,7 @@ class Block(nnx.Module):
 
   def attention(self, x_BLD, ops, layer=None):
     """`layer`: this layer's number in the stack (traced; counted by the carry where the layers
-    differ: model.global_every with a local rotary), or None."""
+    differ: model.global_every), or None."""
     cfg = self.cfg
     if cfg.latent:
       return self.mla(x_BLD, ops, cfg.rope, cfg.matmul, cfg.attention_scale_on, cfg.attention)
@@ -136,9 +139,22 @@ class Block(nnx.Module):
     k_BLnK = ops.kv_for_query_heads(k_BLNK, cfg.num_heads)
     v_BLnK = ops.kv_for_query_heads(v_BLNK, cfg.num_heads)
     out_BLHK = ops.attention(q_BLHK, k_BLnK, v_BLnK, cfg.attention_scale_on, cfg.attention,
-                             cfg.attention_scale, cfg.attention_softcap)
+                             cfg.attention_scale, cfg.attention_softcap, self._window(layer))
     y_BLD = self._project('w_o_HKD', out_BLHK)
     return ops.finish_contraction(y_BLD, 'heads')
+
+  def _window(self, layer):
+    """Layer `layer`'s sliding window: cfg.sliding_window, or with cfg.global_every that on the
+    local layers and none (the int32 maximum) on the global ones; None: no window. Only the
+    einsum attention reads it (validation refuses a window shorter than the sequence on the
+    others)."""
+    cfg = self.cfg
+    if not cfg.sliding_window or cfg.attention != 'einsum':
+      return None
+    if not cfg.global_every:
+      return cfg.sliding_window
+    local = (layer + 1) % cfg.global_every != 0
+    return jnp.where(local, cfg.sliding_window, jnp.iinfo(jnp.int32).max)
 
   def _inverse_frequency(self, layer):
     """The rotary frequencies of layer `layer` (Gemma 3: a local layer's base is not the global
@@ -265,7 +281,7 @@ class Llama(nnx.Module):
       aux, load_LE = sums['loss'], sums['load']
       stats = {name: sums[name] / L for name in ('balance', 'z', 'dropped')}
       stats['load'] = load_LE
-    elif self.cfg.local_rope is not None:  # Each layer reads its number from the carry.
+    elif self.cfg.global_every:  # Each layer reads its number from the carry.
       x_BLD, _ = apply_layers(self.blocks, (x_BLD, {'layer': jnp.zeros((), jnp.int32)}), ops,
                               unroll)
     else:
@@ -321,7 +337,8 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       mlp_activation=model_config.mlp_activation, embed_scale=model_config.embed_scale,
       attention_softcap=model_config.attention_softcap or None,
       logit_softcap=model_config.logit_softcap or None, global_every=model_config.global_every,
-      local_rope=Rope(model_config.rope_local_base) if model_config.rope_local_base else None)
+      local_rope=Rope(model_config.rope_local_base) if model_config.rope_local_base else None,
+      sliding_window=model_config.sliding_window)
   D = cfg.embed_dim
   attention_params, score_width = _attention_sizes(cfg)
   mlp_params, projected = _mlp_sizes(cfg)

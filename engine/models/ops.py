@@ -100,13 +100,14 @@ class LocalOps:
 
   def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on: str = 'queries',
                 implementation: str = 'einsum', scale: float | None = None,
-                softcap: float | None = None) -> jax.Array:
+                softcap: float | None = None, window=None) -> jax.Array:
     """Causal self-attention over the whole sequence (engine.models.attention), logits scaled
-    by `scale` (None: 1/sqrt(head size)) and capped by `softcap` (None: not); keys and values of n heads, n dividing the query
+    by `scale` (None: 1/sqrt(head size)) and capped by `softcap` (None: not), within a sliding
+    `window` (None: none); keys and values of n heads, n dividing the query
     heads (kv_for_query_heads). A layout that splits the sequence passes keys and values
     between its devices. With packed documents, only keys of the query's own document."""
     return causal_attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale,
-                            self.segments(), softcap)
+                            self.segments(), softcap, window)
 
   def segments(self) -> jax.Array | None:
     """The segment ids [B, L] of the tokens the model holds (packed documents), or None."""

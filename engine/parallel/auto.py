@@ -124,9 +124,10 @@ class AutoOps(LocalOps):
     return y_BLKD, jnp.zeros((), jnp.float32)
 
   def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
-                scale=None, softcap=None):
+                scale=None, softcap=None, window=None):
     if implementation != 'splash':
-      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale, softcap)
+      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale, softcap,
+                               window)
     # The Pallas kernel is one device's program, which the SPMD partitioner cannot split: each
     # device runs it on its own batch rows and heads (whole sequences; validation refuses a
     # split length), as in manual mode. Unchecked (check_vma=False): nothing inside communicates,

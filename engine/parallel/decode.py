@@ -91,7 +91,7 @@ class DecodeOps(AutoOps):
     return self._written({'latent': latent_BLC, 'rope': key_rope_BLR})
 
   def attention(self, q_BLHK, k_BLNK, v_BLNK, scale_on='queries', implementation='einsum',
-                scale=None, softcap=None):
+                scale=None, softcap=None, window=None):
     del implementation
     if 'k' in self.cache:
       keys_BSNK, values_BSNK = self._written({'k': k_BLNK, 'v': v_BLNK})
@@ -102,6 +102,8 @@ class DecodeOps(AutoOps):
                            softcap)
     slots_S = jnp.arange(keys_BSNK.shape[1])
     visible_BQS = slots_S[None, None, :] <= self.positions_BL[:, :, None]
+    if window is not None:  # The slots fewer than `window` positions back.
+      visible_BQS = visible_BQS & (self.positions_BL[:, :, None] - slots_S < window)
     logits_BHQS = jnp.where(visible_BQS[:, None], logits_BHQS, jnp.finfo(jnp.float32).min)
     probs_BHQS = jax.nn.softmax(logits_BHQS, axis=-1).astype(q_BLHK.dtype)
     return grouped_values(probs_BHQS, values_BSNK.astype(q_BLHK.dtype))

@@ -216,9 +216,11 @@ class ManualOps(LocalOps):
     return context.local_positions(length, self.context_axis, self.context_size)
 
   def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on='queries', implementation='einsum',
-                scale=None, softcap=None):
+                scale=None, softcap=None, window=None):
     if self.context_axis is None:
-      return super().attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale, softcap)
+      return super().attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale, softcap,
+                               window)
+    # Ring attention: validation refuses a window shorter than the sequence.
     return context.ring_attention(q_BLHK, k_BLnK, v_BLnK, self.context_axis, self.context_size,
                                   scale_on, scale, implementation, self.segments(), softcap)
 

@@ -37,7 +37,7 @@ def new_tokens(config, prompt_len: int) -> int:
   """train.sample_tokens (0: SAMPLE_TOKENS, capped by GPT's learned positions), checked against
   the model's positions and sliding window."""
   model, asked = config.model, config.train.sample_tokens
-  window = model.sliding_window
+  window = model.sliding_window if model.get('mla_kv_rank', 0) else 0  # Others compute it.
   limits = ([(model.max_len, 'GPT model\'s learned positions (model.max_len)')]
             if model.name == 'gpt' else [])
   limits += [(window, 'model\'s sliding window (model.sliding_window)')] if window else []

@@ -29,7 +29,7 @@ import ml_collections
 from engine import models, parallel
 from engine.cli import config_help
 from engine.errors import ConfigError
-from engine.validation.attention import check_splash
+from engine.validation.attention import check_splash, check_window
 from engine.validation.data import check_data
 from engine.validation.layout import check_layout
 from engine.validation.mesh import check_mesh, count_slices
@@ -80,6 +80,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int, num_processes:
                       '--config.seed=0.')
   mesh = check_mesh(config.mesh, num_devices, num_processes, num_slices, platform)
   check_splash(config, mesh)  # Before the context checks: their fix would not apply.
+  check_window(config, mesh)
   rules = check_parallelism(config, mesh)
   check_model_keys(config.model, mesh)  # The model's own keys (a MoE's experts on the mesh).
   check_moe(config, mesh)

@@ -1,7 +1,8 @@
 """The layouts and shapes the Pallas splash-attention kernel (model.attention='splash',
-engine/models/splash.py) takes, alone or per block of manual mode's ring attention;
-engine.validation.validate calls `check_splash` before anything is compiled, so that a kernel's
-shape error never surfaces from inside a trace."""
+engine/models/splash.py) takes, alone or per block of manual mode's ring attention; and the
+attention paths that compute a sliding window shorter than the sequence. engine.validation.validate
+calls `check_splash` and `check_window` before anything is compiled, so that a kernel's shape
+error never surfaces from inside a trace."""
 
 from __future__ import annotations
 
@@ -25,6 +26,27 @@ def check_splash(config: ConfigDict, mesh: dict[str, int]) -> None:
     raise ConfigError(
         f"model.attention='splash' with model.attention_scale_on={model.attention_scale_on!r}: "
         "the kernel cannot scale the logits; set model.attention_scale_on='queries'.")
+
+
+def check_window(config: ConfigDict, mesh: dict[str, int]) -> None:
+  """A sliding window shorter than the sequence needs the einsum attention over whole sequences
+  (auto mode's sequence split included); the other paths compute full causal attention."""
+  model, seq_len = config.model, config.data.seq_len
+  window = model.get('sliding_window', 0)
+  if not 0 < window < seq_len:
+    return
+  refused = [(model.attention != 'einsum', f'model.attention={model.attention!r}',
+              "model.attention='einsum'"),
+             (mesh.get('context', 1) > 1 and config.parallelism.mode == 'manual',
+              f"mesh.context={mesh.get('context')} in manual mode (ring attention)",
+              'parallelism.mode=auto or mesh.context=1'),
+             (model.get('mla_kv_rank', 0) > 0, 'latent attention (model.mla_kv_rank)', '')]
+  for given, what, fix in refused:
+    if given:
+      raise ConfigError(
+          f'model.sliding_window={window} is shorter than data.seq_len={seq_len}, and {what} '
+          'computes full causal attention, which differs from the window once a sequence is '
+          f'longer than it; use data.seq_len <= {window}' + (f', or {fix}.' if fix else '.'))
 
 
 def _check_splash_ring(config: ConfigDict, context: int) -> None:

@@ -45,12 +45,6 @@ def check_data(data: ConfigDict, model: ConfigDict, reads_text: bool = True) -> 
                                   'synthetic_tokens'])
   if not 0.0 < data.val_fraction < 1.0:
     raise ConfigError(f'data.val_fraction={data.val_fraction} must lie in (0, 1).')
-  if 0 < model.sliding_window < data.seq_len:
-    raise ConfigError(
-        f'model.sliding_window={model.sliding_window} is shorter than data.seq_len='
-        f'{data.seq_len}: the engine computes full causal attention, which differs from a '
-        f'sliding window once a sequence is longer than it; use data.seq_len <= '
-        f'{model.sliding_window}.')
   if data.seq_len > model.max_len:
     fix = ('raise model.max_len or shorten data.seq_len' if not model.hf_architecture else
            "shorten data.seq_len (model.max_len is the checkpoint's max_position_embeddings)")

@@ -239,13 +239,16 @@ def test_prompts_start_with_the_beginning_of_text_token_unless_noadd_bos(tmp_pat
                      r'\+ 1 beginning-of-text token; raise --max_prompt_len'):
     prompts_and_slots(config, tokenizer, sixteen, 15, 4, add_bos=True)
   assert prompts_and_slots(config, tokenizer, sixteen, 16, 4, add_bos=True)[1] == 17
-  # A sliding window (Mistral) caps what generation may hold.
+  # A sliding window (Mistral): the cache attends within it, so generation may go past it;
+  # latent attention computes no window, so there the window caps what generation may hold.
   config.model.sliding_window = 19
+  assert prompts_and_slots(config, tokenizer, texts, 0, 16, add_bos=True)[1] == 4
+  config.model.mla_kv_rank = 16
   with pytest.raises(ConfigError, match=r"--max_prompt_len=3 \+ 1 beginning-of-text token \+ "
                      r"--max_new_tokens=16 exceeds the model's sliding window of 19 tokens"):
     prompts_and_slots(config, tokenizer, texts, 0, 16, add_bos=True)
   assert prompts_and_slots(config, tokenizer, texts, 0, 15, add_bos=True)[1] == 4
-  config.model.sliding_window = 0
+  config.model.sliding_window, config.model.mla_kv_rank = 0, 0
   # GPT: its learned positions hold the token too.
   config.model.name = 'gpt'
   assert prompts_and_slots(config, tokenizer, texts, 0, 4, add_bos=True)[1] == 12

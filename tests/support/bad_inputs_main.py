@@ -478,9 +478,11 @@ BAD_INPUTS = [
     ([TINY, RUN, '--config.train.init_from=hf:$T/hf_yarn'], 2, 'train.init_from=hf:$T/hf_yarn: '
      "rope_parameters.rope_type='yarn' is not implemented; the engine computes default, linear, "
      'llama3 rotary frequencies.'),
-    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_window'], 2, 'model.sliding_window=8 is '
-     'shorter than data.seq_len=64: the engine computes full causal attention, which differs from '
-     'a sliding window once a sequence is longer than it; use data.seq_len <= 8.'),
+    ([TINY, RUN, '--config.train.init_from=hf:$T/hf_window',
+      '--config.model.attention=dot_product_attention'], 2, 'model.sliding_window=8 is shorter '
+     "than data.seq_len=64, and model.attention='dot_product_attention' computes full causal "
+     'attention, which differs from the window once a sequence is longer than it; use '
+     "data.seq_len <= 8, or model.attention='einsum'."),
     ([TINY, RUN, '--config.train.init_from=hf:$T/hf_missing'], 2, 'train.init_from=hf:'
      "$T/hf_missing: 9 tensors are missing, e.g. 'model.layers.1.input_layernorm.weight' "
      '(config.json says num_hidden_layers=2; the files hold layers 0..0); the checkpoint is '

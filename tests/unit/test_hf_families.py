@@ -179,7 +179,8 @@ def _inverse_frequencies(config: dict, K: int) -> np.ndarray:
 def reference_logits(t: dict, config: dict, tokens: np.ndarray, scale=None) -> np.ndarray:
   """The family's ForCausalLM forward in NumPy (float64): RMSNorm, q/k/v biases (Qwen2), per-head
   q/k RMSNorm before rotary (Qwen3), rotate-half rotary, grouped-query causal attention with
-  logits times head_dim^-0.5 (or `scale`), SwiGLU (or a mixture of SwiGLU experts, _mlp)."""
+  logits times head_dim^-0.5 (or `scale`) within the sliding window if any, SwiGLU (or a mixture
+  of SwiGLU experts, _mlp)."""
   D, H, N = config['hidden_size'], config['num_attention_heads'], config['num_key_value_heads']
   K, eps = config.get('head_dim') or D // H, config['rms_norm_eps']
   B, L = tokens.shape
@@ -190,6 +191,9 @@ def reference_logits(t: dict, config: dict, tokens: np.ndarray, scale=None) -> n
   g = lambda name: t[name].astype(np.float64)
   x = g('model.embed_tokens.weight')[tokens]
   mask = np.tril(np.ones((L, L), bool))
+  window = config.get('sliding_window') if config.get('use_sliding_window', True) else None
+  if window:  # Mistral's: a query sees the keys fewer than `window` positions back.
+    mask &= np.arange(L)[:, None] - np.arange(L) < window
   for i in range(config['num_hidden_layers']):
     p = f'model.layers.{i}.self_attn.'
     h = norm(x, g(f'model.layers.{i}.input_layernorm.weight'))
@@ -355,8 +359,22 @@ def test_what_the_engine_does_not_compute_is_refused(change, message):
     hf.model_config(dict(FAMILIES['llama2'], **change), 'hf:x')
 
 
-def test_a_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
-  _checkpoint(tmp_path / 'hf', dict(FAMILIES['mistral'], sliding_window=8))
-  config = _engine_config(tmp_path / 'hf')
-  with pytest.raises(ConfigError, match='model.sliding_window=8 is shorter than data.seq_len=16'):
+def test_a_sliding_window_shorter_than_the_sequence(tmp_path):
+  """Mistral's window of 5 over 16 positions: the einsum attention computes it (the window
+  moves the reference's logits far beyond the tolerance); dot_product_attention is refused."""
+  hf_config = dict(FAMILIES['mistral'], sliding_window=5)
+  tensors = _checkpoint(tmp_path / 'hf', hf_config)
+  config = hf.with_model_config(_engine_config(tmp_path / 'hf'))
+  setup = lay_out(config, 256, jax.devices()[:1])
+  params = hf.load_params(str(tmp_path / 'hf'), setup.abstract_state()['params'])
+  tokens = _tokens()[:, :-1]
+  expected = reference_logits(tensors, hf_config, tokens)
+  np.testing.assert_allclose(_engine_logits(setup, params, tokens), expected, atol=2e-4,
+                             rtol=1e-4)
+  full = reference_logits(tensors, dict(hf_config, sliding_window=None), tokens)
+  assert np.abs(full - expected).max() > 100 * 2e-4
+  config = _engine_config(tmp_path / 'hf', mesh=(8, 1, 1))
+  config.model.attention = 'dot_product_attention'
+  with pytest.raises(ConfigError, match='model.sliding_window=5 is shorter than data.seq_len=16, '
+                     "and model.attention='dot_product_attention' computes full causal"):
     assemble(config)

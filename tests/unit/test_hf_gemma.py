@@ -29,7 +29,8 @@ from tests.support.helpers import tiny_config
 BASE = {'hidden_size': 64, 'intermediate_size': 128, 'num_attention_heads': 4,
         'num_key_value_heads': 2, 'head_dim': 16, 'vocab_size': 256, 'rms_norm_eps': 1e-6,
         'max_position_embeddings': 64, 'hidden_activation': 'gelu_pytorch_tanh',
-        'tie_word_embeddings': True, 'attention_bias': False, 'sliding_window': 4096}
+        'tie_word_embeddings': True, 'attention_bias': False, 'sliding_window': 6}
+# The local layers' window, 6, is shorter than the 16 positions, so the windows count.
 FAMILIES = {
     # Every other layer global; caps small enough to bite at these logits' sizes; the attention
     # scale from query_pre_attn_scalar 24, not head_dim 16.
@@ -113,9 +114,11 @@ def reference_logits(t: dict, config: dict, tokens: np.ndarray,
   cap = lambda x, c: c * np.tanh(x / c) if c else x
   gelu = lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
   x = g('model.embed_tokens.weight')[tokens] * (np.float32(D ** 0.5) if embed_scale else 1)
-  mask = np.tril(np.ones((L, L), bool))
+  causal = np.tril(np.ones((L, L), bool))
+  near = np.arange(L)[:, None] - np.arange(L) < config['sliding_window']
   for i, layer_type in enumerate(config['layer_types']):
     p = f'model.layers.{i}.'
+    mask = causal & near if layer_type == 'sliding_attention' else causal
     angles = np.concatenate([np.arange(L)[:, None] * _rope(config, layer_type, K)] * 2, -1)
     rot = lambda x: x * np.cos(angles) + np.concatenate([-x[..., K // 2:], x[..., :K // 2]],
                                                         -1) * np.sin(angles)
@@ -150,11 +153,14 @@ def _mean_loss(logits, tokens):
 
 @pytest.fixture(scope='module')
 def gemmas(tmp_path_factory):
-  """Each family's checkpoint: (directory, config.json, tensors)."""
+  """Each family's checkpoint, (directory, config.json, tensors), by (family, window): its
+  local layers' window 6 (shorter than the sequence) or 4096."""
   made = {}
   for family, config in FAMILIES.items():
-    directory = tmp_path_factory.mktemp(family)
-    made[family] = (directory, config, checkpoint(directory, config, seed=3))
+    for window in (6, 4096):
+      directory = tmp_path_factory.mktemp(f'{family}_{window}')
+      config = dict(FAMILIES[family], sliding_window=window)
+      made[family, window] = (directory, config, checkpoint(directory, config, seed=3))
   return made
 
 
@@ -177,7 +183,7 @@ def test_family_loads_with_the_reference_logits(tmp_path, family, fmt):
 
 
 @pytest.mark.parametrize('change', ['norms', 'embed_scale', 'attention_cap', 'logit_cap',
-                                    'local_rope', 'scalar'])
+                                    'local_rope', 'scalar', 'window'])
 def test_the_reference_sees_each_option(tmp_path, change):
   """Each of Gemma's options moves the reference's logits far beyond the tolerance above, so
   the tests above fail without it."""
@@ -197,6 +203,8 @@ def test_the_reference_sees_each_option(tmp_path, change):
         config['rope_parameters']['full_attention']))
   elif change == 'scalar':
     changed['query_pre_attn_scalar'] = config['head_dim']
+  elif change == 'window':
+    changed['sliding_window'] = 4096
   gap = np.abs(reference_logits(tensors, config, tokens) -
                reference_logits(other, changed, tokens, embed_scale)).max()
   assert gap > 100 * 2e-4, (change, gap)
@@ -205,12 +213,15 @@ def test_the_reference_sees_each_option(tmp_path, change):
 @pytest.mark.slow
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_sharded_in_both_modes_the_loss_is_the_references(gemmas, mode):
-  """2x2x2 (data, FSDP, tensor), then the sequence split 4 ways (ring attention) and two
-  pipeline stages (each layer's rotary chosen by its number in the whole stack)."""
+  """2x2x2 (data, FSDP, tensor), then the sequence split 4 ways and two pipeline stages (each
+  layer's rotary and window chosen by its number in the whole stack). Manual mode's ring
+  attention computes no window: its checkpoints' window is longer than the sequence."""
   tokens = _tokens()
-  for family, (directory, hf_config, tensors) in gemmas.items():
-    expected = _mean_loss(reference_logits(tensors, hf_config, tokens[:, :-1]), tokens)
+  for family in FAMILIES:
     for mesh, context, stage in (((2, 2, 2), 1, 1), ((2, 1, 1), 4, 1), ((2, 2, 1), 1, 2)):
+      ring = mode == 'manual' and context > 1
+      directory, hf_config, tensors = gemmas[family, 4096 if ring else 6]
+      expected = _mean_loss(reference_logits(tensors, hf_config, tokens[:, :-1]), tokens)
       config = _config(directory, mesh=mesh)
       config.parallelism.mode, config.mesh.context, config.mesh.stage = mode, context, stage
       config.train.microbatches = 2 if stage > 1 else 1
@@ -223,12 +234,13 @@ def test_sharded_in_both_modes_the_loss_is_the_references(gemmas, mode):
 
 @pytest.mark.slow
 def test_generation_logits_are_the_references(gemmas):
-  """The generation cache (its soft cap and each layer's rotary): the prefill's and then each
-  decode step's logits, fed the sequence's tokens one by one, are the reference's at those
+  """The generation cache (its soft cap, each layer's rotary and window): the prefill's and then
+  each decode step's logits, fed the sequence's tokens one by one, are the reference's at those
   positions."""
   sequence = _tokens()[:2, :SEQ]
   prompt = 5
-  for family, (directory, hf_config, tensors) in gemmas.items():
+  for family in FAMILIES:
+    directory, hf_config, tensors = gemmas[family, 6]
     config = hf.with_model_config(_config(directory))
     setup = lay_out(config, 256, jax.devices()[:1])
     params = hf.load_params(str(directory), setup.abstract_state()['params'])
@@ -249,7 +261,8 @@ def test_generation_logits_are_the_references(gemmas):
 def test_export_writes_the_checkpoint_back(gemmas, tmp_path):
   """Every tensor as read (the norms' w, not 1 + w; the head as lm_head, untied), and a
   config.json that reads back as the same model."""
-  for family, (directory, hf_config, tensors) in gemmas.items():
+  for family in FAMILIES:
+    directory, hf_config, tensors = gemmas[family, 6]
     config = hf.with_model_config(_config(directory))
     setup = lay_out(config, 256, jax.devices()[:1])
     params = hf.load_params(str(directory), setup.abstract_state()['params'])
@@ -281,7 +294,7 @@ def test_what_the_engine_does_not_compute_is_refused(change, message):
 
 
 def test_softcap_with_dot_product_attention_is_refused(tmp_path):
-  checkpoint(tmp_path, FAMILIES['gemma2'])
+  checkpoint(tmp_path, dict(FAMILIES['gemma2'], sliding_window=4096))
   config = hf.with_model_config(_config(tmp_path, mesh=(8, 1, 1)))
   config.model.attention = 'dot_product_attention'
   with pytest.raises(ConfigError, match="model.attention_softcap=2.0 with model.attention="
@@ -300,6 +313,25 @@ def test_bad_gemma_options_are_refused(change, message):
   config.model.name = 'llama'
   config.model.update(change)
   with pytest.raises(ConfigError, match=message):
+    assemble(config)
+
+
+@pytest.mark.parametrize('change, message', [
+    ({'model.attention': 'dot_product_attention'}, "and model.attention='dot_product_attention' "
+     "computes full causal attention"),
+    ({'mesh.context': 2, 'parallelism.mode': 'manual'}, r'and mesh.context=2 in manual mode \(ring '
+     r'attention\) computes full causal attention'),
+])
+def test_a_window_the_attention_cannot_compute_is_refused(tmp_path, change, message):
+  checkpoint(tmp_path, dict(FAMILIES['gemma3']))
+  config = hf.with_model_config(_config(tmp_path, mesh=(8, 1, 1)))
+  for key, value in change.items():
+    section, name = key.split('.')
+    config[section][name] = value
+  if 'mesh.context' in change:
+    config.mesh.data = 4
+  with pytest.raises(ConfigError, match='model.sliding_window=6 is shorter than data.seq_len=16, '
+                     + message):
     assemble(config)
 
 
