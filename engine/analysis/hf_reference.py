@@ -17,7 +17,7 @@ initialises to one and zero, so that a norm or a bias the engine dropped would s
            original_max_position_embeddings 64, theta 500000: with head_dim 16 one frequency
            is kept, one interpolated between the two wavelength bounds (16 and 64) and the
            rest divided by the factor, so all three branches of the scaling count)
-  mistral  MistralForCausalLM, sliding_window None (full causal attention)
+  mistral  MistralForCausalLM, sliding_window 8 (shorter than the checks' 16 tokens)
   qwen2    Qwen2ForCausalLM, biases on q / k / v
   qwen3    Qwen3ForCausalLM, RMSNorm on each query and key head, head_dim 32 (not 64 / 4),
            the output head tied to the embedding (as the small Qwen3 checkpoints are)
@@ -25,8 +25,8 @@ initialises to one and zero, so that a norm or a bias the engine dropped would s
   qwen3_moe  Qwen3MoeForCausalLM, 4 experts of hidden 32 (moe_intermediate_size), 2 per token,
            norm_topk_prob, q / k norms, head_dim 32
   gemma2   Gemma2ForCausalLM: head_dim 16, query_pre_attn_scalar 24, attention and final logit
-           soft caps 4 and 5 (small enough to bite), every other layer local (a window of 4096,
-           longer than the sequence), the head tied to the embedding
+           soft caps 4 and 5 (small enough to bite), every other layer local (a window of 8,
+           shorter than the checks' 16 tokens), the head tied to the embedding
   gemma3   Gemma3ForCausalLM: 4 layers, every third global; q / k norms; the local layers'
            rotary base 10000, the global ones' 1000000 scaled linearly by 8 (as Gemma 3 4B and
            up); query_pre_attn_scalar 24, the head tied
@@ -88,7 +88,7 @@ FAMILIES = {
     'llama2': lambda: LlamaConfig(**COMMON, rope_parameters={'rope_type': 'default',
                                                              'rope_theta': 10000.0}),
     'llama3': lambda: LlamaConfig(**COMMON, rope_parameters=dict(LLAMA3_ROPE)),
-    'mistral': lambda: MistralConfig(**COMMON, sliding_window=None,
+    'mistral': lambda: MistralConfig(**COMMON, sliding_window=8,
                                      rope_parameters={'rope_type': 'default',
                                                       'rope_theta': 1000000.0}),
     'qwen2': lambda: Qwen2Config(**COMMON, use_sliding_window=False,
@@ -115,7 +115,7 @@ FAMILIES = {
         norm_topk_prob=True, rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0}),
 }
 GEMMA = dict(COMMON, hidden_act='gelu_pytorch_tanh', hidden_activation='gelu_pytorch_tanh',
-             tie_word_embeddings=True, query_pre_attn_scalar=24, sliding_window=4096)
+             tie_word_embeddings=True, query_pre_attn_scalar=24, sliding_window=8)
 FAMILIES.update({
     'gemma2': lambda: Gemma2Config(**GEMMA, head_dim=16, attn_logit_softcapping=4.0,
                                    final_logit_softcapping=5.0,

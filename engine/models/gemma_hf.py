@@ -22,8 +22,8 @@ layout adds one on loading and subtracts it on saving. Gemma's `post_attention_l
 attention's output norm, where the Llama family's tensor of that name is the MLP's input norm.
 The checkpoints tie the output head to the embedding; the engine loads the head from it and
 trains the two apart (config.json written with tie_word_embeddings false). Local layers attend
-within `sliding_window`; the engine computes full causal attention, so (as for Mistral) a
-window shorter than the sequence is refused.
+within `sliding_window` (model.sliding_window: the einsum attention and generation compute it),
+global layers to every key before them.
 """
 
 from __future__ import annotations

@@ -28,9 +28,11 @@ CONFIG_KEYS = (
     ConfigKey('rope_low_freq_factor', 1.0, 'Llama: llama3 rotary low_freq_factor.'),
     ConfigKey('rope_high_freq_factor', 4.0, 'Llama: llama3 rotary high_freq_factor.'),
     ConfigKey('rope_original_max_len', 8192, 'Llama: llama3 rotary, the pre-scaling context.'),
-    ConfigKey('sliding_window', 0, 'Llama: attend only to this many most recent positions '
-              '(Mistral); 0: all. The engine computes full causal attention, so a window shorter '
-              'than the sequence is refused.', exclusive=True),
+    ConfigKey('sliding_window', 0, 'Llama: attend only to this many most recent positions, '
+              'itself included (Mistral; with model.global_every, the local layers); 0: all. The '
+              'einsum attention and generation compute it; with the other attentions, ring '
+              'attention or latent attention a window shorter than the sequence is refused.',
+              exclusive=True),
     ConfigKey('global_every', 0, 'Llama: every this many-th layer (layers n - 1, 2n - 1, ...) '
               'attends globally and the others within model.sliding_window with their own rotary '
               'base (model.rope_local_base): Gemma 2: 2, Gemma 3: 6; 0: every layer alike.',
