@@ -1,5 +1,5 @@
-"""Fine-tune a downloaded Hugging Face checkpoint (Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3)
-on your text, evaluate it and export it back to the Hugging Face format.
+"""Fine-tune a downloaded Hugging Face checkpoint (Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3,
+Gemma 2 / 3) on your text, evaluate it and export it back to the Hugging Face format.
 
   # 1. Train from the checkpoint, with its own tokenizer, on a text file:
   python -m engine.main --config=experiments/finetune_hf.py:hf=/models/Qwen2.5-0.5B,steps=200 \

@@ -9,8 +9,11 @@ so every rule preset and both modes work unchanged. Key/value heads carry their 
 (`ModelSpec.split_where_divisible`). A block's MLP may be a mixture of experts
 (engine/models/moe.py), after `dense_layers` dense ones that run before the stack
 (`dense_blocks`, DeepSeek-V3's first_k_dense_replace), and its attention DeepSeek's multi-head
-latent attention (engine/models/latent_attention.py). The keys only this family reads, and their checks, are in
-engine/models/llama_config.py.
+latent attention (engine/models/latent_attention.py). Gemma's options (engine/models/gemma_hf.py)
+add a norm after each sublayer, GeGLU, a scaled embedding, soft caps on the attention's and the
+output's logits, and local layers among global ones with their own rotary base and sliding
+window: each layer of the stack reads its number from the carry to choose them. The keys only
+this family reads, and their checks, are in engine/models/llama_config.py.
 
 Shape suffixes: B batch, L length, D embed, H query heads, N key/value heads (n: those this
 device's query heads read, ops.kv_for_query_heads), K head_dim, F mlp hidden, V vocab.
