@@ -339,7 +339,7 @@ COMMAND_ROWS = {
          'it (No such file or directory); pass a Python that has torch and transformers >= 5.'),
         ([HF_CHECK, '--families=gpt9'], 2,
          "--families: 'gpt9' is unknown; choose from llama2,llama3,mistral,qwen2,qwen3,mixtral,"
-         'qwen3_moe,deepseek_v3.'),
+         'qwen3_moe,deepseek_v3,gemma2,gemma3.'),
         ([HF_CHECK, '--formats=x'], 2, "--formats: 'x' is unknown; choose from v5,legacy."),
         ([HF_CHECK, '--mesh=2x'], 2, f'--mesh=2x: {MESH_FORMAT}'),
     ],
@@ -353,8 +353,8 @@ COMMAND_ROWS = {
          'bpe,bpe_bos,sentencepiece_bpe,sentencepiece_unigram.'),
         ([TOKENIZER_CHECK, '--architectures=GPT2LMHeadModel'], 2, "--architectures: "
          "'GPT2LMHeadModel' is unknown; choose from LlamaForCausalLM,MistralForCausalLM,"
-         'Qwen2ForCausalLM,Qwen3ForCausalLM,MixtralForCausalLM,Qwen3MoeForCausalLM,'
-         'DeepseekV3ForCausalLM.'),
+         'Qwen2ForCausalLM,Qwen3ForCausalLM,Gemma2ForCausalLM,Gemma3ForCausalLM,'
+         'MixtralForCausalLM,Qwen3MoeForCausalLM,DeepseekV3ForCausalLM.'),
     ],
     'engine.data.prepare': [
         ([], 2, '--input is required: Text, JSON lines or Parquet file, datasets directory, '
