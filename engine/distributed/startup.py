@@ -208,6 +208,14 @@ def _leave(code: int) -> None:
   os._exit(code)  # pylint: disable=protected-access
 
 
+def _failure_report() -> tuple[int, int, str] | None:
+  """(process, exit status, error line) of the failure a process has reported, or None."""
+  with contextlib.suppress(Exception):  # Nothing reported yet, or process 0 is gone.
+    index, code, message = client().key_value_try_get(_FAILURE_KEY).split('\n', 2)
+    return int(index), int(code), message
+  return None
+
+
 def _wait_for_own_report(seconds: float) -> None:
   """Returns once this process's main thread reports a failure of its own, or after `seconds`."""
   deadline = time.monotonic() + seconds
@@ -257,6 +265,14 @@ def fail_run(message: str, code: int) -> None:
   if not _REPORTED.acquire(blocking=False):
     time.sleep(_WAIT_FOR_OTHERS_S + 5)  # The watch is ending this process for another's failure.
     os._exit(code)  # pylint: disable=protected-access
+  earlier = _failure_report()
+  if earlier is not None and earlier[0] != jax.process_index():
+    # Another process failed first (this one may have been stopped while it did, and finds its
+    # own wait too long on waking): the run ends for that failure, as the watch would say.
+    index, code, first = earlier
+    print(f'error: process {index} of {jax.process_count()} failed, so process '
+          f'{jax.process_index()} stops too: {first}', file=sys.stderr, flush=True)
+    _leave(code)
   print(f'error: {message}', file=sys.stderr, flush=True)
   with contextlib.suppress(Exception):  # Another process reported first, or process 0 is gone.
     client().key_value_set(_FAILURE_KEY, f'{jax.process_index()}\n{code}\n{message}')
