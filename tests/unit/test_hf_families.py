@@ -228,6 +228,19 @@ def _tokens():
   return np.random.default_rng(1).integers(0, 256, (8, SEQ + 1)).astype(np.int32)
 
 
+def assert_logits(config, directory, expected):
+  """The engine's logits of the checkpoint in `directory` on one device are `expected`."""
+  setup, params = load_on_one_device(config, directory)
+  np.testing.assert_allclose(_engine_logits(setup, params, _tokens()[:, :-1]), expected,
+                             atol=2e-4, rtol=1e-4)
+
+
+def load_on_one_device(config, directory):
+  """(setup, params) of the Hugging Face checkpoint in `directory` on one device."""
+  setup = lay_out(config, 256, jax.devices()[:1])
+  return setup, hf.load_params(str(directory), setup.abstract_state()['params'])
+
+
 def _engine_logits(setup, params, tokens):
   ops = AutoOps(setup)
   forward = jax.jit(lambda p, t: ops.prepare_params(nnx.merge(setup.graphdef, p))(t, ops))
@@ -247,12 +260,7 @@ def test_family_loads_with_the_reference_logits(tmp_path, family, fmt):
   assert model.num_experts == (_experts(hf_config) if family in MOE_NAMES else 0)
   assert model.rope_base == FAMILIES[family]['rope_parameters']['rope_theta']
   assert model.rope_type == FAMILIES[family]['rope_parameters']['rope_type']
-  setup = lay_out(config, 256, jax.devices()[:1])
-  params = hf.load_params(str(tmp_path / 'hf'), setup.abstract_state()['params'])
-  tokens = _tokens()[:, :-1]
-  expected = reference_logits(tensors, hf_config, tokens)
-  np.testing.assert_allclose(_engine_logits(setup, params, tokens), expected, atol=2e-4,
-                             rtol=1e-4)
+  assert_logits(config, tmp_path / 'hf', reference_logits(tensors, hf_config, _tokens()[:, :-1]))
 
 
 def test_the_reference_sees_what_the_families_change(tmp_path):
@@ -365,14 +373,10 @@ def test_a_sliding_window_shorter_than_the_sequence(tmp_path):
   hf_config = dict(FAMILIES['mistral'], sliding_window=5)
   tensors = _checkpoint(tmp_path / 'hf', hf_config)
   config = hf.with_model_config(_engine_config(tmp_path / 'hf'))
-  setup = lay_out(config, 256, jax.devices()[:1])
-  params = hf.load_params(str(tmp_path / 'hf'), setup.abstract_state()['params'])
+  assert_logits(config, tmp_path / 'hf', reference_logits(tensors, hf_config, _tokens()[:, :-1]))
   tokens = _tokens()[:, :-1]
-  expected = reference_logits(tensors, hf_config, tokens)
-  np.testing.assert_allclose(_engine_logits(setup, params, tokens), expected, atol=2e-4,
-                             rtol=1e-4)
   full = reference_logits(tensors, dict(hf_config, sliding_window=None), tokens)
-  assert np.abs(full - expected).max() > 100 * 2e-4
+  assert np.abs(full - reference_logits(tensors, hf_config, tokens)).max() > 100 * 2e-4
   config = _engine_config(tmp_path / 'hf', mesh=(8, 1, 1))
   config.model.attention = 'dot_product_attention'
   with pytest.raises(ConfigError, match='model.sliding_window=5 is shorter than data.seq_len=16, '

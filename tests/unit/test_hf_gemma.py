@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from engine.assemble import assemble, lay_out
+from engine.assemble import assemble
 from engine.errors import ConfigError
 from engine.generate.sampling import Generator
 from engine.hf import load as hf
 from engine.parallel.decode import build_decode_steps
 from engine.models import llama_config
 from engine.models.config_keys import ModelConfigError
-from tests.unit.test_hf_families import (SEQ, _engine_logits, _tokens,
-                                         assert_export_writes_back, legacy)
+from tests.unit.test_hf_families import (SEQ, _tokens, assert_export_writes_back,
+                                         assert_logits, legacy, load_on_one_device)
 from tests.unit.test_hf_families import _engine_config as _config
 from tests.support.helpers import tiny_config
 
@@ -174,12 +174,8 @@ def test_family_loads_with_the_reference_logits(tmp_path, family, fmt):
   assert (model.hf_architecture, model.post_norms, model.mlp_activation, model.embed_scale) == (
       FAMILIES[family]['architectures'][0], True, 'gelu_tanh', True)
   assert model.global_every == (2 if family == 'gemma2' else 3)
-  setup = lay_out(config, 256, jax.devices()[:1])
-  params = hf.load_params(str(tmp_path / 'hf'), setup.abstract_state()['params'])
-  tokens = _tokens()[:, :-1]
-  np.testing.assert_allclose(_engine_logits(setup, params, tokens),
-                             reference_logits(tensors, FAMILIES[family], tokens), atol=2e-4,
-                             rtol=1e-4)
+  assert_logits(config, tmp_path / 'hf', reference_logits(tensors, FAMILIES[family],
+                                                          _tokens()[:, :-1]))
 
 
 @pytest.mark.parametrize('change', ['norms', 'embed_scale', 'attention_cap', 'logit_cap',
@@ -242,8 +238,7 @@ def test_generation_logits_are_the_references(gemmas):
   for family in FAMILIES:
     directory, hf_config, tensors = gemmas[family, 6]
     config = hf.with_model_config(_config(directory))
-    setup = lay_out(config, 256, jax.devices()[:1])
-    params = hf.load_params(str(directory), setup.abstract_state()['params'])
+    setup, params = load_on_one_device(config, directory)
     expected = reference_logits(tensors, hf_config, sequence)
     generator = Generator(setup, prompt, SEQ - prompt)
     steps = build_decode_steps(setup, generator._empty_cache, lambda logits_BV, key: logits_BV)
@@ -264,8 +259,7 @@ def test_export_writes_the_checkpoint_back(gemmas, tmp_path):
   for family in FAMILIES:
     directory, hf_config, tensors = gemmas[family, 6]
     config = hf.with_model_config(_config(directory))
-    setup = lay_out(config, 256, jax.devices()[:1])
-    params = hf.load_params(str(directory), setup.abstract_state()['params'])
+    setup, params = load_on_one_device(config, directory)
     flat = {'/'.join(map(str, k)): np.asarray(v)
             for k, v in jax.tree_util.tree_flatten_with_path(params)[0]
             for k in [[getattr(p, 'key', p) for p in k]]}
