@@ -192,5 +192,4 @@ def _check_latent_attention(model, mesh: dict[str, int]) -> None:
           f'model.mla_kv_rank={model.mla_kv_rank} (multi-head latent attention) with {what}: '
           'latent attention runs the einsum attention on whole sequences, scaled by 1 / '
           'sqrt(head_dim + mla_rope_dim), without q/k/v biases, q/k norms or a logit cap; drop '
-          'that setting '
-          'or set model.mla_kv_rank=0.')
+          'that setting or set model.mla_kv_rank=0.')

@@ -78,12 +78,29 @@ def _rope(hf: dict, where: str) -> dict:
   return settings
 
 
-def _sliding_window(hf: dict) -> int:
-  """The attention window (0: none). Qwen2 / Qwen3 store one but use it only with
-  use_sliding_window; Mistral uses it whenever it is set."""
+# Architectures whose window covers only the layers from max_window_layers on.
+_WINDOWED_FROM = ('Qwen2ForCausalLM', 'Qwen3ForCausalLM')
+
+
+def _sliding_window(hf: dict, where: str, architecture: str) -> int:
+  """The attention window of every layer (0: none). Mistral uses it whenever it is set; the
+  Qwens only with use_sliding_window, Qwen2 / Qwen3 then on the layers from max_window_layers on
+  (their `layer_types`): all of them or none, or the checkpoint is refused."""
   if 'use_sliding_window' in hf and not hf['use_sliding_window']:
     return 0
-  return int(hf.get('sliding_window') or 0)
+  window = int(hf.get('sliding_window') or 0)
+  if not window or architecture not in _WINDOWED_FROM:
+    return window
+  layers, first = hf['num_hidden_layers'], hf.get('max_window_layers', 28)  # Theirs.
+  types = hf.get('layer_types') or [
+      'sliding_attention' if i >= first else 'full_attention' for i in range(layers)]
+  if 'sliding_attention' not in types:
+    return 0
+  if 'full_attention' in types:
+    raise UnsupportedCheckpoint(
+        f'{where}: the sliding window on some layers only (layer_types, max_window_layers='
+        f'{first} of {layers} layers) is not supported; the engine windows every layer alike.')
+  return window
 
 
 def common(hf: dict, where: str, architecture: str) -> dict:
@@ -102,7 +119,8 @@ def common(hf: dict, where: str, architecture: str) -> dict:
           'head_dim': hf.get('head_dim') or width // heads,
           'mlp_dim': hf['intermediate_size'], 'vocab_size': hf['vocab_size'],
           'max_len': int(hf.get('max_position_embeddings', 2048)),
-          'norm_eps': float(hf.get('rms_norm_eps', 1e-6)), 'sliding_window': _sliding_window(hf),
+          'norm_eps': float(hf.get('rms_norm_eps', 1e-6)),
+          'sliding_window': _sliding_window(hf, where, architecture),
           **_rope(hf, where)}
 
 
@@ -155,6 +173,9 @@ def to_hf_config(architecture: str, model_type: str):
     window = model_config.sliding_window or None
     if architecture == 'MistralForCausalLM':
       config['sliding_window'] = window
+    elif architecture in _WINDOWED_FROM:  # Windowed from layer 0 on: every layer.
+      config.update(use_sliding_window=bool(window), sliding_window=window,
+                    max_window_layers=0 if window else model_config.num_layers)
     elif architecture.startswith('Qwen'):
       config.update(use_sliding_window=bool(window), sliding_window=window)
     return config

@@ -190,11 +190,14 @@ def reference_logits(t: dict, config: dict, tokens: np.ndarray, scale=None) -> n
                                                       -1) * np.sin(angles)
   g = lambda name: t[name].astype(np.float64)
   x = g('model.embed_tokens.weight')[tokens]
-  mask = np.tril(np.ones((L, L), bool))
+  causal = np.tril(np.ones((L, L), bool))
   window = config.get('sliding_window') if config.get('use_sliding_window', True) else None
-  if window:  # Mistral's: a query sees the keys fewer than `window` positions back.
-    mask &= np.arange(L)[:, None] - np.arange(L) < window
+  # Qwen2 / Qwen3 window the layers from max_window_layers on (default 28), Mistral every layer.
+  first = config.get('max_window_layers', 28 if config['model_type'] in ('qwen2', 'qwen3') else 0)
   for i in range(config['num_hidden_layers']):
+    mask = causal  # A query sees the keys fewer than `window` positions back.
+    if window and i >= first:
+      mask = causal & (np.arange(L)[:, None] - np.arange(L) < window)
     p = f'model.layers.{i}.self_attn.'
     h = norm(x, g(f'model.layers.{i}.input_layernorm.weight'))
     heads = {}
@@ -367,12 +370,18 @@ def test_what_the_engine_does_not_compute_is_refused(change, message):
     hf.model_config(dict(FAMILIES['llama2'], **change), 'hf:x')
 
 
-def test_a_sliding_window_shorter_than_the_sequence(tmp_path):
-  """Mistral's window of 5 over 16 positions: the einsum attention computes it (the window
-  moves the reference's logits far beyond the tolerance); dot_product_attention is refused."""
-  hf_config = dict(FAMILIES['mistral'], sliding_window=5)
+@pytest.mark.parametrize('family, window', [
+    ('mistral', {'sliding_window': 5}),
+    ('qwen2', {'use_sliding_window': True, 'sliding_window': 5, 'max_window_layers': 0}),
+])
+def test_a_sliding_window_shorter_than_the_sequence(tmp_path, family, window):
+  """A window of 5 over 16 positions on every layer: the einsum attention computes it (the
+  window moves the reference's logits far beyond the tolerance); dot_product_attention is
+  refused."""
+  hf_config = dict(FAMILIES[family], **window)
   tensors = _checkpoint(tmp_path / 'hf', hf_config)
   config = hf.with_model_config(_engine_config(tmp_path / 'hf'))
+  assert config.model.sliding_window == 5
   assert_logits(config, tmp_path / 'hf', reference_logits(tensors, hf_config, _tokens()[:, :-1]))
   tokens = _tokens()[:, :-1]
   full = reference_logits(tensors, dict(hf_config, sliding_window=None), tokens)
@@ -382,3 +391,15 @@ def test_a_sliding_window_shorter_than_the_sequence(tmp_path):
   with pytest.raises(ConfigError, match='model.sliding_window=5 is shorter than data.seq_len=16, '
                      "and model.attention='dot_product_attention' computes full causal"):
     assemble(config)
+
+
+def test_qwen_windows_from_max_window_layers_on():
+  """Qwen2 / Qwen3 window only the layers from max_window_layers on (default 28): past every
+  layer, no window; from a middle layer, refused (the engine windows every layer alike)."""
+  qwen = dict(FAMILIES['qwen2'], use_sliding_window=True, sliding_window=5)
+  assert hf.model_config(qwen, 'hf:x')['sliding_window'] == 0  # 2 layers < 28.
+  with pytest.raises(ConfigError, match='the sliding window on some layers only'):
+    hf.model_config(dict(qwen, max_window_layers=1), 'hf:x')
+  assert hf.model_config(dict(qwen, max_window_layers=0), 'hf:x')['sliding_window'] == 5
+  with pytest.raises(ConfigError, match='the sliding window on some layers only'):
+    hf.model_config(dict(qwen, layer_types=['full_attention', 'sliding_attention']), 'hf:x')
