@@ -26,6 +26,7 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   gpt.py             a GPT-2-style decoder
   llama.py           a Llama-style decoder (optionally a mixture of experts)
   llama_config.py    the keys only the Llama family reads, and their checks
+  llama_spec.py      its registry entry: those keys read into the model, its sizes
   moe.py             the mixture-of-experts layer: router, top-k, experts, auxiliary losses
   moe_dispatch.py    its dispatches on one device: dropless (ragged_dot), capacity
   tiled_ragged_dot.py  the dropless grouped matmul on CPU: only the groups' rows, tile by tile
@@ -59,10 +60,10 @@ MODEL_CHECKS = {'llama': llama_config.check}
 
 def _registries() -> dict[str, object]:
   # pylint: disable-next=g-import-not-at-top
-  from engine.models import (deepseek_hf, gemma_hf, gpt, hf_format, llama, llama_hf,
-                             llama_moe_hf, spec)
+  from engine.models import (deepseek_hf, gemma_hf, gpt, hf_format, llama_hf, llama_moe_hf,
+                             llama_spec, spec)
   return {
-      'MODELS': {'gpt': gpt.build, 'llama': llama.build},
+      'MODELS': {'gpt': gpt.build, 'llama': llama_spec.build},
       # Hugging Face architecture -> its format; the first of a model's is what it exports by
       # default.
       'HF_FORMATS': {fmt.architecture: fmt for fmt in (llama_hf.FORMATS + gemma_hf.FORMATS +
