@@ -22,14 +22,14 @@ import ml_collections
 
 from engine import config as config_lib
 from engine import data, models, parallel, validation
-from engine.models import lora
+from engine.models.llama import lora
 from engine.hf import load as hf
 from engine.workdir import tokenizer as run_tokenizer
 from engine.workdir import run_dir as workdir_lib
 from engine.data import text_files, tokenizers
 from engine.mesh import make_mesh
 from engine.optimizer import make_optimizer
-from engine.parallel import pipeline
+from engine.parallel.pipeline import gpipe as pipeline
 from engine.parallel.steps import Steps
 from engine.sharding import rules_for
 from engine.state import StepOptions, TrainSetup, make_setup

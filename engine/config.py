@@ -134,7 +134,7 @@ def default_config() -> ml_collections.ConfigDict:
   # ring attention over them (engine/parallel/context.py).
   c.mesh.context = 1
   # Pipeline parallelism: the stacked layers split into this many stages, fed train.microbatches
-  # micro-batches on a GPipe schedule (engine/parallel/pipeline.py).
+  # micro-batches on a GPipe schedule (engine/parallel/pipeline/gpipe.py).
   c.mesh.stage = 1
   # Expert parallelism: a mixture of experts' experts split over this many devices, tokens sent
   # to them by all-to-all; it also splits the batch, like data (docs/parallelism.md).
@@ -194,7 +194,7 @@ def default_config() -> ml_collections.ConfigDict:
   # interleaved 1F1B does so on pipeline_repeats groups per stage, as circular lays them out
   # (microbatches a multiple of stage); zb_h1 is 1F1B with the weight gradients taken in a pass
   # of their own, in step on every stage: a smaller bubble for stage items' projection inputs
-  # and cotangents per stage (engine/parallel/pipeline_1f1b.py).
+  # and cotangents per stage (engine/parallel/pipeline/one_f_one_b.py).
   c.train.pipeline_schedule = ''
   # Where 1F1B (plain or interleaved) runs the output head and the loss of a finished
   # micro-batch: 'split' over the stages, each on 1 / stage of its rows, or of its positions

@@ -27,7 +27,7 @@ import optax
 from optax.contrib import MuonState
 
 from engine import muon as muon_lib
-from engine.models import lora
+from engine.models.llama import lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ def make_optimizer(optim_config, num_steps: int, adapters_only: bool = False) ->
   moments stored in optim.mu_dtype and optim.nu_dtype (stored_moments). With optim.name=muon,
   Muon on the matrices Muon takes and this AdamW on the rest, built once the parameters are
   known (Optimizer.for_parameters). `adapters_only` (LoRA): AdamW on the adapters, and every
-  other parameter frozen, without optimizer state (engine/models/lora.py)."""
+  other parameter frozen, without optimizer state (engine/models/llama/lora.py)."""
   schedule = learning_rate_schedule(optim_config, num_steps)
   tx = adamw(optim_config, schedule)
   stored = jnp.dtype(optim_config.mu_dtype), jnp.dtype(optim_config.nu_dtype)

@@ -48,9 +48,9 @@ class StepOptions:
   # Gradients are accumulated over this many slices of the batch, then synchronised and
   # applied once [train.microbatches].
   microbatches: int = 1
-  # With pipeline stages: 'gpipe', 'circular' (engine/parallel/pipeline.py), '1f1b',
-  # 'interleaved_1f1b' or 'zb_h1' (engine/parallel/pipeline_1f1b.py) [train.pipeline_schedule,
-  # train.pipeline_repeats].
+  # With pipeline stages: 'gpipe', 'circular' (engine/parallel/pipeline/gpipe.py), '1f1b',
+  # 'interleaved_1f1b' or 'zb_h1' (engine/parallel/pipeline/one_f_one_b.py)
+  # [train.pipeline_schedule, train.pipeline_repeats].
   pipeline_schedule: str = 'gpipe'
   # 1F1B: the head split over the stages by rows, or on the last stage [train.pipeline_head].
   pipeline_head: str = 'split'
@@ -81,7 +81,7 @@ class StepOptions:
   # predictions across a boundary [data.document_masking]. None: a window is one sequence.
   eos_id: int | None = None
   # LoRA: only the adapters train; every other parameter's gradient is dropped before the norm
-  # and the update (engine/models/lora.py) [model.lora_rank > 0].
+  # and the update (engine/models/llama/lora.py) [model.lora_rank > 0].
   adapters_only: bool = False
 
 

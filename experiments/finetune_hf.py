@@ -18,7 +18,7 @@ Gemma 2 / 3) on your text, evaluate it and export it back to the Hugging Face fo
 hf=DIR is a directory as `huggingface-cli download` leaves it: config.json, *.safetensors (one
 file or several with model.safetensors.index.json) and tokenizer.json (or a SentencePiece
 tokenizer.model). The model's sizes, rotary settings, biases and norms come from DIR/config.json
-(engine/models/llama_hf.py); anything the engine does not compute exactly is refused before
+(engine/models/formats/llama.py); anything the engine does not compute exactly is refused before
 anything loads. The vocabulary is the checkpoint's. Parameters load slice by slice into their
 shardings, so a model larger than one device's memory loads on a mesh that splits it (e.g.
 mesh=1x8x1 for FSDP over 8 devices).

@@ -26,7 +26,8 @@ from engine import data, parallel
 from engine.train import profiling
 from engine.assemble import compile_train_step
 from engine import chips
-from engine.analysis import collectives, compare_report
+from engine.analysis import collectives, verdicts
+from engine.analysis import references
 from engine.config import MESH_AXES, with_values
 from engine.errors import ConfigError
 from engine.runtime.progress import Progress, phase
@@ -201,7 +202,7 @@ def _collectives_cell(rows: list[dict]) -> str:
   """One line per (kind, axes), with the element types it moved; '>= ' where a loop's unknown
   trip count makes it a lower bound (engine.analysis.collectives)."""
   bound = lambda r: '>= ' if r.get('ops_in_unknown_loops') else ''
-  types = lambda r: f' ({t})' if (t := compare_report.element_types(r)) != '-' else ''
+  types = lambda r: f' ({t})' if (t := verdicts.element_types(r)) != '-' else ''
   return '<br>'.join(f'{r["kind"]} {",".join(r["axes"]) or "-"}: {bound(r)}{r["executions"]}x, '
                      f'{bound(r)}{r["bytes"] / 2**20:.1f} MiB{types(r)}' for r in rows) or 'none'
 
@@ -314,12 +315,12 @@ def child_failed(process: subprocess.Popen, stderr, what: str, command: str) -> 
 
 
 class TorchReference:
-  """The PyTorch version of the GPT model (engine/analysis/torch_reference.py) in a child
+  """The PyTorch version of the GPT model (engine/analysis/references/torch_reference.py) in a child
   process run by a Python that has torch; one of its steps runs after each round of ours."""
 
   def __init__(self, python: str, model_config, vocab_size: int, seq_len: int,
                global_batch: int, threads: int):
-    script = __file__.replace('benchmark.py', 'torch_reference.py')
+    script = references.script('torch_reference.py')
     args = [python, script, '--layers', str(model_config.num_layers),
             '--heads', str(model_config.num_heads), '--width', str(model_config.embed_dim),
             '--mlp', str(model_config.mlp_dim), '--vocab', str(vocab_size),

@@ -30,7 +30,7 @@ import re
 import numpy as np
 from absl import logging
 
-from engine.analysis import hlo_loops
+from engine.analysis import hlo
 
 KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
@@ -138,7 +138,7 @@ def _parse(hlo_text: str):
   """computation -> [(name, type, op, is_start, rest of line)] for the ops we follow."""
   computations, current, entry = collections.defaultdict(list), None, None
   for line in hlo_text.splitlines():
-    if m := hlo_loops.COMPUTATION.match(line):
+    if m := hlo.COMPUTATION.match(line):
       current = m.group(1)
       if line.startswith('ENTRY'):
         entry = current
@@ -169,8 +169,8 @@ def _while_trips(hlo_text: str, parsed: list, computation: str,
     trips = int(trip.group(1))
   elif body and cond and init:
     if not parsed:
-      parsed.extend(hlo_loops.parse_instructions(hlo_text))
-    trips = hlo_loops.trip_count(*parsed, computation, init.group(1), cond.group(1),
+      parsed.extend(hlo.parse_instructions(hlo_text))
+    trips = hlo.trip_count(*parsed, computation, init.group(1), cond.group(1),
                                  body.group(1))
   return (body.group(1) if body else None), trips
 

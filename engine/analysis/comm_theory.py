@@ -44,13 +44,13 @@ over its executions in one step. Keys are (kind, mesh axes).
   in the compute dtype) move context - 1 times around the ring, and their gradients move back as
   often; under remat the forward pass, and its permutes, run twice. The sequence's devices count
   as batch axes for the gradient all-reduce, and every activation above is 1 / context as long.
-- Pipeline (engine/parallel/pipeline.py): the activations of one micro-batch
+- Pipeline (engine/parallel/pipeline/gpipe.py): the activations of one micro-batch
   [batch / microbatches, length, embed] move to the next stage repeats x microbatches +
   stages - 2 times in the forward pass and as often back (repeats = 1: GPipe; > 1: the circular
   schedule); the last stage's output [batch, length, embed] is
   broadcast to every stage (one all-reduce), and the embedding's gradient gathered back from
-  stage 0 (another). The 1F1B schedule, plain or interleaved (engine/parallel/pipeline_1f1b.py:
-  pipeline_repeats plays repeats' part), moves the same
+  stage 0 (another). The 1F1B schedule, plain or interleaved
+  (engine/parallel/pipeline/one_f_one_b.py: pipeline_repeats plays repeats' part), moves the same
   activations and cotangents, and instead of those two sums the gradients of every weight
   outside the stack over the stages (float32, each device's shard); its backward ticks run each
   layer's forward pass again, so a row-parallel layer's all-reduces are 3 per layer, not 2.
@@ -93,17 +93,17 @@ import math
 
 import numpy as np
 
-from engine.models.moe_dispatch import capacity
+from engine.models.moe.dispatch import capacity
 from engine.models.ops import LAYERS
 from engine import muon
 from engine.parallel import expert_exchange, flat_gather, manual_ops, muon_blocks, zero1
-from engine.parallel.pipeline import SELF_DIFFERENTIATING
+from engine.parallel.pipeline.gpipe import SELF_DIFFERENTIATING
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
 
 Key = tuple[str, tuple[str, ...]]
 FLOAT32_BYTES = INT32_BYTES = 4
-# The [E] vectors a mixture of experts' layer averages over the batch (engine/models/moe.py).
+# The [E] vectors a mixture of experts' layer averages over the batch (engine/models/moe/layer.py).
 ROUTER_STATISTICS = 2
 
 
@@ -214,7 +214,7 @@ def _stages(setup: TrainSetup) -> int:
 def head_split(setup: TrainSetup, local_batch: int, seq_len: int) -> bool:
   """Whether 1F1B splits the head over the stages: train.pipeline_head='split' and each
   micro-batch's local rows, or else its positions (the whole sequence on each device), a
-  multiple of the stages (engine.parallel.pipeline_1f1b.head_axis, on the shapes)."""
+  multiple of the stages (engine.parallel.pipeline.one_f_one_b.head_axis, on the shapes)."""
   stages = _stages(setup)
   if not (_self_differentiating(setup) and stages > 1 and
           setup.options.pipeline_head == 'split'):
@@ -236,7 +236,7 @@ def _one_f_one_b_gathers(setup: TrainSetup) -> float:
 def _outer_gradient_bytes(setup: TrainSetup) -> int:
   """The 1F1B pipeline's sum over `stage` of the gradients of the weights outside the stack
   (the embedding's from the first stage, the head's from the last): float32, each device's
-  shard (engine/parallel/pipeline_1f1b.py)."""
+  shard (engine/parallel/pipeline/one_f_one_b.py)."""
   return FLOAT32_BYTES * sum(math.prod(p.shard_shape) for p in setup.parameters()
                              if LAYERS not in p.logical_axes)
 

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from engine import muon
-from engine.models import expert_balance
+from engine.models.moe import balance as expert_balance
 from engine.models.spec import ModelSpec, logits_aux_loss_and_stats
 from engine.optimizer import adamw, learning_rate_schedule, make_optimizer
 

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from engine.analysis import comm_theory
+from engine.analysis import collectives, comm_theory
 from engine.state import TrainSetup
 
 LOW, HIGH = 0.9, 1.1
@@ -175,3 +175,47 @@ def log(flags: list[Flag]) -> None:
       logging.info('Collective off its theory, explained: %s (%s).', f.describe(), f.reason)
     else:
       logging.warning('Collective off its theory, UNEXPLAINED: %s.', f.describe())
+
+
+def communication_table(runs, theory: dict) -> list[dict]:
+  """One row per (kind, axes): each mode's measured bytes, the theory, ratios and flags.
+  `lower_bound`: some of the mode's collectives of that row sit in a loop whose trip count is
+  unknown (counted once), so its executions, bytes and ratio are lower bounds."""
+  measured = {run.mode: collectives.summarize(run.collectives) for run in runs}
+  keys = sorted(set(theory) | {k for table in measured.values() for k in table
+                                if table[k]['array_bytes']})  # Scalar-only rows say nothing.
+  rows = []
+  for kind, axes in keys:
+    row = {'kind': kind, 'axes': ','.join(axes) or '-', 'theory_bytes': theory.get((kind, axes), 0)}
+    for mode, table in measured.items():
+      entry = table.get((kind, axes), {'executions': 0, 'array_bytes': 0, 'bytes': 0,
+                                       'dtype_bytes': {}, 'ops_in_unknown_loops': 0})
+      row[mode] = {'executions': entry['executions'], 'bytes': entry['array_bytes'],
+                   'dtype_bytes': entry['dtype_bytes'],
+                   'ratio': (entry['array_bytes'] / row['theory_bytes']
+                             if row['theory_bytes'] else None),
+                   # Not in the theory and moving arrays, not just a loss or a norm.
+                   'unexpected': not row['theory_bytes'] and entry['array_bytes'] > 0,
+                   'lower_bound': entry['ops_in_unknown_loops'] > 0}
+    rows.append(row)
+  return rows
+
+
+# What '>=' means in a communication table (engine.analysis.collectives: unknown trip counts).
+LOWER_BOUND_NOTE = ('>= N: a collective of this row sits in a `while` loop whose trip count is '
+                    'unknown (neither recorded in the HLO nor readable off the loop); its body is '
+                    'counted once, so the count, the bytes and the ratio are lower bounds.')
+
+
+def lower_bound(entry: dict, text) -> str:
+  """`text` as it stands, or '>= text' when `entry` (a mode's communication row) is a lower
+  bound."""
+  return f'>= {text}' if entry.get('lower_bound') else str(text)
+
+
+def element_types(entry: dict) -> str:
+  """The element types a mode's row moved, by share of its bytes: 's8 94 %, f32 6 %'."""
+  by_type = entry.get('dtype_bytes') or {}
+  total = sum(by_type.values())
+  return ', '.join(f'{t} {100 * b / total:.0f} %' for t, b in
+                   sorted(by_type.items(), key=lambda kv: -kv[1])) if total else '-'

@@ -19,8 +19,8 @@ The report then adds each variant's self time per step by op, split into compute
 and waiting (engine/bench/op_profile.py), so where a variant's time goes needs no viewer.
 
 --torch_python=PYTHON (a Python that has torch) also runs the PyTorch version of the GPT model
-(engine/analysis/torch_reference.py) in a child process that takes a turn in every round; that
-Python is tried (`import torch`) before anything compiles.
+(engine/analysis/references/torch_reference.py) in a child process that takes a turn in every round;
+that Python is tried (`import torch`) before anything compiles.
 
 After the compiles, a calibration (engine.bench.calibration; --nocalibrate skips it):
 the FLOP/s per device a plain matmul reaches in the model's dtype on all devices at once, in the
@@ -51,7 +51,7 @@ from ml_collections import config_flags
 from engine import config as config_lib
 from engine import parallel
 from engine.train import profiling
-from engine.analysis import benchmark, comm_theory, comparison, verdicts
+from engine.analysis import benchmark, comm_theory, verdicts
 from engine.bench import baseline, calibration, op_profile
 from engine.assemble import assemble
 from engine.cli.command_line import check_out_prefix, run_command
@@ -221,7 +221,7 @@ def off_theory(config, runs: list) -> list:
   for run in runs:
     theory = comm_theory.expected_bytes(run.setup, config.data.global_batch_size,
                                         config.data.seq_len)
-    found += verdicts.off_theory(comparison.communication_table([run], theory), [run.mode],
+    found += verdicts.off_theory(verdicts.communication_table([run], theory), [run.mode],
                                  verdicts.context_for(run.setup, config), run.mesh)
   verdicts.log(found)
   return found

@@ -4,7 +4,7 @@ group (engine/parallel/expert_exchange.py). Times `jax.lax.ragged_dot` of [rows,
 [experts, width, hidden] with 1, 1/2, 1/4 and 1/8 of the rows in the experts' groups (equal
 groups), forward and the weights' gradient, against one dense [rows, width] x [width, hidden]
 product; medians of --repeats calls after a warm-up, on the default device. `--implementations`
-adds the CPU dispatch's tiled grouped matmul (engine/models/tiled_ragged_dot.py), its columns
+adds the CPU dispatch's tiled grouped matmul (engine/models/moe/tiled_ragged_dot.py), its columns
 beside ragged_dot's.
 
   python -m engine.bench.grouped_matmul [--rows=16384 --width=4096 --hidden=1024 --experts=8]
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from engine.bench.timing import median_ms
-from engine.models.tiled_ragged_dot import tiled_ragged_dot
+from engine.models.moe.tiled_ragged_dot import tiled_ragged_dot
 
 IMPLEMENTATIONS = {'ragged_dot': jax.lax.ragged_dot, 'tiled': tiled_ragged_dot}
 

@@ -1,5 +1,5 @@
 """Writes a run's latest checkpoint as a Hugging Face checkpoint (engine/hf/save.py writes the
-files; the model family's HFFormat, e.g. engine/models/llama_hf.py, names the tensors).
+files; the model family's HFFormat, e.g. engine/models/formats/llama.py, names the tensors).
 
   python -m engine.export --workdir=/tmp/run --out=/tmp/run_hf [--dtype=bfloat16]
 
@@ -40,7 +40,7 @@ from engine import models
 from engine.hf import load as hf
 from engine.hf import lora_export
 from engine.hf import save as hf_save
-from engine.models import lora
+from engine.models.llama import lora
 from engine.workdir import run_dir as workdir_lib
 from engine.assemble import TOKENIZER, assemble_finished_run
 from engine.workdir.checkpoint import restore_params

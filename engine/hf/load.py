@@ -2,7 +2,7 @@
 
 A checkpoint is a directory with `config.json` and `*.safetensors` files (one, or several named
 by `model.safetensors.index.json`). Which tensor holds which parameter, in which layout, is the
-model family's knowledge (its `HFFormat`, engine/models/hf_format.py, registered in
+model family's knowledge (its `HFFormat`, engine/models/formats/interface.py, registered in
 engine/models/__init__.py); this module only reads config.json and safetensors. Loading builds every
 parameter with `jax.make_array_from_callback`: each device's block is read from the files as that
 slice alone (safetensors reads slices without loading the tensor), so no host or device ever
@@ -34,8 +34,8 @@ from engine import config as config_lib
 from engine import models
 from engine.data import manifest_paths as paths
 from engine.errors import ConfigError
-from engine.models.hf_format import (LAYER_NDIM, HFFormat, UnsupportedCheckpoint, first_layer,
-                                     tensor_name)
+from engine.models.formats.interface import (LAYER_NDIM, HFFormat, UnsupportedCheckpoint,
+                                             first_layer, tensor_name)
 
 PREFIX = 'hf:'
 

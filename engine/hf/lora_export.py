@@ -1,6 +1,6 @@
-"""A LoRA run's adapters written out (engine/models/lora.py): merged into the weights of a Hugging
-Face checkpoint, or as a PEFT adapter (adapter_config.json and adapter_model.safetensors) that
-`peft.PeftModel.from_pretrained` loads onto the base checkpoint.
+"""A LoRA run's adapters written out (engine/models/llama/lora.py): merged into the weights of a
+Hugging Face checkpoint, or as a PEFT adapter (adapter_config.json and adapter_model.safetensors)
+that `peft.PeftModel.from_pretrained` loads onto the base checkpoint.
 
 PEFT's adapter of a linear layer y = x W^T holds lora_A.weight [r, in] and lora_B.weight [out, r]
 and adds (lora_alpha / r) x A^T B^T; the engine's A [*in, r] and B [r, *out] are those, flattened
@@ -15,8 +15,8 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
-from engine.models import lora
-from engine.models.hf_format import first_layer, tensor_name
+from engine.models.llama import lora
+from engine.models.formats.interface import first_layer, tensor_name
 
 def _adapted(host: dict[str, np.ndarray], cfg: lora.LoraConfig):
   """(weight path, its A, its B, input dimensions) of each adapted projection."""

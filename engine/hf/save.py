@@ -1,7 +1,7 @@
 """Hugging Face checkpoints out: `engine.export` writes a run's parameters in its model family's
 Hugging Face layout (config.json, generation_config.json, model.safetensors in the chosen dtype)
 and its tokenizer as `AutoTokenizer` loads it. engine/hf/load.py reads them; the family's HFFormat
-(engine/models/hf_format.py) names the tensors.
+(engine/models/formats/interface.py) names the tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from engine import models
 from engine.errors import ConfigError
-from engine.models.hf_format import LAYER_NDIM, first_layer, tensor_name
+from engine.models.formats.interface import LAYER_NDIM, first_layer, tensor_name
 
 
 def to_hf(layout: str, array: np.ndarray) -> np.ndarray:

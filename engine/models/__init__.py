@@ -1,12 +1,12 @@
 """Model registry: `model.name` -> build(model config subtree, vocab_size) -> ModelSpec.
 
-Adding a model is one module under engine/models/ and one line here (the interface is in
-engine/models/spec.py). A model with `model.*` keys of its own declares them (ConfigKey,
-engine/models/config_keys.py) with the check of their values, in a module without JAX, and
-registers both in MODEL_KEYS and MODEL_CHECKS: engine/config.py's schema merges the keys, and
+Adding a model is one module (or a folder, as llama/) under engine/models/ and one line here (the
+interface is in engine/models/spec.py). A model with `model.*` keys of its own declares them
+(ConfigKey, engine/models/config_keys.py) with the check of their values, in a module without JAX,
+and registers both in MODEL_KEYS and MODEL_CHECKS: engine/config.py's schema merges the keys, and
 engine.validation calls the check. A family that reads and writes Hugging Face checkpoints also
-registers its `HFFormat` (engine/models/hf_format.py) in HF_FORMATS. Tests and experiments may
-also add entries to `MODELS` at run time.
+registers its `HFFormat` (engine/models/formats/interface.py) in HF_FORMATS. Tests and experiments
+may also add entries to `MODELS` at run time.
 
 MODELS and HF_FORMATS import the models, and with them JAX, on first use (`__getattr__`): the
 config schema reads MODEL_KEYS where JAX is never imported (the launchers).
@@ -17,39 +17,27 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   layers.py          shared building blocks: 2-D dense products, stacked and scanned layers
   dense_taps.py      a stack's backward pass in an input-gradient and a weight-gradient half
   quantized_matmul.py  int8 / fp8 projections, forward and backward (Qwix's quantized training)
-  lora.py              low-rank adapters on the Llama family's projections, the rest frozen
   varying_axes.py    shard_map's varying-axes types, and the casts that widen them
-  attention.py       causal attention: einsum, jax.nn.dot_product_attention or splash
-  splash.py          the Pallas TPU splash-attention kernel, whole and per ring block
   documents.py       packed documents: segment ids and in-document positions
   chunked_loss.py    the next-token loss over slices of the positions (model.loss_chunks)
   gpt.py             a GPT-2-style decoder
-  llama.py           a Llama-style decoder (optionally a mixture of experts)
-  llama_config.py    the keys only the Llama family reads, and their checks
-  llama_spec.py      its registry entry: those keys read into the model, its sizes
-  moe.py             the mixture-of-experts layer: router, top-k, experts, auxiliary losses
-  moe_dispatch.py    its dispatches on one device: dropless (ragged_dot), capacity
-  tiled_ragged_dot.py  the dropless grouped matmul on CPU: only the groups' rows, tile by tile
-  moe_config.py      its keys (model.num_experts, model.moe_*) and their checks
-  expert_balance.py  auxiliary-loss-free balancing: the router bias and its update from the load
-  hf_format.py       HFTensor, HFFormat: how a family describes its Hugging Face checkpoints
-  llama_hf.py        the Llama family's formats (Llama 2 / 3.x, Mistral, Qwen2, Qwen3)
-  llama_moe_hf.py    its mixtures of experts' formats (Mixtral, Qwen3-MoE)
-  gemma_hf.py        Gemma 2 and Gemma 3's formats (the Llama with Gemma's options)
-  latent_attention.py  multi-head latent attention (DeepSeek-V2 / V3)
-  llama_layers.py    RMSNorm and rotary positions, shared by both attentions
-  deepseek_hf.py     DeepSeek-V3's format (latent attention, sigmoid-routed experts)
+
+  attention/         causal attention: its spec, the einsum / dot_product_attention / splash paths
+  llama/             the Llama family: the model whose options make Mistral, Qwen, Gemma and
+                     DeepSeek; its keys, its registry entry, latent attention, LoRA
+  moe/               the mixture-of-experts layer, its dispatches, keys and balancing
+  formats/           each family's Hugging Face checkpoints: tensor tables and config keys
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.models import llama_config
+from engine.models.llama import config as llama_config
 from engine.models.config_keys import ConfigKey
 
 if TYPE_CHECKING:
-  from engine.models.hf_format import HFFormat
+  from engine.models.formats.interface import HFFormat
   from engine.models.spec import ModelSpec
 
 # model.name -> the `model.*` keys only that model reads (beyond engine/config.py's shared ones),
@@ -60,8 +48,13 @@ MODEL_CHECKS = {'llama': llama_config.check}
 
 def _registries() -> dict[str, object]:
   # pylint: disable-next=g-import-not-at-top
-  from engine.models import (deepseek_hf, gemma_hf, gpt, hf_format, llama_hf, llama_moe_hf,
-                             llama_spec, spec)
+  from engine.models import gpt, spec
+  from engine.models.formats import deepseek as deepseek_hf
+  from engine.models.formats import gemma as gemma_hf
+  from engine.models.formats import interface as hf_format
+  from engine.models.formats import llama as llama_hf
+  from engine.models.formats import llama_moe as llama_moe_hf
+  from engine.models.llama import spec as llama_spec
   return {
       'MODELS': {'gpt': gpt.build, 'llama': llama_spec.build},
       # Hugging Face architecture -> its format; the first of a model's is what it exports by

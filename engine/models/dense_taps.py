@@ -1,7 +1,7 @@
 """A layer stack's backward pass in two halves: the input gradient now, the weight gradient later.
 
-A zero-bubble pipeline schedule (engine/parallel/pipeline_1f1b.py) runs a stage's backward pass
-as two passes: one that carries the cotangent back to the stage's input (which the stage before
+A zero-bubble pipeline schedule (engine/parallel/pipeline/one_f_one_b.py) runs a stage's backward
+pass as two passes: one that carries the cotangent back to the stage's input (which the stage before
 it waits for) and one that takes the weights' gradients (which nobody waits for, so it can run
 whenever the schedule has room). Every projection of a layer is an `engine.models.layers.dense`
 x @ w, whose weight gradient is x^T dy: what the second pass needs is each projection's input x

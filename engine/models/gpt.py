@@ -38,9 +38,9 @@ class GPTConfig:
   scan_layers: bool = True
   init_std: float = 0.02
   norm_eps: float = 1e-5
-  attention_scale_on: str = 'queries'  # engine.models.attention.SCALE_ON
+  attention_scale_on: str = 'queries'  # engine.models.attention.causal.SCALE_ON
   attention_scale: float | None = None  # None: 1 / sqrt(head_dim).
-  attention: str = 'einsum'  # engine.models.attention.IMPLEMENTATIONS
+  attention: str = 'einsum'  # engine.models.attention.causal.IMPLEMENTATIONS
   matmul: MatmulPrecision = quantized_matmul.DEFAULT  # The projections' (not the head's).
 
   @property

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from engine.models.attention import causal_attention
-from engine.models import moe_dispatch
+from engine.models.attention.causal import causal_attention
+from engine.models.moe import dispatch as moe_dispatch
 from engine.models.layers import LAYERS, layer_group, num_groups  # noqa: F401 (LAYERS: re-export)
 
 
@@ -101,7 +101,7 @@ class LocalOps:
   def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on: str = 'queries',
                 implementation: str = 'einsum', scale: float | None = None,
                 softcap: float | None = None, window=None) -> jax.Array:
-    """Causal self-attention over the whole sequence (engine.models.attention), logits scaled
+    """Causal self-attention over the whole sequence (engine.models.attention.causal), logits scaled
     by `scale` (None: 1/sqrt(head size)) and capped by `softcap` (None: not), within a sliding
     `window` (None: none); keys and values of n heads, n dividing the query
     heads (kv_for_query_heads). A layout that splits the sequence passes keys and values
@@ -121,7 +121,7 @@ class LocalOps:
 
   def experts(self, x_BLD: jax.Array, experts_BLK: jax.Array, ffn: moe_dispatch.ExpertFFN,
               num_experts: int, slots: int | None) -> tuple[jax.Array, jax.Array]:
-    """A mixture of experts' dispatch (engine/models/moe_dispatch.py): ([B, L, K, D] the output
+    """A mixture of experts' dispatch (engine/models/moe/dispatch.py): ([B, L, K, D] the output
     of each token's K chosen experts, zero where dropped; the fraction dropped). `slots`: the
     capacity per expert and sequence, or None for the dropless dispatch. A layout that splits
     the experts over devices moves the tokens to them and back."""

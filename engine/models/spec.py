@@ -43,13 +43,14 @@ from engine.models.layers import group_layers
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsSpec:
-  """A mixture of experts in place of every layer's MLP (engine/models/moe.py), as the
+  """A mixture of experts in place of every layer's MLP (engine/models/moe/layer.py), as the
   communication theory and the planner need it."""
   num_experts: int
   experts_per_token: int
   capacity_factor: float  # Slots per expert and sequence: ceil(L * k / E * factor); 0: dropless.
   shared_expert: bool  # A dense shared expert beside the routed ones.
-  bias_rate: float = 0.0  # aux_free balancing: the router bias' step (expert_balance.py); 0: none.
+  # aux_free balancing: the router bias' step (engine/models/moe/balance.py); 0: none.
+  bias_rate: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

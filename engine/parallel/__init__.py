@@ -9,13 +9,8 @@ read from a config here.
   manual_ops.py       manual mode's operations, every collective written (ManualOps)
   decode.py           generation's cached-attention ops (DecodeOps), compiled prefill and decode
   context.py          manual context parallelism: the split sequence, ring attention
-  pipeline.py         pipeline stages over `stage`, in either mode (GPipe, circular)
-  pipeline_1f1b.py    the 1F1B pipeline schedules (plain, interleaved, zero-bubble), which take
-                      each stage's gradients themselves
-  zero_bubble.py      its zero-bubble form's backward pass, split into input and weight passes
-  carry_trees.py      the pytree operations those schedules apply to a stack's carry
-  stage_lanes.py      how each mode holds one value per stage, for that schedule
-  model_cut.py        a model cut at its layer stack (embedding, stage, head) for that schedule
+  pipeline/           pipeline stages over `stage`, in either mode: GPipe, circular, 1F1B,
+                      interleaved 1F1B and zero-bubble (its own map)
   flat_gather.py      manual FSDP's gathers, one collective per group of weights
   quantized_gather.py manual FSDP's gathers in int8 / fp8, one scale per channel
   expert_exchange.py  manual expert parallelism: the experts' token exchange (all_to_all)

@@ -12,14 +12,18 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine import sharding
-from engine.models import lora, moe_dispatch
-from engine.models.attention import causal_attention
+from engine.models.llama import lora
+from engine.models.moe import dispatch as moe_dispatch
+from engine.models.attention.causal import causal_attention
 from engine.models.ops import LocalOps
-from engine.parallel import expert_exchange, pipeline, pipeline_1f1b, stage_lanes
-from engine.parallel.model_cut import ModelCut
+from engine.parallel import expert_exchange
+from engine.parallel.pipeline import gpipe as pipeline
+from engine.parallel.pipeline import one_f_one_b as pipeline_1f1b
+from engine.parallel.pipeline import stage_lanes
+from engine.parallel.pipeline.model_cut import ModelCut
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
-                                   kept_count, map_params, next_token_loss,
-                                   optimizer_on_device, window_losses)
+                                   kept_count, map_params, next_token_loss, optimizer_on_device,
+                                   window_losses)
 from engine.state import TrainSetup
 
 
@@ -131,8 +135,8 @@ class AutoOps(LocalOps):
     # The Pallas kernel is one device's program, which the SPMD partitioner cannot split: each
     # device runs it on its own batch rows and heads (whole sequences; validation refuses a
     # split length), as in manual mode. Unchecked (check_vma=False): nothing inside communicates,
-    # and the kernel's outputs carry no varying-axes types (engine/models/splash.py), which a
-    # checked shard_map under the pipeline's vmap over stages refuses.
+    # and the kernel's outputs carry no varying-axes types (engine/models/attention/splash.py),
+    # which a checked shard_map under the pipeline's vmap over stages refuses.
     spec = self.rules.spec(('batch', None, 'heads', None), activation=True)
     # Grouped keys / values come with their own heads (split like the query heads, or repeated
     # to them by kv_for_query_heads).
@@ -160,7 +164,7 @@ class AutoOps(LocalOps):
 
 def one_f_one_b_gradients(setup: TrainSetup, ops: AutoOps, params, tokens_BL1):
   """(mean loss, gradients, the model's statistics) from the 1F1B pipeline, plain or interleaved
-  (engine/parallel/pipeline_1f1b.py): each stage's layers as one slice of [S, L / S, ...]
+  (engine/parallel/pipeline/one_f_one_b.py): each stage's layers as one slice of [S, L / S, ...]
   arrays (interleaved: [S, V, L / (S V), ...]) laid out over `stage`, the activations that move
   between stages as [S, ...] arrays."""
   stages = setup.mesh.shape['stage']

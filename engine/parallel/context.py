@@ -19,11 +19,11 @@ other documents' keys; the causal skipping is unchanged (a row of a block may th
 masked: the merge gives it weight exp(min - max) = 0, and every query sees itself in its own
 chunk). The backward pass is JAX's transpose: each permute becomes one in the other direction.
 
-With model.attention='splash' each block runs the Pallas splash kernel (engine/models/splash.py,
-block_attention: causal mask on the diagonal blocks, full mask on the visible ones), which
-returns the block's normalised output (in the compute dtype: bfloat16 blocks are rounded
-before the float32 merge) and its log-sum-exp; blocks merge with log-sum-exp weights. Its
-gradient is exact: each block's custom_vjp runs the kernel's own backward passes, its
+With model.attention='splash' each block runs the Pallas splash kernel
+(engine/models/attention/splash.py, block_attention: causal mask on the diagonal blocks, full mask
+on the visible ones), which returns the block's normalised output (in the compute dtype: bfloat16
+blocks are rounded before the float32 merge) and its log-sum-exp; blocks merge with log-sum-exp
+weights. Its gradient is exact: each block's custom_vjp runs the kernel's own backward passes, its
 log-sum-exp's cotangent included, and autodiff carries the merges and the ring. Packed
 documents: each block's kernel takes the queries' and the travelling keys' segment ids
 (SegmentIds, forward and backward); a row of a block that sees no key gets a finite log-sum-exp
@@ -38,8 +38,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.models import splash
-from engine.models.attention import grouped_logits, grouped_values, prescale, soft_cap
+from engine.models.attention import splash
+from engine.models.attention.causal import grouped_logits, grouped_values, prescale, soft_cap
 from engine.models.documents import same_document
 
 _MASKED = jnp.finfo(jnp.float32).min
@@ -145,7 +145,7 @@ def ring_attention(q_BLHK, k_BLNK, v_BLNK, axis: str, size: int,
   """Causal attention of this device's queries (its two chunks) over the whole sequence, whose
   keys and values travel around the `axis` ring with their own N heads (grouped-query attention:
   N < H moves H / N times fewer bytes than the query heads would). Equal to
-  engine.models.attention's causal_attention on the whole sequence, up to float32 rounding.
+  engine.models.attention.causal's causal_attention on the whole sequence, up to float32 rounding.
   implementation: 'einsum' or 'splash' (the kernel per block). `segments_BL`: this device's
   positions' segment ids (packed documents), or None. `softcap`: Gemma 2's logit cap, or None."""
   q_BLHK, scale = prescale(q_BLHK, scale, scale_on)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from engine.models.attention import grouped_logits, grouped_values, prescale, soft_cap
+from engine.models.attention.causal import grouped_logits, grouped_values, prescale, soft_cap
 from engine.models.layers import layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup

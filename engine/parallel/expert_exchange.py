@@ -5,7 +5,7 @@ Each device routes its own tokens (the expert axis also splits the batch), sends
 assignment to the device holding its expert, runs its own experts on what arrives, and sends
 the results back to where the tokens live; the layer then weighs and sums them as on one device.
 
-- capacity: the [E, B, C, D] slot buffer of engine/models/moe_dispatch.py is already laid out by
+- capacity: the [E, B, C, D] slot buffer of engine/models/moe/dispatch.py is already laid out by
   expert: one all_to_all gives each device its E / n experts' slots from all n devices' sequences,
   one more returns the outputs. Drops are decided per sequence, so they match one device's.
 - dropless: the assignments sorted by expert are packed into n fixed-size blocks, block j for
@@ -32,7 +32,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.models import moe_dispatch, tiled_ragged_dot
+from engine.models.moe import dispatch as moe_dispatch
+from engine.models.moe import tiled_ragged_dot
 
 
 def capacity_exchange(axis: str):
@@ -60,8 +61,9 @@ def exchange_kind(setup) -> str:
 
 def ragged_dot_for(setup):
   """The dropless dispatch's grouped matmul on the setup's devices: XLA:CPU's ragged_dot
-  multiplies every row by every group, so there the tiled one (engine/models/tiled_ragged_dot.py)
-  visits only the rows in groups; TPUs and GPUs compile ragged_dot to grouped-matmul kernels."""
+  multiplies every row by every group, so there the tiled one
+  (engine/models/moe/tiled_ragged_dot.py) visits only the rows in groups; TPUs and GPUs compile
+  ragged_dot to grouped-matmul kernels."""
   return tiled_ragged_dot.for_platform(_platform(setup))
 
 

@@ -21,7 +21,7 @@ The collectives come from the same rules that give auto mode its shardings:
 - A sequence split over `context` (activations' `length`): each device keeps two chunks of every
   sequence and attention passes keys and values around the ring with `ppermute`
   (engine/parallel/context.py); the context axis counts as a batch axis for the averages below.
-- Stacked layers split over `stage` run as a GPipe pipeline (engine/parallel/pipeline.py): the
+- Stacked layers split over `stage` run as a GPipe pipeline (engine/parallel/pipeline/gpipe.py): the
   micro-batches' activations move to the next stage with `ppermute`, and gradients are
   synchronised once after the backward pass (the pipeline runs each layer several times).
 - Gradients avoid a trap of shard_map: taken with respect to a parameter replicated over a batch
@@ -46,10 +46,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine.models import expert_balance, lora
-from engine.parallel import manual_ops, pipeline, pipeline_1f1b, stage_lanes, zero1
+from engine.models.moe import balance as expert_balance
+from engine.models.llama import lora
+from engine.parallel import manual_ops, zero1
+from engine.parallel.pipeline import gpipe as pipeline
+from engine.parallel.pipeline import one_f_one_b as pipeline_1f1b
+from engine.parallel.pipeline import stage_lanes
 from engine.parallel.muon_blocks import MatrixBlocks
-from engine.parallel.model_cut import ModelCut
+from engine.parallel.pipeline.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
                                    optimizer_on_device, window_losses)
@@ -140,8 +144,8 @@ class _Gradients:
     return value, self.average(scattered)
 
   def scheduled_gradients(self, params, tokens_BL1):
-    """The 1F1B pipeline, plain or interleaved (engine/parallel/pipeline_1f1b.py): gradients w.r.t.
-    local copies of the parameters, as accumulated_gradients takes them. A stage's own layers
+    """The 1F1B pipeline, plain or interleaved (engine/parallel/pipeline/one_f_one_b.py): gradients
+    w.r.t. local copies of the parameters, as accumulated_gradients takes them. A stage's own layers
     gather their FSDP-split weights where each tick runs them (one layer's alive at a time, as in
     GPipe); the weights outside the stack (the embedding, the head: every tick's head reads them)
     are gathered once for the step and reduce-scattered once after it, and cast to varying over

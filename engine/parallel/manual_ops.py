@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models import moe_dispatch
+from engine.models.moe import dispatch as moe_dispatch
 from engine.models.ops import LocalOps, reduce_losses
-from engine.parallel import context, expert_exchange, flat_gather, pipeline, quantized_gather
+from engine.parallel import context, expert_exchange, flat_gather, quantized_gather
+from engine.parallel.pipeline import gpipe as pipeline
 from engine.parallel.steps import REMAT_POLICIES, map_params_together
 from engine.sharding import spec_axes
 from engine.state import TrainSetup
@@ -45,7 +46,8 @@ class ManualOps(LocalOps):
     # Every device along these axes sees different tokens: losses and gradients are averaged
     # over them (the sequence's devices hold equal token counts, so their mean is the mean).
     self.batch_axes = setup.rules.mesh_axes('batch', activation=True) + context_axes
-    # Pipeline parallelism: the axis that splits the stacked layers (engine/parallel/pipeline.py).
+    # Pipeline parallelism: the axis that splits the stacked layers
+    # (engine/parallel/pipeline/gpipe.py).
     stage_axes = setup.rules.mesh_axes('layers')
     self.stage_axis = stage_axes[0] if stage_axes else None
     self.stages = setup.mesh.shape[self.stage_axis] if stage_axes else 1

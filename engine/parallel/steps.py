@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from engine.models import expert_balance
+from engine.models.moe import balance as expert_balance
 from engine.models import documents
 from engine.models.documents import segments_and_positions
 from engine.models.ops import LAYERS

@@ -51,14 +51,14 @@ from absl import logging  # noqa: E402
 from engine import chips, parallel, validation  # noqa: E402
 from engine import config as config_lib  # noqa: E402
 from engine.analysis import benchmark, collectives, comm_theory, slices, verdicts  # noqa: E402
-from engine.analysis.comparison import communication_table  # noqa: E402
 from engine.assemble import VOCABULARY, assemble  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.hf import load as hf  # noqa: E402
-from engine.analysis.hlo_matmuls import matmul_types  # noqa: E402
+from engine.analysis.hlo import matmul_types  # noqa: E402
 from engine.plan import peak_memory  # noqa: E402
-from engine.plan.step_flops import (executed_flops, expert_padding_flops, head_copies,  # noqa: E402
-                                    head_flops, quantized_flops)
+from engine.plan.step_flops import (executed_flops, expert_padding_flops, head_copies,
+                                    # noqa: E402                                     head_flops,
+                                    quantized_flops)
 from engine.runtime.progress import phase  # noqa: E402
 from engine.train.metrics import log_memory  # noqa: E402
 
@@ -295,7 +295,7 @@ def _compiled_row(row: dict, run, compiled, compile_s: float, hardware: Hardware
   peak = hardware.per_device(hardware.chip.peak_tflops[config.model.dtype] * 1e12)
   fits = memory['peak_estimate_bytes'] <= hardware.hbm_bytes
   mode_run = benchmark.ModeRun(mode, train_setup, compiled, compile_s, memory, found)
-  communication = communication_table([mode_run], theory)
+  communication = verdicts.communication_table([mode_run], theory)
   flags = verdicts.off_theory(communication, [mode],
                               verdicts.context_for(train_setup, config, 'tpu'), row['mesh'])
   verdicts.log(flags)

@@ -8,7 +8,7 @@ import ml_collections
 from engine import chips
 from engine import config as config_lib
 from engine.analysis import verdicts
-from engine.analysis.compare_report import LOWER_BOUND_NOTE, element_types, lower_bound
+from engine.analysis.verdicts import LOWER_BOUND_NOTE, element_types, lower_bound
 from engine.plan import planner, search
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 
 from engine.analysis import comm_theory
-from engine.models.moe_dispatch import capacity
+from engine.models.moe.dispatch import capacity
 from engine.parallel import expert_exchange
-from engine.parallel.pipeline import SELF_DIFFERENTIATING, bubble_fraction, schedule_of
+from engine.parallel.pipeline.gpipe import SELF_DIFFERENTIATING, bubble_fraction, schedule_of
 
 
 def executed_flops(model_flops: float, config, train_setup=None) -> float:
@@ -77,7 +77,7 @@ def expert_padding_flops(train_setup, mode: str, tokens: int, seq_len: int) -> f
   grouped matmuls visit only the groups' rows (TPU and GPU kernels: the unused rows of the n
   blocks of min(k, E / n) rows per token cost no FLOPs, engine.bench.grouped_matmul,
   docs/benchmarks.md, though XLA's cost analysis counts them all; on CPU
-  engine/models/tiled_ragged_dot.py, whose last tile of a group is masked, not counted).
+  engine/models/moe/tiled_ragged_dot.py, whose last tile of a group is masked, not counted).
   Dropless on one device multiplies only the rows routed: none."""
   experts = train_setup.model.experts
   if experts is None:

@@ -23,7 +23,7 @@ from absl import logging
 
 from engine import config as config_lib
 from engine import data, sharding
-from engine.models import lora
+from engine.models.llama import lora
 from engine.distributed import startup as distributed
 from engine.runtime.progress import phase
 from engine.hf import load as hf

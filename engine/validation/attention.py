@@ -1,15 +1,15 @@
 """The layouts and shapes the Pallas splash-attention kernel (model.attention='splash',
-engine/models/splash.py) takes, alone or per block of manual mode's ring attention; and the
-attention paths that compute a sliding window shorter than the sequence. engine.validation.validate
-calls `check_splash` and `check_window` before anything is compiled, so that a kernel's shape
-error never surfaces from inside a trace."""
+engine/models/attention/splash.py) takes, alone or per block of manual mode's ring attention; and
+the attention paths that compute a sliding window shorter than the sequence.
+engine.validation.validate calls `check_splash` and `check_window` before anything is compiled, so
+that a kernel's shape error never surfaces from inside a trace."""
 
 from __future__ import annotations
 
 from ml_collections import ConfigDict
 
 from engine.errors import ConfigError
-from engine.models import splash
+from engine.models.attention import splash
 
 
 def check_splash(config: ConfigDict, mesh: dict[str, int]) -> None:

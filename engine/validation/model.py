@@ -11,7 +11,7 @@ from ml_collections import ConfigDict
 from engine import models, parallel
 from engine.config import DTYPES
 from engine.errors import ConfigError
-from engine.models import attention as model_attention
+from engine.models.attention import causal as model_attention
 from engine.models.config_keys import ModelConfigError
 from engine.validation.checks import (choose, require_divisible, require_finite,
                                       require_non_negative, require_positive)

@@ -1,6 +1,6 @@
-"""A mixture of experts (engine/models/moe.py) against the mesh and the mode: the expert mesh
+"""A mixture of experts (engine/models/moe/layer.py) against the mesh and the mode: the expert mesh
 axis, and the layouts the layer does not support yet. engine.validation.validate calls
-`check_moe` after the model's own check of its keys (engine/models/moe_config.py)."""
+`check_moe` after the model's own check of its keys (engine/models/moe/config.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engine.errors import ConfigError
 def check_moe(config: ConfigDict, mesh: dict[str, int]) -> None:
   """An expert axis only with experts to split, then the meshes the layer's batch statistics
   are exact on. The experts' own keys, and their split over the expert axis, are the model's
-  check (engine/models/moe_config.py)."""
+  check (engine/models/moe/config.py)."""
   model = config.model
   if not model.num_experts:
     if mesh['expert'] > 1:  # `expert` splits the batch too, so no unused-axis check sees it.

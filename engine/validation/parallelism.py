@@ -10,7 +10,7 @@ from ml_collections import ConfigDict
 from engine import sharding
 from engine.config import DTYPES, FSDP_GATHERS, OPTIMIZER_SHARDINGS
 from engine.errors import ConfigError
-from engine.models.moe_config import stacked_layers, stacked_layers_text
+from engine.models.moe.config import stacked_layers, stacked_layers_text
 from engine.parallel.quantized_gather import GATHER_DTYPES
 from engine.validation.checks import choose
 

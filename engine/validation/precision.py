@@ -9,7 +9,7 @@ import math
 from ml_collections import ConfigDict
 
 from engine.errors import ConfigError
-from engine.models.moe_dispatch import capacity
+from engine.models.moe.dispatch import capacity
 from engine.models.quantized_matmul import PRECISIONS
 from engine.validation.checks import choose
 

@@ -10,8 +10,8 @@ from ml_collections import ConfigDict
 
 from engine import sharding
 from engine.errors import ConfigError
-from engine.models.moe_config import stacked_layers, stacked_layers_text
-from engine.parallel.pipeline import HEAD_PLACEMENTS, SCHEDULES
+from engine.models.moe.config import stacked_layers, stacked_layers_text
+from engine.parallel.pipeline.gpipe import HEAD_PLACEMENTS, SCHEDULES
 from engine.validation.checks import require_divisible
 
 

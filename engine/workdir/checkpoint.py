@@ -9,9 +9,9 @@ Saves are asynchronous: the loop waits only for the device-to-host copy; the fil
 in the background. Orbax writes into a temporary directory and renames it when complete, so an
 interrupted save never leaves a checkpoint that looks valid. Just before that rename, process 0
 records the size and CRC-32 of every file of the checkpoint in `checksums.json` (in the
-background too; engine/workdir/checksums.py), so damage done later (a truncated, deleted or altered file, arrays or
-metadata) is found on restore and reported by step and cause, instead of a library traceback or,
-worse, silently wrong numbers.
+background too; engine/workdir/checksums.py), so damage done later (a truncated, deleted or altered
+file, arrays or metadata) is found on restore and reported by step and cause, instead of a library
+traceback or, worse, silently wrong numbers.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import multihost
 
 from engine.distributed import startup as distributed
-from engine.models import lora
+from engine.models.llama import lora
 from engine.workdir import run_dir as workdir_lib
 from engine.workdir.checksums import CHECKSUMS_FILE, file_checksums, find_damage
 from engine.errors import DISK_FULL, CheckpointError, ConfigError, is_disk_full

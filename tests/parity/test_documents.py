@@ -15,7 +15,7 @@ from flax import nnx
 
 from engine import models, parallel
 from engine.assemble import lay_out
-from engine.models import attention
+from engine.models.attention import causal as attention
 from engine.models.documents import CONTEXT_FLAG as CONTEXT
 from engine.models.documents import INSIDE_FLAG as INSIDE
 from engine.models.documents import segments_and_positions

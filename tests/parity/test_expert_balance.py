@@ -1,5 +1,5 @@
 """Auxiliary-loss-free expert balancing (model.moe_balance='aux_free',
-engine/models/expert_balance.py).
+engine/models/moe/balance.py).
 
 The router's choice with the bias and its update from the load are checked against NumPy; the
 model then equals its single-device run (losses, gradients, every parameter and so the bias after
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.models import expert_balance, moe
+from engine.models.moe import balance as expert_balance
+from engine.models.moe import layer as moe
 from engine.parallel import manual
 from engine.train.loop import train
 from engine.train.metrics import router_health

@@ -1,5 +1,5 @@
-"""Gemma's options on the Llama (engine/models/gemma_hf.py: norms after each sublayer, GeGLU, the
-scaled embedding, both soft caps, every other layer global with its own rotary, the local
+"""Gemma's options on the Llama (engine/models/formats/gemma.py: norms after each sublayer, GeGLU,
+the scaled embedding, both soft caps, every other layer global with its own rotary, the local
 layers' sliding window shorter than the sequence) in training: the train steps of both modes on
 tensor and FSDP splits, a sequence split and pipeline schedules (each layer's number carried
 through the stages) against the model's own single-device run (tests/unit/test_hf_gemma.py
@@ -9,8 +9,7 @@ checks the arithmetic against transformers' in NumPy).
 import numpy as np
 import pytest
 
-from tests.support.helpers import (ATOL, assert_same_run, engine_run, single_device_run,
-                                   tiny_config)
+from tests.support.helpers import ATOL, assert_same_run, engine_run, single_device_run, tiny_config
 
 STEPS = 2
 

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (model.mla_*, engine/models/latent_attention.py).
+"""Multi-head latent attention (model.mla_*, engine/models/llama/latent_attention.py).
 
 The layer is checked against a NumPy version written from DeepSeek-V3's modeling code (latent
 projections and norms, the shared rotary key, interleaved or rotate-half rotary, logits scaled
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.models.latent_attention import LATENT_NORM_EPS, LatentAttention, LatentConfig
-from engine.models.llama_layers import Rope
+from engine.models.llama.latent_attention import LATENT_NORM_EPS, LatentAttention, LatentConfig
+from engine.models.llama.layers import Rope
 from engine.models.ops import LocalOps
 from engine.models import quantized_matmul
 from tests.support.helpers import assert_same_run, engine_run, single_device_run, tiny_config

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from engine.models import llama
-from engine.models.attention import causal_attention
+from engine.models.llama import model as llama
+from engine.models.attention.causal import causal_attention
 from engine.assemble import assemble
 from engine.parallel import manual_ops
 from tests.support.helpers import (assert_same_run, compiled_train_step, engine_run,

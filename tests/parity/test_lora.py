@@ -1,5 +1,5 @@
-"""LoRA (engine/models/lora.py): the adapted projections are the merged weights W + s A B (a NumPy
-merge as the reference), only the adapters train (the base unchanged bit for bit, no optimizer
+"""LoRA (engine/models/llama/lora.py): the adapted projections are the merged weights W + s A B (a
+NumPy merge as the reference), only the adapters train (the base unchanged bit for bit, no optimizer
 state for it), a train step in either mode on every layout matches one device, and a manual
 data-parallel step reduces the adapters' gradients only."""
 
@@ -11,7 +11,7 @@ from flax import nnx
 
 from engine import models, parallel
 from engine.assemble import lay_out
-from engine.models import lora
+from engine.models.llama import lora
 from engine.models.documents import CONTEXT_FLAG
 from engine.models.ops import LocalOps
 from tests.parity.test_moe import moe_config

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine import models
-from engine.analysis import comparison
+from engine.analysis.compare import comparison
 from engine.models.ops import LocalOps
 from engine.models.spec import ModelSpec
 from engine.assemble import assemble, lay_out

@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (engine/models/moe.py) and the Llama model built with it.
+"""The mixture-of-experts layer (engine/models/moe/layer.py) and the Llama model built with it.
 
 The layer is checked against a NumPy loop over tokens and their top-k experts written here, for
 both routers and both dispatches (capacity with so few slots that assignments drop, counted per
@@ -26,7 +26,7 @@ from engine.analysis import comm_theory
 from engine.analysis.reference import ReferenceRun
 from engine.assemble import lay_out
 from engine.errors import ConfigError
-from engine.models import moe
+from engine.models.moe import layer as moe
 from engine.models.ops import LocalOps
 from engine.parallel import expert_exchange, manual_ops
 from engine.plan import planner as plan_lib

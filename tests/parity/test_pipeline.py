@@ -13,10 +13,9 @@ from engine.analysis.benchmark import fit_bubble
 from engine.errors import ConfigError
 from engine.validation import validate
 from engine.models.layers import LAYERS, REPEATS
-from engine.parallel.pipeline import bubble_fraction
+from engine.parallel.pipeline.gpipe import bubble_fraction
 from tests.support.helpers import (assert_same_run, collective_table, compiled_run,
-                                   compiled_train_step, engine_run,
-                                   single_device_run, tiny_config)
+                                   compiled_train_step, engine_run, single_device_run, tiny_config)
 
 STEPS = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

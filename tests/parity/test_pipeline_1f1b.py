@@ -11,7 +11,8 @@ import pytest
 from engine import parallel
 from engine.analysis import comm_theory
 from engine.errors import ConfigError
-from engine.parallel import pipeline_1f1b, stage_lanes
+from engine.parallel.pipeline import one_f_one_b as pipeline_1f1b
+from engine.parallel.pipeline import stage_lanes
 from engine.validation import validate
 from tests.parity.test_documents import EOS, VOCAB
 from tests.parity.test_moe import moe_config
@@ -136,7 +137,7 @@ def test_a_mixture_of_experts_with_its_balance_loss_matches_gpipe(mode='manual')
   """The balance loss is per micro-batch in any pipeline (the single-device run has it over
   the whole batch): the GPipe schedule of the same layout, itself checked against one device
   in test_moe.py, is the reference; the auxiliary loss is on. Manual mode: the schedule's code
-  (engine/parallel/pipeline_1f1b.py) is auto mode's too, whose 1F1B runs above and below."""
+  (engine/parallel/pipeline/one_f_one_b.py) is auto mode's too, whose 1F1B runs above and below."""
   config = moe_config((2, 1, 1, 1, 2), mode=mode)
   config.model.num_layers = 2
   config.train.microbatches = 4

@@ -6,14 +6,14 @@ weight pass fail the check; its collectives are 1F1B's; the bubble it implies.""
 import numpy as np
 import pytest
 
-from engine.parallel import zero_bubble
-from engine.parallel.pipeline import bubble_fraction
+from engine.parallel.pipeline import zero_bubble
+from engine.parallel.pipeline.gpipe import bubble_fraction
 from tests.parity.test_documents import EOS, VOCAB
 from tests.parity.test_moe import moe_config
 from tests.parity.test_pipeline import _config
 from tests.parity.test_pipeline_1f1b import (_assert_same_gradients, _document_tokens,
-                                             _documents_config, _gradients,
-                                             _one_device_gradients, _tokens)
+                                             _documents_config, _gradients, _one_device_gradients,
+                                             _tokens)
 from tests.support.helpers import (assert_same_run, collective_table, compiled_train_step,
                                    engine_run, single_device_run)
 
@@ -69,7 +69,7 @@ def test_a_mixture_of_experts_with_its_balance_loss_matches_1f1b(mode='manual'):
   """The experts' weights are not projections: the input pass takes their gradients; the
   router's and the shared expert's are (1F1B, itself checked against GPipe, the reference).
   Manual mode: the split backward pass is the schedule's code in both modes
-  (engine/parallel/pipeline_1f1b.py), and auto mode's zb_h1 runs above."""
+  (engine/parallel/pipeline/one_f_one_b.py), and auto mode's zb_h1 runs above."""
   config = moe_config((2, 1, 1, 1, 2), mode=mode)
   config.model.num_layers, config.train.microbatches = 2, 4
   config.train.pipeline_schedule = '1f1b'

@@ -1,4 +1,5 @@
-"""model.attention='splash': the Pallas TPU splash-attention kernel (engine/models/splash.py).
+"""model.attention='splash': the Pallas TPU splash-attention kernel
+(engine/models/attention/splash.py).
 
 On CPU the kernel runs in Pallas interpret mode; its training runs must match the single-device
 einsum reference (engine.analysis.reference: losses, gradient norms, every gradient, every
@@ -19,10 +20,11 @@ from engine import parallel
 from engine.analysis import collectives, comm_theory
 from engine.plan import planner as plan_lib
 from engine.assemble import lay_out
-from engine.models import attention, splash
+from engine.models.attention import causal as attention
+from engine.models.attention import splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
-from tests.support.helpers import (assert_same_run, compiled_run, engine_run,
-                                   single_device_run, tiny_config)
+from tests.support.helpers import (assert_same_run, compiled_run, engine_run, single_device_run,
+                                   tiny_config)
 
 pytestmark = pytest.mark.slow  # Every test here trains, compiles large or starts processes.
 
@@ -103,7 +105,7 @@ def test_splash_ring_trains_like_the_einsum_reference_and_moves_the_same_bytes()
   smallest tile), so each device runs it on diagonal (causal) and visible (full) blocks. One
   layer of grouped-query Llama (4 query, 2 key / value heads): losses, gradients and parameters
   match the single-device einsum run; the ring's permutes are the comm theory's bytes."""
-  # The kernel's private backward passes the ring's blocks call (engine/models/splash.py).
+  # The kernel's private backward passes the ring's blocks call (engine/models/attention/splash.py).
   assert hasattr(splash_attention_kernel, '_splash_attention_bwd_dkv')
   assert hasattr(splash_attention_kernel, '_splash_attention_bwd_dq')
   config = _ring_config(512)

@@ -5,7 +5,6 @@ import jax
 import pytest
 
 from engine.analysis import comm_theory, verdicts
-from engine.analysis.comparison import communication_table
 from engine.analysis.benchmark import ModeRun
 from engine.analysis import collectives
 from engine.parallel import manual_ops
@@ -71,7 +70,7 @@ def _flags(config, mode='manual'):
   theory = comm_theory.expected_bytes(setup, config.data.global_batch_size, config.data.seq_len)
   run = ModeRun(mode, setup, compiled, 0.0, {},
                 collectives.count_collectives(compiled.as_text(), setup.mesh))
-  rows = communication_table([run], theory)
+  rows = verdicts.communication_table([run], theory)
   return rows, verdicts.off_theory(rows, [mode], verdicts.context_for(setup, config))
 
 

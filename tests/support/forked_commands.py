@@ -32,7 +32,10 @@ from engine.evaluate import scoring as evaluate
 from engine.cli import command_line as cli
 from engine.generate import sampling as generate
 from engine.plan import planner as plan
-from engine.analysis import comparison, hf_checker, layout, tokenizer_compare  # noqa: F401
+from engine.analysis.compare import comparison  # noqa: F401
+from engine.analysis.hf_check import checker as hf_checker
+from engine.analysis.show_layout import layout
+from engine.analysis.tokenizer_check import engine_side as tokenizer_compare
 from engine.data import bpe_trainer, shard_writer  # noqa: F401
 from engine.sweep import runner  # noqa: F401
 

@@ -215,8 +215,9 @@ def test_no_parameter_name_outside_the_models():
 # Every command: its module, and the module its work starts in.
 COMMANDS = ('engine.main', 'engine.bench.__main__', 'engine.plan.__main__',
             'engine.generate.__main__', 'engine.evaluate.__main__', 'engine.export.__main__',
-            'engine.analysis.compare', 'engine.analysis.bubble', 'engine.analysis.show_layout',
-            'engine.analysis.hf_check', 'engine.sweep.__main__')
+            'engine.analysis.compare.__main__', 'engine.analysis.bubble.__main__',
+            'engine.analysis.show_layout.__main__', 'engine.analysis.hf_check.__main__',
+            'engine.sweep.__main__')
 # What only the run path does (engine.assemble): validate, build a mesh or a model, compile a
 # train step.
 RUN_PATH_CALLS = ('validation.validate(', 'validate(config', 'make_mesh(', 'models.build(',
@@ -313,9 +314,9 @@ def test_flags_are_defined_at_module_level_of_command_modules_only():
   trees = _trees()
   commands = _command_modules(trees, GRAPH)
   # The check sees the commands of each kind, and not their libraries.
-  assert {'engine.main', 'engine.sweep.__main__', 'engine.analysis.compare',
+  assert {'engine.main', 'engine.sweep.__main__', 'engine.analysis.compare.__main__',
           'engine.data.prepare'} <= commands
-  assert not {'engine.analysis.comparison', 'engine.data.shard_writer'} & commands
+  assert not {'engine.analysis.compare.comparison', 'engine.data.shard_writer'} & commands
   assert 'add_bos_flag' in _definers(trees)
   assert not _misplaced_flags(trees, GRAPH)
 

@@ -7,9 +7,11 @@ import jax
 import pytest
 
 from engine import parallel
-from engine.analysis import collectives, comm_theory, compare_report, comparison
+from engine.analysis import collectives, comm_theory
+from engine.analysis.compare import report as compare_report
+from engine.analysis.compare import comparison
 from engine.parallel import manual_ops
-from engine.parallel.pipeline import bubble_fraction
+from engine.parallel.pipeline.gpipe import bubble_fraction
 from engine.assemble import lay_out
 from tests.support.helpers import tiny_config
 

@@ -9,7 +9,8 @@ import jax
 import pytest
 
 from engine import assemble, parallel
-from engine.analysis import benchmark, hf_compare
+from engine.analysis import benchmark
+from engine.analysis.hf_check import engine_side as hf_compare
 from engine.config import default_config, flat_defaults, mesh_values, with_values
 from engine.errors import ConfigError
 from engine.sweep import grid

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from engine.analysis import hf_checker, hf_compare
+from engine.analysis.hf_check import checker as hf_checker
+from engine.analysis.hf_check import engine_side as hf_compare
 from engine.errors import ConfigError
 from tests.unit.test_hf import HF_CONFIG, _random_checkpoint, _reference_logits
 

@@ -1,10 +1,10 @@
-"""DeepSeek-V3's Hugging Face checkpoints (`DeepseekV3ForCausalLM`, engine/models/deepseek_hf.py):
-a NumPy forward written from transformers' modeling_deepseek_v3 (latent attention with interleaved
-rotary pairs, sigmoid scores with the correction bias choosing within the best groups, weights
-renormalised and scaled, a shared expert; dense first layers) against the engine's logits of the same checkpoint in
-both config formats; the export writes back the same tensors and a config that reads back the
-same; what the engine refuses. transformers itself: engine.analysis.hf_check's deepseek_v3 rows
-(docs/benchmarks.md)."""
+"""DeepSeek-V3's Hugging Face checkpoints (`DeepseekV3ForCausalLM`,
+engine/models/formats/deepseek.py): a NumPy forward written from transformers' modeling_deepseek_v3
+(latent attention with interleaved rotary pairs, sigmoid scores with the correction bias choosing
+within the best groups, weights renormalised and scaled, a shared expert; dense first layers)
+against the engine's logits of the same checkpoint in both config formats; the export writes back
+the same tensors and a config that reads back the same; what the engine refuses. transformers
+itself: engine.analysis.hf_check's deepseek_v3 rows (docs/benchmarks.md)."""
 
 import json
 

@@ -19,10 +19,10 @@ from engine.errors import ConfigError
 from engine.generate.sampling import Generator
 from engine.hf import load as hf
 from engine.parallel.decode import build_decode_steps
-from engine.models import llama_config
+from engine.models.llama import config as llama_config
 from engine.models.config_keys import ModelConfigError
-from tests.unit.test_hf_families import (SEQ, _tokens, assert_export_writes_back,
-                                         assert_logits, legacy, load_on_one_device)
+from tests.unit.test_hf_families import (SEQ, _tokens, assert_export_writes_back, assert_logits,
+                                         legacy, load_on_one_device)
 from tests.unit.test_hf_families import _engine_config as _config
 from tests.support.helpers import tiny_config
 

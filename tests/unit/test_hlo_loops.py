@@ -1,4 +1,4 @@
-"""Loop trip counts read off hand-written HLO (engine.analysis.hlo_loops), and what the collective
+"""Loop trip counts read off hand-written HLO (engine.analysis.hlo), and what the collective
 counter does with them: known counts multiply, unknown ones count once and are said to be lower
 bounds (marked on the collective, in `summarize`, in the reports, and in one warning).
 
@@ -11,7 +11,9 @@ import logging
 
 import pytest
 
-from engine.analysis import benchmark, collectives, compare_report, comparison, hlo_loops
+from engine.analysis import benchmark, collectives, hlo, verdicts
+from engine.analysis.compare import comparison
+from engine.analysis.compare import report as compare_report
 
 # A loop over (counter, data, bound): `bound` is carried from the entry's second parameter, so a
 # loop compared with it has no constant bound. {start}, {step}, {update} and {compare} are the
@@ -63,8 +65,8 @@ def _loop(start=0, step=1, update='add(%i, %step)', limit=5,
 
 
 def _trips(hlo_text):
-  ops, roots = hlo_loops.parse_instructions(hlo_text)
-  return hlo_loops.trip_count(ops, roots, 'main', 'init', 'cond', 'body')
+  ops, roots = hlo.parse_instructions(hlo_text)
+  return hlo.trip_count(ops, roots, 'main', 'init', 'cond', 'body')
 
 
 def test_counting_up_from_0_by_1_while_below_5_is_5():
@@ -154,8 +156,8 @@ ENTRY %main.4 (x.1: f32[4]) -> f32[4] {
 
 
 def test_compare_and_step_inside_fusions_are_read_through():
-  ops, roots = hlo_loops.parse_instructions(_CPU_LOOP)
-  assert hlo_loops.trip_count(ops, roots, 'main.4', 'tuple.12', 'region_1.3', 'region_0.2') == 5
+  ops, roots = hlo.parse_instructions(_CPU_LOOP)
+  assert hlo.trip_count(ops, roots, 'main.4', 'tuple.12', 'region_1.3', 'region_0.2') == 5
 
 
 class _Mesh:
@@ -257,7 +259,7 @@ def _unknown_and_known_runs():
 def test_reports_mark_lower_bounds():
   runs = _unknown_and_known_runs()
   theory = {('all-reduce', ('data',)): 5 * 512}
-  (row,) = comparison.communication_table(runs, theory)
+  (row,) = verdicts.communication_table(runs, theory)
   assert row['auto'] == {'executions': 5, 'bytes': 5 * 512, 'ratio': 1.0, 'unexpected': False,
                          'lower_bound': False, 'dtype_bytes': {'f32': 5 * 512}}
   assert row['manual']['executions'] == 1 and row['manual']['lower_bound']
@@ -291,7 +293,7 @@ def test_plan_report_marks_lower_bounds():
                      'dcn_data': 1, 'dcn_fsdp': 1}}
   candidates = []
   for rank, run in enumerate(runs, 1):
-    (communication,) = comparison.communication_table(
+    (communication,) = verdicts.communication_table(
         [run], {('all-reduce', ('data',)): 5 * 512})
     candidates.append({
         'rank': rank, 'mode': run.mode, 'mesh': 'data 8', 'mesh_shape': config['mesh'],

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from engine import sharding
-from engine.analysis import layout
+from engine.analysis.show_layout import layout
 from engine.mesh import make_mesh
 from engine.assemble import assemble
 from tests.support.helpers import tiny_config

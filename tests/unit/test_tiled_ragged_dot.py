@@ -1,6 +1,6 @@
-"""The tiled grouped matmul of CPU's dropless dispatch (engine/models/tiled_ragged_dot.py) against
-jax.lax.ragged_dot: values and both gradients, with empty groups, groups that end inside a tile,
-rows past the groups (which must give zeros and no gradient), inside a checked shard_map and
+"""The tiled grouped matmul of CPU's dropless dispatch (engine/models/moe/tiled_ragged_dot.py)
+against jax.lax.ragged_dot: values and both gradients, with empty groups, groups that end inside a
+tile, rows past the groups (which must give zeros and no gradient), inside a checked shard_map and
 under vmap."""
 
 import jax
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from engine.models import tiled_ragged_dot as tiled
-from engine.models.tiled_ragged_dot import TILE, tiled_ragged_dot
+from engine.models.moe import tiled_ragged_dot as tiled
+from engine.models.moe.tiled_ragged_dot import TILE, tiled_ragged_dot
 
 D, F = 16, 24
 SIZES = [TILE + 3, 0, 5, 2 * TILE, 1]  # Ends inside a tile, empty, short, whole tiles, one row.

@@ -17,7 +17,7 @@ import sys
 import pytest
 import tokenizers
 
-from engine.analysis import tokenizer_compare as tc
+from engine.analysis.tokenizer_check import engine_side as tc
 from engine.hf import save as hf_save
 from tests.support.helpers import reference_python
 
