@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models import quantized_matmul
+from engine.models.attention import spec as attention_spec
+from engine.models.attention.spec import AttentionSpec
 from engine.models.layers import apply_layers, dense, param, stack_layers
 from engine.models.ops import LocalOps
 from engine.models.quantized_matmul import MatmulPrecision
@@ -38,9 +40,7 @@ class GPTConfig:
   scan_layers: bool = True
   init_std: float = 0.02
   norm_eps: float = 1e-5
-  attention_scale_on: str = 'queries'  # engine.models.attention.causal.SCALE_ON
-  attention_scale: float | None = None  # None: 1 / sqrt(head_dim).
-  attention: str = 'einsum'  # engine.models.attention.causal.IMPLEMENTATIONS
+  attention: AttentionSpec = AttentionSpec()
   matmul: MatmulPrecision = quantized_matmul.DEFAULT  # The projections' (not the head's).
 
   @property
@@ -89,8 +89,7 @@ class Block(nnx.Module):
     q_BLHK, k_BLHK, v_BLHK = (
         ops.constrain(dense(x_BLD, w_qkv_CDHK[c], precision=self.cfg.matmul), heads)
         for c in range(3))
-    out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, self.cfg.attention_scale_on,
-                             self.cfg.attention, self.cfg.attention_scale)
+    out_BLHK = ops.attention(q_BLHK, k_BLHK, v_BLHK, self.cfg.attention)
     y_BLD = dense(out_BLHK, self.w_out_HKD[...], in_dims=2, precision=self.cfg.matmul)
     return ops.finish_contraction(y_BLD, 'heads')
 
@@ -155,9 +154,7 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       mlp_dim=model_config.mlp_dim, max_len=model_config.max_len,
       tie_embeddings=model_config.tie_embeddings, scan_layers=model_config.scan_layers,
       init_std=model_config.init_std, norm_eps=model_config.norm_eps,
-      attention_scale_on=model_config.attention_scale_on, attention=model_config.attention,
-      attention_scale=(None if model_config.attention_scale == -1 else
-                       model_config.attention_scale),
+      attention=attention_spec.from_config(model_config),
       matmul=quantized_matmul.from_config(model_config))
   D, F, HK = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads * cfg.head_dim
   # Weights that multiply activations: qkv, attention out, MLP up and down, the output head.

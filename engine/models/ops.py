@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from engine.models.attention.causal import causal_attention
+from engine.models.attention.spec import AttentionSpec
 from engine.models.moe import dispatch as moe_dispatch
 from engine.models.layers import LAYERS, layer_group, num_groups  # noqa: F401 (LAYERS: re-export)
 
@@ -98,16 +99,12 @@ class LocalOps:
       return self.documents[1]
     return jnp.arange(length)
 
-  def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on: str = 'queries',
-                implementation: str = 'einsum', scale: float | None = None,
-                softcap: float | None = None, window=None) -> jax.Array:
-    """Causal self-attention over the whole sequence (engine.models.attention.causal), logits scaled
-    by `scale` (None: 1/sqrt(head size)) and capped by `softcap` (None: not), within a sliding
-    `window` (None: none); keys and values of n heads, n dividing the query
-    heads (kv_for_query_heads). A layout that splits the sequence passes keys and values
-    between its devices. With packed documents, only keys of the query's own document."""
-    return causal_attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale,
-                            self.segments(), softcap, window)
+  def attention(self, q_BLHK, k_BLnK, v_BLnK, spec: AttentionSpec) -> jax.Array:
+    """Causal self-attention over the whole sequence as `spec` says
+    (engine/models/attention/spec.py); keys and values of n heads, n dividing the query heads
+    (kv_for_query_heads). A layout that splits the sequence passes keys and values between its
+    devices. With packed documents, only keys of the query's own document."""
+    return causal_attention(q_BLHK, k_BLnK, v_BLnK, spec, self.segments())
 
   def segments(self) -> jax.Array | None:
     """The segment ids [B, L] of the tokens the model holds (packed documents), or None."""

@@ -127,30 +127,28 @@ class AutoOps(LocalOps):
                                   ffn.w_down_EFD)
     return y_BLKD, jnp.zeros((), jnp.float32)
 
-  def attention(self, q_BLHK, k_BLHK, v_BLHK, scale_on='queries', implementation='einsum',
-                scale=None, softcap=None, window=None):
-    if implementation != 'splash':
-      return super().attention(q_BLHK, k_BLHK, v_BLHK, scale_on, implementation, scale, softcap,
-                               window)
+  def attention(self, q_BLHK, k_BLHK, v_BLHK, spec):
+    if spec.implementation != 'splash':
+      return super().attention(q_BLHK, k_BLHK, v_BLHK, spec)
     # The Pallas kernel is one device's program, which the SPMD partitioner cannot split: each
     # device runs it on its own batch rows and heads (whole sequences; validation refuses a
     # split length), as in manual mode. Unchecked (check_vma=False): nothing inside communicates,
     # and the kernel's outputs carry no varying-axes types (engine/models/attention/splash.py),
     # which a checked shard_map under the pipeline's vmap over stages refuses.
-    spec = self.rules.spec(('batch', None, 'heads', None), activation=True)
+    heads = self.rules.spec(('batch', None, 'heads', None), activation=True)
     # Grouped keys / values come with their own heads (split like the query heads, or repeated
     # to them by kv_for_query_heads).
-    kv_spec = spec if k_BLHK.shape[2] == q_BLHK.shape[2] else self.rules.spec(
+    kv_heads = heads if k_BLHK.shape[2] == q_BLHK.shape[2] else self.rules.spec(
         ('batch', None, 'kv_heads', None), activation=True)
     segments_BL = self.segments()  # Packed documents: each row's segment ids go with it.
 
     def local(q, k, v, *segments):
-      return causal_attention(q, k, v, scale_on, implementation, scale, *segments)
+      return causal_attention(q, k, v, spec, *segments)
 
-    in_specs = (spec, kv_spec, kv_spec) + (() if segments_BL is None else (
+    in_specs = (heads, kv_heads, kv_heads) + (() if segments_BL is None else (
         self.rules.spec(('batch', None), activation=True),))
     args = (q_BLHK, k_BLHK, v_BLHK) + (() if segments_BL is None else (segments_BL,))
-    return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=spec,
+    return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=heads,
                          check_vma=False)(*args)
 
   def embed_lookup(self, table_VD, tokens_BL):

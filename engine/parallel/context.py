@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from engine.models.attention import splash
-from engine.models.attention.causal import grouped_logits, grouped_values, prescale, soft_cap
+from engine.models.attention.causal import grouped_logits, grouped_values
+from engine.models.attention.spec import AttentionSpec
 from engine.models.documents import same_document
 
 _MASKED = jnp.finfo(jnp.float32).min
@@ -70,16 +71,16 @@ def local_positions(local_length: int, axis: str, size: int) -> jax.Array:
   return jnp.concatenate([first + offsets, second + offsets])
 
 
-def _block(q_BQHK, k_BSNK, v_BSNK, scale: float, causal: bool, segments=None, softcap=None):
+def _block(q_BQHK, k_BSNK, v_BSNK, scale: float, causal: bool, segments, spec: AttentionSpec):
   """Softmax statistics of one (query chunk, key chunk) block: running max m [B, H, Q],
   normaliser l [B, H, Q] and unnormalised output o [B, Q, H, K], all float32. The visiting keys
   and values keep their N heads; each query head reads its own (grouped einsums). `segments`:
-  (the queries' [B, Q], the keys' [B, S]) segment ids, or None (one document). `softcap`:
-  the logits capped as the whole sequence's are (soft_cap), or None."""
+  (the queries' [B, Q], the keys' [B, S]) segment ids, or None (one document). `spec`
+  caps the logits as the whole sequence's are."""
   logits_BHQS = grouped_logits(q_BQHK, k_BSNK)
   if scale != 1.0:
     logits_BHQS = logits_BHQS * scale
-  logits_BHQS = soft_cap(logits_BHQS, softcap)
+  logits_BHQS = spec.capped(logits_BHQS)
   if segments is not None:
     logits_BHQS = jnp.where(same_document(*segments), logits_BHQS, _MASKED)
   if causal:  # Same chunk: position q sees keys up to itself.
@@ -123,13 +124,13 @@ def _merge_splash(a, b):
   return lse, o1 * weight(lse1) + o2 * weight(lse2)
 
 
-def _block_ops(implementation: str, scale: float, softcap: float | None = None):
-  """(block(q, k, v, causal, segments), merge, finish) of one attention implementation's
-  statistics."""
-  if implementation == 'splash':  # Validation keeps the scale on the queries: none is left.
+def _block_ops(spec: AttentionSpec, scale: float):
+  """(block(q, k, v, causal, segments), merge, finish) of the spec's implementation's
+  statistics, `scale` the scale left for the logits."""
+  if spec.implementation == 'splash':  # Validation keeps the scale on the queries: none is left.
     assert scale == 1.0, scale
     return _splash_block, _merge_splash, lambda stats: stats[1]
-  block = lambda q, k, v, causal, segments: _block(q, k, v, scale, causal, segments, softcap)
+  block = lambda q, k, v, causal, segments: _block(q, k, v, scale, causal, segments, spec)
   return block, _merge, _finish
 
 
@@ -137,19 +138,18 @@ def _select(pick_first, a, b):
   return jax.tree.map(lambda x, y: jnp.where(pick_first, x, y), a, b)
 
 
-def ring_attention(q_BLHK, k_BLNK, v_BLNK, axis: str, size: int,
-                   scale_on: str = 'queries', scale: float | None = None,
-                   implementation: str = 'einsum',
-                   segments_BL: jax.Array | None = None,
-                   softcap: float | None = None) -> jax.Array:
+def ring_attention(q_BLHK, k_BLNK, v_BLNK, spec: AttentionSpec, axis: str,
+                   segments_BL: jax.Array | None = None) -> jax.Array:
   """Causal attention of this device's queries (its two chunks) over the whole sequence, whose
   keys and values travel around the `axis` ring with their own N heads (grouped-query attention:
   N < H moves H / N times fewer bytes than the query heads would). Equal to
   engine.models.attention.causal's causal_attention on the whole sequence, up to float32 rounding.
-  implementation: 'einsum' or 'splash' (the kernel per block). `segments_BL`: this device's
-  positions' segment ids (packed documents), or None. `softcap`: Gemma 2's logit cap, or None."""
-  q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
-  block_of, merge, finish = _block_ops(implementation, scale, softcap)
+  spec.implementation: 'einsum' or 'splash' (the kernel per block); its soft cap is computed, a
+  window shorter than the sequence is refused by validation. `segments_BL`: this device's
+  positions' segment ids (packed documents), or None."""
+  size = jax.lax.axis_size(axis)
+  q_BLHK, scale = spec.prescale(q_BLHK)
+  block_of, merge, finish = _block_ops(spec, scale)
   chunk = q_BLHK.shape[1] // 2
   halves = lambda x: (x[:, :chunk], x[:, chunk:])
   q_early, q_late = halves(q_BLHK)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from engine.models.attention.causal import grouped_logits, grouped_values, prescale, soft_cap
+from engine.models.attention.causal import grouped_logits, grouped_values
 from engine.models.layers import layer_group, num_groups, one_layer
 from engine.parallel.auto import AutoOps
 from engine.state import TrainSetup
@@ -90,20 +90,16 @@ class DecodeOps(AutoOps):
   def latent_history(self, latent_BLC, key_rope_BLR):
     return self._written({'latent': latent_BLC, 'rope': key_rope_BLR})
 
-  def attention(self, q_BLHK, k_BLNK, v_BLNK, scale_on='queries', implementation='einsum',
-                scale=None, softcap=None, window=None):
-    del implementation
+  def attention(self, q_BLHK, k_BLNK, v_BLNK, spec):
+    # Its own computation whatever spec.implementation: one query row per step needs no kernel.
     if 'k' in self.cache:
       keys_BSNK, values_BSNK = self._written({'k': k_BLNK, 'v': v_BLNK})
     else:  # Latent attention's keys and values, from its cache: every slot already.
       keys_BSNK, values_BSNK = k_BLNK, v_BLNK
-    q_BLHK, scale = prescale(q_BLHK, scale, scale_on)
-    logits_BHQS = soft_cap(grouped_logits(q_BLHK, keys_BSNK.astype(q_BLHK.dtype)) * scale,
-                           softcap)
-    slots_S = jnp.arange(keys_BSNK.shape[1])
-    visible_BQS = slots_S[None, None, :] <= self.positions_BL[:, :, None]
-    if window is not None:  # The slots fewer than `window` positions back.
-      visible_BQS = visible_BQS & (self.positions_BL[:, :, None] - slots_S < window)
+    q_BLHK, scale = spec.prescale(q_BLHK)
+    logits_BHQS = spec.capped(grouped_logits(q_BLHK, keys_BSNK.astype(q_BLHK.dtype)) * scale)
+    # Each query's own position against every slot's.
+    visible_BQS = spec.visible(self.positions_BL[:, :, None], jnp.arange(keys_BSNK.shape[1]))
     logits_BHQS = jnp.where(visible_BQS[:, None], logits_BHQS, jnp.finfo(jnp.float32).min)
     probs_BHQS = jax.nn.softmax(logits_BHQS, axis=-1).astype(q_BLHK.dtype)
     return grouped_values(probs_BHQS, values_BSNK.astype(q_BLHK.dtype))

@@ -217,14 +217,12 @@ class ManualOps(LocalOps):
       return super().positions(length)
     return context.local_positions(length, self.context_axis, self.context_size)
 
-  def attention(self, q_BLHK, k_BLnK, v_BLnK, scale_on='queries', implementation='einsum',
-                scale=None, softcap=None, window=None):
+  def attention(self, q_BLHK, k_BLnK, v_BLnK, spec):
     if self.context_axis is None:
-      return super().attention(q_BLHK, k_BLnK, v_BLnK, scale_on, implementation, scale, softcap,
-                               window)
+      return super().attention(q_BLHK, k_BLnK, v_BLnK, spec)
     # Ring attention: validation refuses a window shorter than the sequence.
-    return context.ring_attention(q_BLHK, k_BLnK, v_BLnK, self.context_axis, self.context_size,
-                                  scale_on, scale, implementation, self.segments(), softcap)
+    return context.ring_attention(q_BLHK, k_BLnK, v_BLnK, spec, self.context_axis,
+                                  self.segments())
 
   def embed_lookup(self, table_VD, tokens_BL):
     if not self.lookup_axes:

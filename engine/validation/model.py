@@ -11,7 +11,7 @@ from ml_collections import ConfigDict
 from engine import models, parallel
 from engine.config import DTYPES
 from engine.errors import ConfigError
-from engine.models.attention import causal as model_attention
+from engine.models.attention import spec as attention_spec
 from engine.models.config_keys import ModelConfigError
 from engine.validation.checks import (choose, require_divisible, require_finite,
                                       require_non_negative, require_positive)
@@ -20,8 +20,8 @@ from engine.validation.checks import (choose, require_divisible, require_finite,
 def check_model(model: ConfigDict) -> None:
   """The shared keys, and no other model's exclusive key set on this one."""
   choose(model, 'dtype', 'model.dtype', DTYPES)
-  choose(model, 'attention', 'model.attention', model_attention.IMPLEMENTATIONS)
-  choose(model, 'attention_scale_on', 'model.attention_scale_on', model_attention.SCALE_ON)
+  choose(model, 'attention', 'model.attention', attention_spec.IMPLEMENTATIONS)
+  choose(model, 'attention_scale_on', 'model.attention_scale_on', attention_spec.SCALE_ON)
   choose(model, 'remat', 'model.remat', tuple(parallel.steps.REMAT_POLICIES))
   require_finite(model, 'model', ['init_std', 'norm_eps'])
   require_positive(model, 'model', ['num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'max_len',

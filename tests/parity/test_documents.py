@@ -16,6 +16,7 @@ from flax import nnx
 from engine import models, parallel
 from engine.assemble import lay_out
 from engine.models.attention import causal as attention
+from engine.models.attention.spec import AttentionSpec
 from engine.models.documents import CONTEXT_FLAG as CONTEXT
 from engine.models.documents import INSIDE_FLAG as INSIDE
 from engine.models.documents import segments_and_positions
@@ -151,8 +152,8 @@ def test_every_attention_path_masks_alike():
 
   def out_and_grads(implementation, segments):
     loss = lambda q, k, v: (attention.causal_attention(
-        q, k, v, implementation=implementation, segments_BL=segments) * cotangent).sum()
-    out = attention.causal_attention(q, k, v, implementation=implementation,
+        q, k, v, AttentionSpec(implementation), segments_BL=segments) * cotangent).sum()
+    out = attention.causal_attention(q, k, v, AttentionSpec(implementation),
                                      segments_BL=segments)
     return out, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from engine.models.attention.spec import AttentionSpec
 from engine.models.llama.latent_attention import LATENT_NORM_EPS, LatentAttention, LatentConfig
 from engine.models.llama.layers import Rope
 from engine.models.ops import LocalOps
@@ -84,7 +85,7 @@ def _layer(q_rank, interleaved):
 def test_the_layer_matches_deepseeks_attention_in_numpy(q_rank, interleaved):
   x = np.asarray(jax.random.normal(jax.random.key(2), (2, 7, D)))
   layer, params = _layer(q_rank, interleaved)
-  y = layer(x, LocalOps(), Rope(), quantized_matmul.DEFAULT, 'queries', 'einsum')
+  y = layer(x, LocalOps(), Rope(), quantized_matmul.DEFAULT, AttentionSpec())
   expected = numpy_latent_attention(x, params, q_rank, interleaved)
   np.testing.assert_allclose(np.asarray(y), expected, atol=2e-5, rtol=1e-5)
   # The rotary pairing matters: the other one is far from this result.

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from engine.models.llama import model as llama
 from engine.models.attention.causal import causal_attention
+from engine.models.attention.spec import AttentionSpec
 from engine.assemble import assemble
 from engine.parallel import manual_ops
 from tests.support.helpers import (assert_same_run, compiled_train_step, engine_run,
@@ -122,7 +123,7 @@ def test_grouped_attention_equals_numpy_with_repeated_heads(implementation):
   query head h reads key / value head h // 4, checked against NumPy on repeated heads."""
   rng = np.random.default_rng(0)
   q, k, v = (rng.standard_normal((2, 6, heads, 4)).astype(np.float32) for heads in (8, 2, 2))
-  got = causal_attention(q, k, v, implementation=implementation)
+  got = causal_attention(q, k, v, AttentionSpec(implementation))
   k8, v8 = np.repeat(k, 4, axis=2), np.repeat(v, 4, axis=2)
   logits = np.einsum('bqhk,bshk->bhqs', q / 2.0, k8)  # 1 / sqrt(head size 4).
   logits = np.where(np.tril(np.ones((6, 6), bool)), logits, -np.inf)

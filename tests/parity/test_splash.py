@@ -21,6 +21,7 @@ from engine.analysis import collectives, comm_theory
 from engine.plan import planner as plan_lib
 from engine.assemble import lay_out
 from engine.models.attention import causal as attention
+from engine.models.attention.spec import AttentionSpec
 from engine.models.attention import splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel
 from tests.support.helpers import (assert_same_run, compiled_run, engine_run, single_device_run,
@@ -72,7 +73,7 @@ def _attention_gradients(implementation, device):
   shape = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16,
                                sharding=SingleDeviceSharding(device))
   loss = lambda q, k, v: attention.causal_attention(
-      q, k, v, implementation=implementation).astype(jnp.float32).sum()
+      q, k, v, AttentionSpec(implementation)).astype(jnp.float32).sum()
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile()
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models import quantized_matmul
+from engine.models.attention.spec import AttentionSpec
 from engine.models.layers import dense, param
 from engine.models.llama.layers import RMSNorm, Rope, rotary
 
@@ -66,7 +67,7 @@ class LatentAttention(nnx.Module):
     self.w_o_HVD = param(rngs, (H, V, D), ('heads', 'head_dim', 'embed'), init_std)
 
   def __call__(self, x_BLD, ops, rope: Rope, precision: quantized_matmul.MatmulPrecision,
-               scale_on: str, implementation: str):
+               attention: AttentionSpec):
     cfg, R = self.cfg, self.cfg.rope_dim
     positions_L = ops.positions(x_BLD.shape[1])
     turn = lambda x: rotary(x, positions_L, rope, cfg.rope_interleave)
@@ -90,6 +91,8 @@ class LatentAttention(nnx.Module):
     heads = ('batch', 'length', 'heads', 'head_dim')
     q_BLHK, k_BSHK = ops.constrain(q_BLHK, heads), ops.constrain(k_BSHK, heads)
     v_BSHV = ops.constrain(kv_BSHK[..., K:], heads)
-    out_BLHV = ops.attention(q_BLHK, k_BSHK, v_BSHV, scale_on, implementation, None)
+    # The scale of the query-key head size (K + R), not the value's: the spec's default.
+    out_BLHV = ops.attention(q_BLHK, k_BSHK, v_BSHV,
+                             dataclasses.replace(attention, scale=None, softcap=None, window=None))
     y_BLD = dense(out_BLHV, self.w_o_HVD[...], in_dims=2, precision=precision)
     return ops.finish_contraction(y_BLD, 'heads')

@@ -31,7 +31,7 @@ from flax import nnx
 from engine.models import quantized_matmul
 from engine.models.llama import lora
 from engine.models.llama.lora import LoraConfig
-from engine.models.attention.causal import soft_cap
+from engine.models.attention.spec import AttentionSpec, soft_cap
 from engine.models.llama.latent_attention import LatentAttention, LatentConfig
 from engine.models.layers import FIRST_LAYERS, apply_layers, dense, one_layer, param, stack_layers
 from engine.models.llama.layers import RMSNorm, Rope, rotary
@@ -51,9 +51,9 @@ class LlamaConfig:
   head_dim: int
   rope: Rope = Rope()
   norm_eps: float = 1e-5
-  attention_scale_on: str = 'queries'  # engine.models.attention.causal.SCALE_ON
-  attention_scale: float | None = None  # None: 1 / sqrt(head_dim).
-  attention: str = 'einsum'  # engine.models.attention.causal.IMPLEMENTATIONS
+  # Every layer's attention: its path, scale, soft cap (Gemma 2) and sliding window (Mistral;
+  # with global_every, the local layers' only: Block._attention_spec).
+  attention: AttentionSpec = AttentionSpec()
   qkv_bias: bool = False  # Qwen2.
   qk_norm: bool = False  # Qwen3: RMSNorm over each query / key head, before rotary.
   scan_layers: bool = True
@@ -66,18 +66,14 @@ class LlamaConfig:
   lora: LoraConfig | None = None  # Low-rank adapters on the targeted projections.
   # Gemma 2 / 3 (engine/models/formats/gemma.py): each sublayer's output normalised before its
   # residual add; GeGLU ('gelu_tanh'); the embedding scaled by sqrt(embed_dim); the attention's and
-  # the output's logits capped softly (attention.soft_cap); every `global_every`-th layer global,
-  # the others local, rotating by `local_rope` (None: `rope` in every layer).
+  # the output's logits capped softly (soft_cap); every `global_every`-th layer global, the
+  # others local, rotating by `local_rope` (None: `rope` in every layer).
   post_norms: bool = False
   mlp_activation: str = 'silu'  # llama_config.MLP_ACTIVATIONS
   embed_scale: bool = False
-  attention_softcap: float | None = None
   logit_softcap: float | None = None
   global_every: int = 0
   local_rope: Rope | None = None
-  # Each query sees the keys fewer than this many positions back (Mistral; with global_every, the
-  # local layers only); 0: all before it. The einsum attention and generation compute it.
-  sliding_window: int = 0
 
 
 class Block(nnx.Module):
@@ -127,7 +123,7 @@ class Block(nnx.Module):
     differ: model.global_every), or None."""
     cfg = self.cfg
     if cfg.latent:
-      return self.mla(x_BLD, ops, cfg.rope, cfg.matmul, cfg.attention_scale_on, cfg.attention)
+      return self.mla(x_BLD, ops, cfg.rope, cfg.matmul, cfg.attention)
     heads = ('batch', 'length', 'heads', 'head_dim')
     positions_L = ops.positions(x_BLD.shape[1])
     x_BLD = ops.column_parallel_input(x_BLD, 'heads')  # Feeds the q, k and v projections.
@@ -140,22 +136,18 @@ class Block(nnx.Module):
     # attention groups the query heads over them (ring attention passes only these around).
     k_BLnK = ops.kv_for_query_heads(k_BLNK, cfg.num_heads)
     v_BLnK = ops.kv_for_query_heads(v_BLNK, cfg.num_heads)
-    out_BLHK = ops.attention(q_BLHK, k_BLnK, v_BLnK, cfg.attention_scale_on, cfg.attention,
-                             cfg.attention_scale, cfg.attention_softcap, self._window(layer))
+    out_BLHK = ops.attention(q_BLHK, k_BLnK, v_BLnK, self._attention_spec(layer))
     y_BLD = self._project('w_o_HKD', out_BLHK)
     return ops.finish_contraction(y_BLD, 'heads')
 
-  def _window(self, layer):
-    """Layer `layer`'s sliding window: cfg.sliding_window, or with cfg.global_every that on the
-    local layers and none (the int32 maximum) on the global ones; None: no window. Only the
-    einsum attention reads it (validation refuses a window shorter than the sequence on the
-    others)."""
-    cfg = self.cfg
-    if not cfg.sliding_window or cfg.attention != 'einsum':
-      return None
-    if not cfg.global_every:
-      return cfg.sliding_window
-    return jnp.where(self._local(layer), cfg.sliding_window, jnp.iinfo(jnp.int32).max)
+  def _attention_spec(self, layer):
+    """Layer `layer`'s attention: cfg.attention, whose window (with cfg.global_every) binds on
+    the local layers only: on the global ones it is the int32 maximum."""
+    spec = self.cfg.attention
+    if spec.window is None or not self.cfg.global_every:
+      return spec
+    return dataclasses.replace(
+        spec, window=jnp.where(self._local(layer), spec.window, jnp.iinfo(jnp.int32).max))
 
   def _inverse_frequency(self, layer):
     """The rotary frequencies of layer `layer` (Gemma 3: a local layer's base is not the global

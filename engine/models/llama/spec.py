@@ -5,7 +5,11 @@ FLOPs per token, quantized weights), returned as its ModelSpec.
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.models import quantized_matmul
+from engine.models.attention import spec as attention_spec
+from engine.models.attention.spec import AttentionSpec
 from engine.models.llama import lora
 from engine.models.llama.latent_attention import LatentConfig
 from engine.models.llama.model import Llama, LlamaConfig
@@ -32,6 +36,16 @@ def moe_config(model_config) -> MoeConfig | None:
       matmul=quantized_matmul.from_config(model_config))
 
 
+def attention(model_config) -> AttentionSpec:
+  """Every layer's attention: the engine-wide keys' spec with this family's soft cap and sliding
+  window. Only the einsum path reads the window (validation refuses a window shorter than the
+  sequence on the others), so elsewhere it is left out."""
+  window = model_config.sliding_window if model_config.attention == 'einsum' else 0
+  return dataclasses.replace(attention_spec.from_config(model_config),
+                             softcap=model_config.attention_softcap or None,
+                             window=window or None)
+
+
 def build(model_config, vocab_size: int) -> ModelSpec:
   """The registry entry: Llama from the `model` config subtree."""
   kv_heads = model_config.num_kv_heads if model_config.num_kv_heads > 0 else (
@@ -45,20 +59,16 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       rope=Rope(model_config.rope_base, model_config.rope_type, model_config.rope_factor,
                 model_config.rope_low_freq_factor, model_config.rope_high_freq_factor,
                 model_config.rope_original_max_len),
-      norm_eps=model_config.norm_eps, attention_scale_on=model_config.attention_scale_on,
-      attention_scale=(None if model_config.attention_scale == -1 else
-                       model_config.attention_scale),
-      attention=model_config.attention, qkv_bias=model_config.qkv_bias,
+      norm_eps=model_config.norm_eps, attention=attention(model_config),
+      qkv_bias=model_config.qkv_bias,
       qk_norm=model_config.qk_norm, scan_layers=model_config.scan_layers,
       init_std=model_config.init_std, moe=moe_config(model_config),
       matmul=quantized_matmul.from_config(model_config), latent=latent_config(model_config),
       dense_layers=model_config.num_layers - stacked_layers(model_config),
       lora=lora.from_config(model_config), post_norms=model_config.post_norms,
       mlp_activation=model_config.mlp_activation, embed_scale=model_config.embed_scale,
-      attention_softcap=model_config.attention_softcap or None,
       logit_softcap=model_config.logit_softcap or None, global_every=model_config.global_every,
-      local_rope=Rope(model_config.rope_local_base) if model_config.rope_local_base else None,
-      sliding_window=model_config.sliding_window)
+      local_rope=Rope(model_config.rope_local_base) if model_config.rope_local_base else None)
   D = cfg.embed_dim
   attention_params, score_width = _attention_sizes(cfg)
   mlp_params, projected = _mlp_sizes(cfg)
