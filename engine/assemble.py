@@ -22,7 +22,6 @@ import ml_collections
 
 from engine import config as config_lib
 from engine import data, models, parallel, validation
-from engine.models.llama import lora
 from engine.hf import load as hf
 from engine.workdir import tokenizer as run_tokenizer
 from engine.workdir import run_dir as workdir_lib
@@ -152,10 +151,9 @@ def lay_out(config: ml_collections.ConfigDict, tokenizer_vocab: int, devices=Non
                         offload_optimizer=config.parallelism.offload_optimizer,
                         flat_gather=flat_gather(config.parallelism, mesh),
                         skip_nonfinite=config.train.skip_nonfinite_steps > 0,
-                        eos_id=eos_id if config.data.document_masking else None,
-                        adapters_only=config.model.lora_rank > 0)
+                        eos_id=eos_id if config.data.document_masking else None)
   optimizer = make_optimizer(config.optim, config.train.num_steps,
-                             adapters_only=options.adapters_only)
+                             model.trainable_mask if model.trainable else None)
   train_setup = make_setup(model, optimizer, mesh, rules, options)
   validation.check_layout(train_setup)
   return train_setup
@@ -197,7 +195,8 @@ def assemble(config: ml_collections.ConfigDict, devices=None, *, reads: str = CO
   train_setup = lay_out(config, tokenizer.vocab_size if tokenizer else 0, devices,
                         documents_eos_id(config, tokenizer))
   if training and hf.path_of(config.train.init_from):  # Its files, before anything is written.
-    hf.check(hf.path_of(config.train.init_from), lora.base_params(train_setup.abstract_params))
+    hf.check(hf.path_of(config.train.init_from),
+             train_setup.model.base_params(train_setup.abstract_params))
   return Run(config, train_setup, corpus, tokenizer)
 
 

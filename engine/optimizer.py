@@ -27,7 +27,6 @@ import optax
 from optax.contrib import MuonState
 
 from engine import muon as muon_lib
-from engine.models.llama import lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,18 +91,24 @@ def learning_rate_schedule(optim_config, num_steps: int) -> optax.Schedule:
                               [warmup, decay_start])
 
 
-def make_optimizer(optim_config, num_steps: int, adapters_only: bool = False) -> Optimizer:
+def make_optimizer(optim_config, num_steps: int,
+                   trainable: Callable[[Any], Any] | None = None) -> Optimizer:
   """AdamW; weight decay on matrices only (not norms or biases), or on every parameter; the
   moments stored in optim.mu_dtype and optim.nu_dtype (stored_moments). With optim.name=muon,
   Muon on the matrices Muon takes and this AdamW on the rest, built once the parameters are
-  known (Optimizer.for_parameters). `adapters_only` (LoRA): AdamW on the adapters, and every
-  other parameter frozen, without optimizer state (engine/models/llama/lora.py)."""
+  known (Optimizer.for_parameters). `trainable` (params -> a bool per parameter: the model's
+  ModelSpec.trainable_mask, where only some train): AdamW on those, every other parameter frozen,
+  without optimizer state."""
   schedule = learning_rate_schedule(optim_config, num_steps)
   tx = adamw(optim_config, schedule)
   stored = jnp.dtype(optim_config.mu_dtype), jnp.dtype(optim_config.nu_dtype)
-  if adapters_only:
+  if trainable is not None:
+    # The labels key the optimizer state in checkpoints: the first runs to freeze parameters
+    # (LoRA's) named the trained ones 'adapters', and their workdirs still resume.
+    labels = lambda params: jax.tree.map(lambda t: 'adapters' if t else 'frozen',
+                                         trainable(params))
     tx = optax.multi_transform({'adapters': stored_moments(tx, *stored),
-                                'frozen': optax.set_to_zero()}, lora.labels)
+                                'frozen': optax.set_to_zero()}, labels)
     return Optimizer(tx, schedule, optim_config.grad_clip_norm)
   if optim_config.name == 'adamw':
     return Optimizer(stored_moments(tx, *stored), schedule, optim_config.grad_clip_norm)

@@ -80,9 +80,6 @@ class StepOptions:
   # attention stays within documents, positions restart at each, and the loss skips the
   # predictions across a boundary [data.document_masking]. None: a window is one sequence.
   eos_id: int | None = None
-  # LoRA: only the adapters train; every other parameter's gradient is dropped before the norm
-  # and the update (engine/models/llama/lora.py) [model.lora_rank > 0].
-  adapters_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

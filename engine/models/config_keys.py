@@ -14,7 +14,9 @@ import math
 
 @dataclasses.dataclass(frozen=True)
 class ConfigKey:
-  """One `model.<name>` key: its default and the line of help `--print_config` shows."""
+  """One `model.<name>` key: its default and the line of help `--print_config` shows. The default
+  is what the model computed before the key existed: a run's config.json written before it gains
+  the key at its default when read back (engine/workdir/run_dir.py, `upgrade`)."""
   name: str
   default: object
   help: str

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 from flax import nnx
 
 from engine.models.layers import group_layers
@@ -98,12 +99,53 @@ class ModelSpec:
   # Latent attention (DeepSeek): what generation caches per layer and position instead of keys
   # and values, (latent size, rotary key size); None: keys and values per key / value head.
   latent_cache: tuple[int, int] | None = None
+  # Which parameters train, by path ('blocks/lora_q_a'); the others are frozen: no optimizer
+  # state (engine/optimizer.py), their gradients dropped before the norm, so neither they nor
+  # their reductions are computed (engine/parallel/steps.py). None: every parameter trains.
+  trainable: Callable[[str], bool] | None = None
+  # Parameters this model adds to a base model (adapters), by path: a base's checkpoint
+  # (train.init_from: another run, Hugging Face) lacks them, so they keep their initial values
+  # when it is loaded. None: a base holds every parameter.
+  added: Callable[[str], bool] | None = None
 
   def create(self, rngs: nnx.Rngs) -> nnx.Module:
     """The model, unplaced. The engine places parameters itself (a jit with out_shardings from
     the rules), so Flax's eager sharding, which reads the names as mesh axes, is off."""
     with nnx.use_eager_sharding(False):
       return group_layers(self.factory(rngs), self.layer_groups)
+
+
+  def trainable_mask(self, params):
+    """True for each parameter of `params` (any pytree keyed like the parameters) that trains."""
+    return jax.tree_util.tree_map_with_path(
+        lambda keys, _: self.trainable is None or self.trainable(param_path(keys)), params)
+
+  def base_params(self, params: dict) -> dict:
+    """The nested parameter dict without the added parameters: what a base checkpoint holds."""
+    return _filtered(params, lambda path: not (self.added and self.added(path)))
+
+  def with_base(self, params: dict, base: dict) -> dict:
+    """`params` with every parameter a base holds taken from `base` (base_params' structure)."""
+    return _merged(params, base, lambda path: bool(self.added and self.added(path)))
+
+
+def param_path(keys) -> str:
+  """A parameter's path as the spec's predicates take it ('blocks/w_up_DF'), from tree keys."""
+  return '/'.join(str(getattr(key, 'key', key)) for key in keys)
+
+
+def _filtered(tree, keep: Callable[[str], bool], prefix: str = ''):
+  if not isinstance(tree, dict):
+    return tree
+  return {k: _filtered(v, keep, f'{prefix}{k}/') for k, v in tree.items()
+          if isinstance(v, dict) or keep(f'{prefix}{k}')}
+
+
+def _merged(tree, base, own: Callable[[str], bool], prefix: str = ''):
+  if not isinstance(tree, dict):
+    return base
+  return {k: v if not isinstance(v, dict) and own(f'{prefix}{k}') else
+          _merged(v, base[k], own, f'{prefix}{k}/') for k, v in tree.items()}
 
 
 def logits_and_aux_loss(model: nnx.Module, tokens_BL, ops=None):

@@ -12,7 +12,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine import sharding
-from engine.models.llama import lora
 from engine.models.moe import dispatch as moe_dispatch
 from engine.models.attention.causal import causal_attention
 from engine.models.ops import LocalOps
@@ -23,7 +22,7 @@ from engine.parallel.pipeline import stage_lanes
 from engine.parallel.pipeline.model_cut import ModelCut
 from engine.parallel.steps import (REMAT_POLICIES, Steps, accumulate_gradients, apply_update,
                                    kept_count, map_params, next_token_loss, optimizer_on_device,
-                                   window_losses)
+                                   trainable_only, window_losses)
 from engine.state import TrainSetup
 
 
@@ -221,8 +220,7 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients_and_stats(state['params'], tokens_BL1)
-    if setup.options.adapters_only:
-      grads = lora.trainable_only(grads)
+    grads = trainable_only(setup.model, grads)
     if setup.options.optimizer_sharding == 'zero1':
       # Laid out as the moments, so that the update runs on each device's slice and the
       # parameters' layout (out_shardings) all-gathers the updated slices. XLA still all-reduces

@@ -47,7 +47,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine.models.moe import balance as expert_balance
-from engine.models.llama import lora
 from engine.parallel import manual_ops, zero1
 from engine.parallel.pipeline import gpipe as pipeline
 from engine.parallel.pipeline import one_f_one_b as pipeline_1f1b
@@ -56,7 +55,7 @@ from engine.parallel.muon_blocks import MatrixBlocks
 from engine.parallel.pipeline.model_cut import ModelCut
 from engine.parallel.steps import (Steps, accumulate_gradients, apply_update, kept_count,
                                    map_params, map_params_together, next_token_loss,
-                                   optimizer_on_device, window_losses)
+                                   optimizer_on_device, trainable_only, window_losses)
 from engine.sharding import named, spec_axes
 from engine.state import TrainSetup
 
@@ -277,8 +276,7 @@ def build_steps(setup: TrainSetup) -> Steps:
 
   def train_step(state, tokens_BL1):
     loss, grads, stats = gradients.with_stats(state['params'], tokens_BL1)
-    if setup.options.adapters_only:
-      grads = lora.trainable_only(grads)
+    grads = trainable_only(setup.model, grads)
     norm = gradients.global_norm(grads)
     if not gradients.zero1:
       return apply_update(setup, state, loss, grads, norm, stats,

@@ -20,7 +20,7 @@ from engine.models import documents
 from engine.models.documents import segments_and_positions
 from engine.models.ops import LAYERS
 from engine.models.chunked_loss import chunked_cross_entropy
-from engine.models.spec import features_aux_loss_and_stats, logits_aux_loss_and_stats
+from engine.models.spec import ModelSpec, features_aux_loss_and_stats, logits_aux_loss_and_stats
 from engine.optimizer import clip_by_global_norm
 from engine import sharding
 from engine.sharding import logical_axes_of
@@ -228,6 +228,16 @@ def optimizer_on_device(setup: TrainSetup, train_step: Callable) -> Callable:
     return {**state, 'opt_state': jax.device_put(state['opt_state'], on_host)}, metrics
 
   return step
+
+
+def trainable_only(model: ModelSpec, grads):
+  """`grads` with every frozen parameter's gradient (ModelSpec.trainable) replaced by zeros: the
+  frozen parameters' weight gradients, and their reductions, are then dead code. Called before
+  the global norm, which the frozen ones must not count."""
+  if model.trainable is None:
+    return grads
+  return jax.tree.map(lambda g, trains: g if trains else jnp.zeros_like(g), grads,
+                      model.trainable_mask(grads))
 
 
 def apply_update(setup: TrainSetup, state, loss, grads, grad_norm, stats=None,

@@ -23,7 +23,6 @@ from absl import logging
 
 from engine import config as config_lib
 from engine import data, sharding
-from engine.models.llama import lora
 from engine.distributed import startup as distributed
 from engine.runtime.progress import phase
 from engine.hf import load as hf
@@ -95,15 +94,16 @@ def initial_state(run: Run, checkpointer: Checkpointer, train_iterator,
     return checkpointer.restore(start_step, abstract_state, train_iterator), start_step, {}
   # Another run's parameters are checked against this model before anything compiles.
   init_from = config.train.init_from
-  # With LoRA the checkpoint holds the base model; the adapters start fresh.
-  wanted = lora.base_params(abstract_state['params'])
+  # The checkpoint holds the base model; parameters the model adds (adapters) start fresh.
+  model = run.setup.model
+  wanted = model.base_params(abstract_state['params'])
   if hf.path_of(init_from) is not None:
     params = hf.load_params(hf.path_of(init_from), wanted)
   else:
     params = restore_params(init_from, wanted) if init_from else None
   state, init_compiled = run.setup.init(config.seed)
   if params is not None:
-    state['params'] = lora.with_base(state['params'], params)
+    state['params'] = model.with_base(state['params'], params)
   return state, 0, {'init': log_memory('init', init_compiled)}
 
 

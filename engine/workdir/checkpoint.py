@@ -30,7 +30,6 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import multihost
 
 from engine.distributed import startup as distributed
-from engine.models.llama import lora
 from engine.workdir import run_dir as workdir_lib
 from engine.workdir.checksums import CHECKSUMS_FILE, file_checksums, find_damage
 from engine.errors import DISK_FULL, CheckpointError, ConfigError, is_disk_full
@@ -368,14 +367,13 @@ def restore_params(workdir: str, abstract_params):
   wanted = dict(jax.tree_util.tree_leaves_with_path(abstract_params))
   found = dict(jax.tree_util.tree_leaves_with_path(saved))
   shape = lambda key: tuple(found[key].shape) if key in found else 'missing'
-  adapters = [k for k in found
-              if k not in wanted and str(k[-1].key).startswith(lora.PREFIX)]
-  if adapters:
+  extra = [k for k in found if k not in wanted]
+  if extra:
     raise ConfigError(
-        f'train.init_from={workdir!r}: its checkpoint of step {step} holds LoRA adapters '
-        f'({jax.tree_util.keystr(adapters[0])}, ...), which this run would drop; export that run '
-        f'merged (python -m engine.export --workdir={workdir} --out=DIR) and start from '
-        'train.init_from=hf:DIR.')
+        f'train.init_from={workdir!r}: its checkpoint of step {step} holds parameters this model '
+        f'does not have ({jax.tree_util.keystr(extra[0])}, ...), which this run would drop; use '
+        'the model config of that run, or for a run with adapters export it merged (python -m '
+        f'engine.export --workdir={workdir} --out=DIR) and start from train.init_from=hf:DIR.')
   differ = [f'{jax.tree_util.keystr(k)}: checkpoint {shape(k)}, model {tuple(v.shape)}'
             for k, v in wanted.items() if shape(k) != tuple(v.shape)]
   if differ:

@@ -16,6 +16,7 @@ import ml_collections
 from etils import epath
 
 from engine import config as config_lib
+from engine import models
 from engine.errors import ConfigError
 
 CONFIG_FILE = 'config.json'
@@ -23,7 +24,8 @@ CONFIG_FILE = 'config.json'
 # The keys added to the schema since the first runs wrote their config.json, in the order they
 # came, each with the value runs before it used (what the engine did before the key existed). A
 # key added later gets a row (tests/unit/test_config_value.py reads every earlier schema's
-# config.json, tests/support/earlier_configs.jsonl, through this table).
+# config.json, tests/support/earlier_configs.jsonl, through this table). The keys a model declares
+# itself (engine/models/config_keys.py) need none: their defaults are what runs before them did.
 ADDED_KEYS = {
     'mesh.dcn_data': 1,
     'mesh.dcn_fsdp': 1,
@@ -31,7 +33,6 @@ ADDED_KEYS = {
     'model.attention': 'einsum',
     'model.attention_scale_on': 'queries',
     'model.num_kv_heads': -1,
-    'model.rope_base': 10000.0,
     'model.dtype': 'float32',
     'model.remat': 'none',
     'optim.weight_decay_on': 'matrices',
@@ -47,16 +48,6 @@ ADDED_KEYS = {
     'data.tokenizer_path': '',
     'data.shards': '',
     'model.attention_scale': -1.0,
-    'model.head_dim': -1,
-    'model.qkv_bias': False,
-    'model.qk_norm': False,
-    'model.rope_type': 'default',
-    'model.rope_factor': 1.0,
-    'model.rope_low_freq_factor': 1.0,
-    'model.rope_high_freq_factor': 4.0,
-    'model.rope_original_max_len': 8192,
-    'model.sliding_window': 0,
-    'model.hf_architecture': '',
     'optim.schedule': 'cosine',
     'optim.decay_fraction': 0.2,
     'train.profile_steps': '',
@@ -64,15 +55,6 @@ ADDED_KEYS = {
     'train.sample_prompt': '',
     'train.sample_tokens': 0,
     'train.sample_temperature': 0.8,
-    'model.num_experts': 0,
-    'model.experts_per_token': 2,
-    'model.moe_router': 'softmax_topk',
-    'model.moe_mlp_dim': 0,
-    'model.moe_shared_expert': 0,
-    'model.moe_dispatch': 'dropless',
-    'model.moe_capacity_factor': 1.25,
-    'model.moe_aux_loss_coef': 0.01,
-    'model.moe_z_loss_coef': 0.0,
     'mesh.expert': 1,
     'data.document_masking': False,
     'parallelism.fsdp_gather': 'auto',
@@ -81,17 +63,6 @@ ADDED_KEYS = {
     'model.matmul_precision': 'default',
     'model.matmul_block': 128,
     'parallelism.gather_dtype': 'default',
-    'model.moe_groups': 1,
-    'model.moe_topk_groups': 1,
-    'model.moe_routed_scale': 1.0,
-    'model.moe_balance': 'aux_loss',
-    'model.moe_bias_rate': 0.001,
-    'model.mla_kv_rank': 0,
-    'model.mla_q_rank': 0,
-    'model.mla_rope_dim': 64,
-    'model.mla_value_dim': 0,
-    'model.mla_rope_interleave': True,
-    'model.moe_dense_layers': 0,
     'optim.mu_dtype': 'float32',
     'parallelism.optimizer_sharding': 'params',
     'parallelism.offload_optimizer': False,
@@ -111,16 +82,6 @@ ADDED_KEYS = {
     'train.wandb_entity': '',
     'train.wandb_name': '',
     'train.wandb_mode': '',
-    'model.lora_rank': 0,
-    'model.lora_alpha': 16.0,
-    'model.lora_targets': 'q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj',
-    'model.global_every': 0,
-    'model.rope_local_base': 0.0,
-    'model.post_norms': False,
-    'model.mlp_activation': 'silu',
-    'model.embed_scale': False,
-    'model.attention_softcap': 0.0,
-    'model.logit_softcap': 0.0,
 }
 
 
@@ -287,8 +248,9 @@ def _state_keys(section_values: dict | None, section: str) -> dict | None:
 
 def upgrade(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A recorded config (a config.json read back) as a copy with the keys an older run lacks
-  (ADDED_KEYS) at the values it ran with; keys it has are kept. Every read of a saved
-  config.json goes through here, so the back-fills live in one table."""
+  (ADDED_KEYS, and the models' own keys at their declared defaults) at the values it ran with;
+  keys it has are kept. Every read of a saved config.json goes through here, so the back-fills
+  live in one place."""
   upgraded = copy.deepcopy(config)
   with upgraded.unlocked():
     for key, value in ADDED_KEYS.items():
@@ -296,6 +258,11 @@ def upgrade(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       if isinstance(upgraded.get(section), ml_collections.ConfigDict) and (
           leaf not in upgraded[section]):
         upgraded[section][leaf] = value
+    section = upgraded.get('model')
+    if isinstance(section, ml_collections.ConfigDict):
+      for key in models.schema_keys():
+        if key.name not in section:
+          section[key.name] = key.default
   return upgraded
 
 

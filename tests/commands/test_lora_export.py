@@ -119,6 +119,7 @@ def test_a_lora_run_as_init_from_is_refused_rather_than_dropping_its_adapters(ex
   config = run.config.copy_and_resolve_references()
   config.model.lora_rank = 0
   plain = lay_out(config, run.setup.model.vocab_size, jax.devices()[:1])
-  with pytest.raises(ConfigError, match=r"holds LoRA adapters \(\['blocks'\]\['lora_\w+'\], \.\.\.\), "
-                     r'which this run would drop; export that run merged'):
+  with pytest.raises(ConfigError, match=r"holds parameters this model does not have "
+                     r"\(\['blocks'\]\['lora_\w+'\], \.\.\.\), which this run would drop; use the "
+                     r'model config of that run, or for a run with adapters export it merged'):
     restore_params(str(exported / 'run'), plain.abstract_state()['params'])

@@ -8,7 +8,7 @@ import pathlib
 import jax
 import pytest
 
-from engine import assemble, parallel
+from engine import assemble, models, parallel
 from engine.analysis import benchmark
 from engine.analysis.hf_check import engine_side as hf_compare
 from engine.config import default_config, flat_defaults, mesh_values, with_values
@@ -108,10 +108,15 @@ OLDER_RUNS_LACK = ('mesh.expert', 'mesh.dcn_data', 'model.sliding_window', 'opti
                    'parallelism.optimizer_sharding')
 
 
+# What an older config.json gains: ADDED_KEYS' rows, and the models' own keys at their defaults.
+BACKFILLED = {**{f'model.{key.name}': key.default for key in models.schema_keys()},
+              **run_dir.ADDED_KEYS}
+
+
 def _old_config_json(tmp_path, **kept):
   """config.json of a run older than every key of ADDED_KEYS (those in `kept` stay)."""
   saved = json.loads(tiny_config().to_json())
-  for key in set(run_dir.ADDED_KEYS) | set(OLDER_RUNS_LACK):
+  for key in set(BACKFILLED) | set(OLDER_RUNS_LACK):
     section, leaf = key.split('.')
     if key not in kept:
       del saved[section][leaf]
@@ -126,14 +131,17 @@ def test_added_keys_are_schema_keys():
   defaults = flat_defaults()
   assert all(key in defaults for key in run_dir.ADDED_KEYS), set(run_dir.ADDED_KEYS) - set(
       defaults)
+  # A model's own keys are back-filled at their declared defaults, not by a row.
+  declared = {f'model.{key.name}' for key in models.schema_keys()}
+  assert 'model.lora_rank' in declared and not declared & set(run_dir.ADDED_KEYS)
 
 
 def test_upgrade_fills_an_old_config_json_and_keeps_what_it_has(tmp_path):
   _old_config_json(tmp_path, **{'mesh.expert': 2})
   config = run_dir.read_run_config(str(tmp_path))
-  for key in set(run_dir.ADDED_KEYS) | set(OLDER_RUNS_LACK):
+  for key in set(BACKFILLED) | set(OLDER_RUNS_LACK):
     section, leaf = key.split('.')
-    want = 2 if key == 'mesh.expert' else run_dir.ADDED_KEYS[key]
+    want = 2 if key == 'mesh.expert' else BACKFILLED[key]
     assert config[section][leaf] == want, key
   config = assemble.assemble_finished_run(str(tmp_path), '1x1x1', reads=assemble.VOCABULARY).config
   assert (config.model.sliding_window, config.parallelism.fsdp_gather) == (0, 'auto')
@@ -188,8 +196,9 @@ def _flat(config) -> dict:
 
 
 def test_every_key_added_since_the_first_schema_has_a_row():
-  """A key added to the schema fails here until ADDED_KEYS says what older runs did without it."""
+  """A key added to the schema fails here until ADDED_KEYS says what older runs did without it
+  (or a model declares it: its default is that)."""
   first = set(_flat(_earlier_configs()[0]['config']))
   added = set(_flat(default_config())) - first
-  assert added == set(run_dir.ADDED_KEYS), (added - set(run_dir.ADDED_KEYS),
-                                            set(run_dir.ADDED_KEYS) - added)
+  rows = set(run_dir.ADDED_KEYS) | {key for key in BACKFILLED if key not in first}
+  assert added == rows, (added - rows, rows - added)

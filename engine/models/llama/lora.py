@@ -8,9 +8,10 @@ every layout and mode. A starts random, B at zero: the adapted model starts as t
 Targets are named as PEFT names them (q_proj, ..., down_proj), so an export can be a PEFT
 adapter (engine/hf/lora_export.py) or merged into W.
 
-Frozen parameters get no optimizer state (engine/optimizer.py, `for_parameters`), and the step
-drops their gradients before the norm and the update (`trainable_only`), so neither their weight
-gradients nor their reductions are computed.
+The model's spec (engine/models/llama/spec.py) marks the adapters as its only trainable
+parameters and as those it adds to a base checkpoint (ModelSpec.trainable, ModelSpec.added): the
+engine then keeps no optimizer state for the frozen rest and never computes their gradients, and
+train.init_from fills the base weights while the adapters start fresh.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 
 from engine.models import layers, quantized_matmul
 from engine.models.llama import config as llama_config
@@ -91,36 +91,3 @@ def project(module, weight: str, x: jax.Array, cfg: LoraConfig | None,
   a, b = getattr(module, a_name)[...], getattr(module, b_name)[...]
   low = layers.dense(x, a.astype(x.dtype), in_dims=in_dims)
   return y + (cfg.scale * layers.dense(low, b.astype(low.dtype))).astype(y.dtype)
-
-
-def trainable_only(grads):
-  """`grads` with every frozen parameter's gradient replaced by zeros (the adapters' kept): the
-  frozen ones' weight gradients, and their reductions, are then dead code."""
-  return jax.tree_util.tree_map_with_path(
-      lambda keys, g: g if _adapter_key(keys) else jnp.zeros_like(g), grads)
-
-
-def labels(params):
-  """'adapters' or 'frozen' for each parameter (the optimizer's partition)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda keys, _: 'adapters' if _adapter_key(keys) else 'frozen', params)
-
-
-def base_params(params):
-  """The nested parameter dict without its adapters: what a checkpoint without LoRA (a Hugging
-  Face one, another run's) holds."""
-  if not isinstance(params, dict):
-    return params
-  return {k: base_params(v) for k, v in params.items() if not k.startswith(PREFIX)}
-
-
-def with_base(params, base):
-  """`params` with every non-adapter parameter taken from `base` (base_params' structure)."""
-  if not isinstance(params, dict):
-    return base
-  return {k: v if k.startswith(PREFIX) else with_base(v, base[k]) for k, v in params.items()}
-
-
-def _adapter_key(keys) -> bool:
-  """Whether the parameter dict entry at these tree keys is an adapter."""
-  return str(keys[-1].key).startswith(PREFIX)

@@ -70,6 +70,7 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       logit_softcap=model_config.logit_softcap or None, global_every=model_config.global_every,
       local_rope=Rope(model_config.rope_local_base) if model_config.rope_local_base else None)
   D = cfg.embed_dim
+  adapters = lora.is_adapter if cfg.lora else None
   attention_params, score_width = _attention_sizes(cfg)
   mlp_params, projected = _mlp_sizes(cfg)
   matmul_params = cfg.num_layers * attention_params + mlp_params + vocab_size * D
@@ -88,6 +89,8 @@ def build(model_config, vocab_size: int) -> ModelSpec:
       row_parallel_per_layer=('heads', 'mlp') if not cfg.moe or cfg.moe.shared_expert_dim else (
           ('heads',)),
       flops_per_token=flops_per_token, split_where_divisible=('kv_heads',),
+      # LoRA: only the adapters train, and a base checkpoint lacks them.
+      trainable=adapters, added=adapters,
       context_parallel=True, experts=_experts_spec(cfg.moe),
       quantized_params=quantized_params if cfg.matmul.quantized else 0,
       latent_cache=(cfg.latent.kv_rank, cfg.latent.rope_dim) if cfg.latent else None,
