@@ -21,13 +21,14 @@ import jax
 import ml_collections
 
 from engine import config as config_lib
-from engine import data, models, parallel, validation
+from engine import data, models, parallel, sharding, validation
 from engine.hf import load as hf
 from engine.workdir import tokenizer as run_tokenizer
 from engine.workdir import run_dir as workdir_lib
 from engine.data import text_files, tokenizers
 from engine.mesh import make_mesh
 from engine.optimizer import make_optimizer
+from engine.parallel import expert_exchange
 from engine.parallel.pipeline import gpipe as pipeline
 from engine.parallel.steps import Steps
 from engine.sharding import rules_for
@@ -53,6 +54,30 @@ class Run:
     if mode not in self._built:
       self._built[mode] = parallel.build_steps(mode, self.setup)
     return self._built[mode]
+
+  def describe(self) -> list[str]:
+    """The log's lines on what this run is: mesh, mode, rules, tokenizer, data, the model's size
+    (and its parameters' bytes on each device) and, for experts split over devices, how their dropless dispatch moves tokens."""
+    config, model = self.config, self.setup.model
+    lines = [f'Mesh {dict(self.setup.mesh.shape)}, mode {config.parallelism.mode}, rules '
+             f'{config.parallelism.rules}']
+    if self.tokenizer is not None:
+      lines[0] += (f'; {self.tokenizer.kind} tokenizer, vocab {self.tokenizer.vocab_size} '
+                   f'(model {model.vocab_size})')
+    if self.corpus is not None:
+      lines[0] += f', {data.describe(self.corpus)}'
+    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(self.setup.abstract_params))
+    per_device = sharding.bytes_per_device(self.setup.abstract_state()['params'])
+    lines.append(f'Model {model.name}: {num_params / 1e6:.3f}M parameters ({per_device / 2**20:.2f} '
+                 f'MiB per device), {model.flops_per_token(config.data.seq_len) / 1e6:.3f} MFLOP '
+                 'per token (training)')
+    if (model.experts and not model.experts.capacity_factor and
+        self.setup.rules.mesh_axes('experts', activation=True)):
+      how = ('blocks moved by ' + expert_exchange.exchange_kind(self.setup)
+             if expert_exchange.exchanges_dropless(self.setup, config.parallelism.mode) else
+             'a slot for every position (experts / k times the rows in use)')
+      lines.append(f'Experts: the dropless dispatch over mesh.expert takes {how}')
+    return lines
 
   @property
   def steps(self) -> Steps:

@@ -234,7 +234,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.straggler_factor = 2.0
   # Where the metrics go, comma-separated: jsonl (WORKDIR/metrics.jsonl, always: summary.json
   # and sweeps read it), tensorboard (WORKDIR/tensorboard), wandb (Weights & Biases; the wandb
-  # extra: engine/train/wandb_logger.py).
+  # extra): engine/loggers/.
   c.train.loggers = 'tensorboard,jsonl'
   c.train.wandb_project = ''  # '': "engine".
   c.train.wandb_entity = ''  # The W&B team or user; '': the account's default.
@@ -288,23 +288,6 @@ def apply_run_args(config: ml_collections.ConfigDict, args) -> ml_collections.Co
 
 
 PROFILE_STEPS_EXAMPLE = '10:12'
-
-
-LOGGERS = ('jsonl', 'tensorboard', 'wandb')
-
-
-def logger_names(text: str) -> tuple[str, ...]:
-  """train.loggers' names; ConfigError for an unknown one, or a list without jsonl."""
-  names = tuple(name.strip() for name in text.split(',') if name.strip())
-  unknown = [name for name in names if name not in LOGGERS]
-  if unknown:
-    raise ConfigError(f'train.loggers={text!r}: {unknown[0]!r} is not a logger; name any of '
-                      f'{", ".join(LOGGERS)}, comma-separated (e.g. tensorboard,jsonl,wandb).')
-  if 'jsonl' not in names:
-    raise ConfigError(f'train.loggers={text!r} leaves out jsonl: metrics.jsonl is the run\'s '
-                      'record (summary.json and sweeps read it); keep jsonl in the list, e.g. '
-                      f'{",".join(names + ("jsonl",))}.')
-  return names
 
 
 def parse_profile_steps(text: str, num_steps: int) -> tuple[int, int] | None:

@@ -25,7 +25,6 @@ flight) is counted as theirs, productive.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -34,6 +33,7 @@ import jax
 from absl import logging
 from etils import epath
 
+from engine.train.clock import LoopClock
 from engine.workdir import run_dir
 
 FILE = 'goodput.json'
@@ -42,6 +42,7 @@ CAUSES = {'startup': 'start-up and compilation', 'checkpoints': 'checkpoint wait
           'data': 'data waits', 'evaluation': 'evaluation and samples',
           'lost_steps': 'steps lost to restarts', 'stopped': 'time stopped'}
 ATTEMPT_CAUSES = ('startup', 'checkpoints', 'data', 'evaluation')  # Measured within an attempt.
+LOOP_CAUSES = ATTEMPT_CAUSES[1:]  # The loop's clock times these, as phases of those names.
 WRITE_EVERY_S = 10.0
 
 
@@ -104,45 +105,32 @@ def read_attempts(workdir: epath.Path) -> list[dict]:
 
 
 class Goodput:
-  """This attempt's record (module docstring), kept as the loop runs. `started`: when the
-  command started (time.time()); `clock`: the wall clock."""
+  """This attempt's record (module docstring), read off the loop's clock (engine/train/clock.py:
+  its phases named as causes are the badput within the loop). `started`: when the command
+  started (time.time())."""
 
-  def __init__(self, workdir: epath.Path, start_step: int, started: float, clock=time.time):
-    self.path, self._clock = workdir / FILE, clock
+  def __init__(self, workdir: epath.Path, start_step: int, started: float, clock: LoopClock):
+    self.path, self.clock = workdir / FILE, clock
     self.is_writer = jax.process_index() == 0
     self.earlier = read_attempts(workdir) if self.is_writer else []
-    self.attempt = {'started': started, 'updated': clock(), 'first_step': start_step,
+    self.attempt = {'started': started, 'updated': clock.wall(), 'first_step': start_step,
                     'last_step': start_step, 'steps_s': 0.0,
                     'badput_s': {cause: 0.0 for cause in ATTEMPT_CAUSES}}
-    self._loop_started = None
-    self._in_loop_badput = 0.0  # Badput since the first dispatch (not part of steps_s).
     self._written = None  # When goodput.json was last written.
-
-  def loop_started(self) -> None:
-    """The first step is about to be dispatched: everything so far was start-up."""
-    self._loop_started = self._clock()
-    self.attempt['badput_s']['startup'] = self._loop_started - self.attempt['started']
-
-  @contextlib.contextmanager
-  def timed(self, cause: str | None):
-    """Time spent inside is badput of `cause` (None: part of the steps)."""
-    start = self._clock()
-    try:
-      yield
-    finally:
-      if cause is not None:
-        seconds = self._clock() - start
-        self.attempt['badput_s'][cause] += seconds
-        if self._loop_started is not None:
-          self._in_loop_badput += seconds
 
   def update(self, step: int, final: bool = False) -> dict:
     """Records the attempt as of finished step `step` (written at most every WRITE_EVERY_S,
     and when `final`); returns the run's totals (`account`)."""
-    now = self._clock()
+    now, clock = self.clock.wall(), self.clock
     self.attempt['updated'], self.attempt['last_step'] = now, step
-    if self._loop_started is not None:
-      self.attempt['steps_s'] = max(0.0, now - self._loop_started - self._in_loop_badput)
+    if clock.started is not None:
+      badput = self.attempt['badput_s']
+      badput['startup'] = clock.started_wall - self.attempt['started']
+      for cause in LOOP_CAUSES:
+        badput[cause] = clock.seconds.get(cause, 0.0)
+      in_loop = sum(badput[cause] for cause in LOOP_CAUSES)
+      # Wall-clock times, as `started` and `updated` are: the attempt's parts add up to its wall.
+      self.attempt['steps_s'] = max(0.0, now - clock.started_wall - in_loop)
     attempts = self.earlier + [self.attempt]
     if self.is_writer and (final or self._written is None or
                            now - self._written >= WRITE_EVERY_S):

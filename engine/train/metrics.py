@@ -1,96 +1,72 @@
-"""Training metrics: absl log lines, JSON lines (metrics.jsonl, always: summary.json and sweeps
-read it), TensorBoard events (tensorboardX) and Weights & Biases (engine/train/wandb_logger.py) as
-`train.loggers` chooses, and the loop's hook that feeds them without a host sync per step
+"""Training metrics: the scalars of each log point, computed once and handed to the loggers
+`train.loggers` chooses (engine/loggers/: metrics.jsonl always, TensorBoard, Weights & Biases),
+the log's line, and the loop's hook that feeds them without a host sync per step
 (`DeferredMetrics`).
 
-Only process 0 writes files; every process may call the writer. Throughput, MFU and the estimated
-time left come from wall-clock time between log points, less the time spent paused (eval and
-checkpoint saves, which the loop wraps in `pause()`). The workdir may be remote (gs://...): files go
-through etils.epath, and TensorBoard events through tensorboardX's own writers.
+Only process 0 writes; every process may call the writer. Throughput, MFU and the estimated time
+left come from the loop's clock (engine/train/clock.py): the time between log points less the
+time at sync points (evaluations, checkpoint saves, samples).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import time
 
 import jax
 import numpy as np
 from absl import logging
 from etils import epath
-from tensorboardX import SummaryWriter
 
+from engine import loggers
+from engine.train.clock import LoopClock
 from engine.train.hooks import Hook
-from engine.train.wandb_logger import WandbLogger
 from engine.workdir import run_dir as workdir_lib
 
 
 class MetricsWriter:
+  """The run's scalars, computed and handed to its loggers (engine/loggers/)."""
 
   def __init__(self, workdir: str | epath.Path, num_steps: int, tokens_per_step: int,
                flops_per_token: float = 0.0, start_step: int = 0,
-               peak_flops: float | None = None, clock=time.perf_counter,
-               loggers: tuple[str, ...] = ('tensorboard', 'jsonl'), config=None):
-    """`start_step`: the step the run starts from (a resumed checkpoint's). Anything logged
-    after it by an earlier attempt is dropped, since those steps are about to be redone: the
-    lines of metrics.jsonl, and TensorBoard's events (its `purge_step`). `peak_flops`: the peak
-    FLOP/s of all the run's devices together, for MFU (None: unknown, no MFU). `loggers`:
-    train.loggers' names; `config`: the experiment's, for W&B."""
+               peak_flops: float | None = None, clock: LoopClock | None = None, config=None):
+    """`start_step`: the step the run starts from (a resumed checkpoint's): each logger drops
+    what an earlier attempt logged after it, where it can, since those steps run again.
+    `peak_flops`: the peak FLOP/s of all the run's devices together, for MFU (None: unknown, no
+    MFU). `clock`: the loop's (throughput is read off it); `config`: the experiment's, whose
+    train.loggers choose the loggers (None: metrics.jsonl alone)."""
     self.is_writer = jax.process_index() == 0
     self.num_steps = num_steps
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token  # The model's training FLOPs, for achieved FLOP/s.
     self.peak_flops = peak_flops
-    self._clock = clock
-    self._last_time = None
-    self._last_step = None
-    self._paused_s = 0.0  # Time inside pause() since the last log point.
+    self.clock = clock or LoopClock()
+    # The last log point: (the clock's time, its seconds outside the steps, the step).
+    self._last = None
+    self._start_step = start_step
     self.steps_per_s: list[float] = []  # One entry per log interval, for the closing summary.
-    self.tensorboard = self.wandb = None
+    self.loggers = []
     if self.is_writer:
       workdir = workdir_lib.resolve(workdir)
-      if 'tensorboard' in loggers:
-        self.tensorboard = SummaryWriter(str(workdir / 'tensorboard'), purge_step=start_step + 1)
-      self.jsonl = JsonLines(workdir / 'metrics.jsonl', start_step)
-      if 'wandb' in loggers:
-        self.wandb = WandbLogger(workdir, config.train, config.to_dict())
-
-  def start_clock(self, step: int) -> None:
-    """Marks the start of timed steps (call after compilation, so it is not counted)."""
-    self._last_time, self._last_step, self._paused_s = self._clock(), step, 0.0
-
-  @contextlib.contextmanager
-  def pause(self):
-    """Time spent inside (eval, checkpoint saves) is left out of the throughput."""
-    start = self._clock()
-    try:
-      yield
-    finally:
-      self._paused_s += self._clock() - start
+      self.loggers = (loggers.open_loggers(config, workdir, start_step) if config is not None
+                      else [loggers.LOGGERS[loggers.RECORD](workdir, start_step, None)])
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
-    if not self.is_writer:
-      return
-    if self.tensorboard is not None:
-      for name, value in scalars.items():
-        self.tensorboard.add_scalar(name, value, step)
-    self.jsonl.write({'step': step, **scalars})
-    if self.wandb is not None:
-      self.wandb.write(step, scalars)
+    for logger in self.loggers:
+      logger.write(step, scalars)
 
   def log_train(self, step: int, loss: float, learning_rate: float, grad_norm: float,
                 extra: dict[str, float] | None = None) -> None:
     """Logs one training point (`loss`: the mean over the steps since the previous one) with
-    throughput since the previous one, pauses left out; `extra`: more scalars to write."""
-    now = self._clock()
+    throughput since the previous one (or the loop's start), the sync phases left out;
+    `extra`: more scalars to write."""
+    now, outside = self.clock.now(), self.clock.outside_steps()
     scalars = {'train/loss': loss, 'train/learning_rate': learning_rate,
                'train/grad_norm': grad_norm, **(extra or {})}
     eta = ''
-    busy_s = None if self._last_time is None else now - self._last_time - self._paused_s
-    if busy_s is not None and step > self._last_step and busy_s > 0:
-      steps_per_s = (step - self._last_step) / busy_s
+    last = self._last or (self.clock.started, 0.0, self._start_step)
+    busy_s = None if last[0] is None else now - last[0] - (outside - last[1])
+    if busy_s is not None and step > last[2] and busy_s > 0:
+      steps_per_s = (step - last[2]) / busy_s
       scalars['train/steps_per_s'] = steps_per_s
       self.steps_per_s.append(steps_per_s)
       scalars['train/tokens_per_s'] = steps_per_s * self.tokens_per_step
@@ -100,7 +76,7 @@ class MetricsWriter:
       time_left = _duration((self.num_steps - step) / steps_per_s)
       mfu = f' | mfu {scalars["train/mfu"]:.1%}' if 'train/mfu' in scalars else ''
       eta = f' | {scalars["train/tokens_per_s"]:,.0f} tok/s{mfu} | eta {time_left}'
-    self._last_time, self._last_step, self._paused_s = now, step, 0.0
+    self._last = (now, outside, step)
     logging.info('step %d/%d | loss %.4f | lr %.2e | grad norm %.3f%s%s', step, self.num_steps,
                  loss, learning_rate, grad_norm, router_health(scalars), eta)
     self.write(step, scalars)
@@ -112,21 +88,20 @@ class MetricsWriter:
     self.write(step, {'eval/loss': loss, 'eval/perplexity': perplexity})
 
   def close(self) -> None:
+    """The run's logging is over (before summary.json, which reads metrics.jsonl back)."""
     if self.steps_per_s:
       median = float(np.median(self.steps_per_s))
       tokens_per_s = median * self.tokens_per_step
       logging.info(f'Throughput: median {median:.2f} steps/s, {tokens_per_s:,.0f} tokens/s, '
                    f'{tokens_per_s * self.flops_per_token / 1e9:,.2f} model GFLOP/s over '
                    f'{len(self.steps_per_s)} log intervals')
-    if self.is_writer:
-      if self.tensorboard is not None:
-        self.tensorboard.close()
-      self.jsonl.close()
+    for logger in self.loggers:
+      logger.close()
 
   def end_run(self, summary: dict | None) -> None:
-    """Ends the W&B run (after close and summary.json), `summary` its summary."""
-    if self.wandb is not None:
-      self.wandb.close(summary)
+    """Hands every logger summary.json's contents, once it is written."""
+    for logger in self.loggers:
+      logger.end_run(summary)
 
 
 class DeferredMetrics(Hook):
@@ -181,48 +156,6 @@ class DeferredMetrics(Hook):
     self.result.train_losses[step] = loss
     self.result.train_interval_losses[step] = mean_loss
     self.result.train_grad_norms[step] = grad_norm
-
-
-class JsonLines:
-  """metrics.jsonl: one JSON object per line, written as they come.
-
-  Lines of steps after `start_step` (logged by an earlier attempt of a resumed run) are dropped
-  first, atomically, since those steps run again. Local files are appended to; object stores
-  cannot append, so there the file is rewritten whole, at most every `remote_every_s` seconds
-  and on close."""
-
-  def __init__(self, path: epath.Path, start_step: int, remote_every_s: float = 60.0):
-    self.path = path
-    self.remote = workdir_lib.is_remote(path)
-    self.remote_every_s = remote_every_s
-    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-    self.lines = [line for line in lines if line.strip() and json.loads(line)['step'] <= start_step]
-    if len(self.lines) < len(lines):
-      workdir_lib.write_text_atomically(path, ''.join(self.lines))
-      logging.info('Dropped %d lines of %s logged after step %d: those steps run again.',
-                   len(lines) - len(self.lines), path, start_step)
-    self._file = None if self.remote else path.open('a')
-    self._written_at = time.monotonic()
-
-  def write(self, record: dict) -> None:
-    line = json.dumps(record) + '\n'
-    if self._file is not None:
-      self._file.write(line)
-      self._file.flush()
-      return
-    self.lines.append(line)
-    if time.monotonic() - self._written_at > self.remote_every_s:
-      self._rewrite()
-
-  def _rewrite(self) -> None:
-    self.path.write_text(''.join(self.lines))
-    self._written_at = time.monotonic()
-
-  def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-    else:
-      self._rewrite()
 
 
 def router_health(scalars: dict[str, float]) -> str:

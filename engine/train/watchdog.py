@@ -1,8 +1,9 @@
 """The hang and straggler watchdog: a step that never finishes ends the run naming who did not
 reach it; a process slower than the others is named in a warning.
 
-Every process's main thread beats at each step it dispatches and at each sync point it leaves.
-A thread of its own checks the beats once a second:
+Every process's main thread beats at the end of each phase of its steps (the loop's clock,
+engine/train/clock.py: the batch read, the step dispatched, each hook's work at a sync point). A
+thread of its own checks the beats once a second:
 
 - **Hangs** (`train.hang_timeout_s`, 0: off). No beat for that long means this process waits
   for something that does not come: usually a collective that another process never joins (it
@@ -41,6 +42,7 @@ from absl import logging
 from etils import epath
 
 from engine.distributed import startup as distributed
+from engine.train.clock import LoopClock
 from engine.train.hooks import Hook
 
 STACKS = 'stacks'  # WORKDIR/stacks/process_N.txt
@@ -75,16 +77,17 @@ def stragglers(host_s: dict[int, float], factor: float) -> list[int]:
 
 
 class Watchdog(Hook):
-  """The loop's last hook (it beats once the others are done) and the thread that watches the
-  beats (module docstring). `waiting()` wraps the loop's waits for the devices."""
+  """The loop's last hook, which follows the steps and the host's time per step, and the thread
+  that watches the clock's beats (module docstring)."""
 
   def __init__(self, workdir: epath.Path, hang_timeout_s: float, straggler_factor: float,
-               log_every: int, start_step: int, clock=time.monotonic):
+               log_every: int, start_step: int, clock: LoopClock):
     self.workdir, self.hang_timeout_s = workdir, hang_timeout_s
     self.straggler_factor, self.log_every = straggler_factor, log_every
-    self._clock = clock
-    self._first_step, self._step, self._beat, self._timing = start_step, start_step, None, False
-    self._interval_start, self._interval_step, self._waited = None, start_step, 0.0
+    self.clock = clock
+    self._first_step, self._step, self._timing = start_step, start_step, False
+    # The interval's start: (the clock's time, its seconds in `device`), and its step.
+    self._interval_start, self._interval_step = None, start_step
     self._host_s = None
     self._warned: set[tuple[int, int]] = set()
     self._stop = threading.Event()
@@ -96,36 +99,23 @@ class Watchdog(Hook):
       self._thread = threading.Thread(target=self._watch, name='engine_watchdog', daemon=True)
       self._thread.start()
 
-  @contextlib.contextmanager
-  def waiting(self):
-    """Time inside is spent waiting for the devices, not on this host's own work."""
-    start = self._clock()
-    try:
-      yield
-    finally:
-      self._waited += self._clock() - start
-
   def before_dispatch(self, step: int, state) -> None:
     del state
-    now = self._clock()
     if self._interval_start is None:
-      self._interval_start = now
-    self._step, self._beat = step, now
+      self._interval_start = (self.clock.now(), self.clock.seconds['device'])
+    self._step = step
     if step > self._first_step + 1:
       self._timing = True  # The first step (warming up) is never timed.
 
   def after_dispatch(self, step: int, state, metrics) -> None:
     del state, metrics
-    now = self._clock()
-    self._beat = now
     if step % self.log_every == 0 and step > self._interval_step:
+      now, device = self.clock.now(), self.clock.seconds['device']
+      start, device_before = self._interval_start
       steps = step - self._interval_step
-      self._host_s = max(0.0, now - self._interval_start - self._waited) / steps
-      self._interval_start, self._interval_step, self._waited = now, step, 0.0
+      self._host_s = max(0.0, now - start - (device - device_before)) / steps
+      self._interval_start, self._interval_step = (now, device), step
       self._check_stragglers(step)
-
-  def at_sync(self, step: int, state, stopping: bool) -> None:
-    self._beat = self._clock()  # A long evaluation or save is not a hang once it returns.
 
   def close(self, error: BaseException | None) -> None:
     self._stop.set()
@@ -169,9 +159,9 @@ class Watchdog(Hook):
         self._report()
       if self._stop.wait(REPORT_EVERY_S):
         return
-      beat = self._beat
+      beat = self.clock.beat
       if self.hang_timeout_s and self._timing and beat is not None and (
-          self._clock() - beat > self.hang_timeout_s):
+          self.clock.now() - beat > self.hang_timeout_s):
         self._hung()
         return
 

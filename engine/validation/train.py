@@ -4,14 +4,12 @@ engine/validation/samples.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import netrc
 import os
-import urllib.parse
 
 from ml_collections import ConfigDict
 
-from engine.config import logger_names, parse_profile_steps
+from engine import loggers
+from engine.config import parse_profile_steps
 from engine.errors import ConfigError
 from engine.validation.checks import require_positive
 
@@ -35,18 +33,6 @@ def _check_init_from(workdir: str) -> None:
     raise ConfigError(
         f'train.init_from={workdir!r} holds no complete checkpoint; pass the --workdir of a run '
         'that saved one.')
-
-
-def _wandb_key_configured() -> bool:
-  """Whether W&B will find an API key: WANDB_API_KEY, or the netrc entry `wandb login` writes
-  for its host."""
-  if os.environ.get('WANDB_API_KEY'):
-    return True
-  host = urllib.parse.urlparse(os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai')).hostname
-  try:
-    return netrc.netrc(os.environ.get('NETRC')).authenticators(host) is not None
-  except (FileNotFoundError, netrc.NetrcParseError):
-    return False
 
 
 def check_train(train: ConfigDict) -> None:
@@ -78,16 +64,4 @@ def check_train(train: ConfigDict) -> None:
     raise ConfigError(f'train.compile_cache_dir={cache!r} is a file; pass a directory for the '
                       "compiled programs, '' for WORKDIR/compile_cache, or 'none' for no cache.")
   parse_profile_steps(train.profile_steps, train.num_steps)
-  if 'wandb' in logger_names(train.loggers):
-    if importlib.util.find_spec('wandb') is None:
-      raise ConfigError('train.loggers names wandb, but the wandb package is not installed; '
-                        'pip install -e ".[wandb]" (or pip install wandb), or leave wandb out.')
-    if train.wandb_mode not in ('', 'online', 'offline'):
-      raise ConfigError(f'train.wandb_mode={train.wandb_mode!r} is not a mode; pass online, '
-                        "offline (no network: wandb sync uploads it later), or '' (WANDB_MODE, "
-                        'else online).')
-    mode = train.wandb_mode or os.environ.get('WANDB_MODE', 'online')
-    if mode == 'online' and not _wandb_key_configured():
-      raise ConfigError('train.loggers names wandb, online, but no W&B API key is configured '
-                        '(WANDB_API_KEY, or `wandb login`); log in, or pass '
-                        '--config.train.wandb_mode=offline to write the run for `wandb sync`.')
+  loggers.check(train)

@@ -7,5 +7,7 @@
   checkpoint.py  Orbax checkpoints of the state and the data position, checked on restore
   checksums.py   the size and CRC-32 of a checkpoint's files, and the damage they show
   checkpoint_tiers.py  the local tier beside the workdir's, and which one a restart resumes from
+  resume.py      a run's start: the workdir held, the checkpoint resumed or the fresh state,
+                 config.json with its records
   summary.py     summary.json and the loss curve, written at the end
 """

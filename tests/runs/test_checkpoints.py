@@ -18,7 +18,7 @@ from engine.workdir import run_dir as workdir_lib
 from engine.workdir.checkpoint import latest_complete_step
 from engine.workdir.checksums import CHECKSUMS_FILE, file_checksums, find_damage
 from engine.errors import CheckpointError
-from engine.train.metrics import JsonLines
+from engine.loggers.json_lines import JsonLines
 from engine.train.loop import train
 from tests.support.helpers import tiny_config
 
@@ -221,11 +221,11 @@ def test_remote_workdirs_keep_their_uri_and_go_through_epath(fake_bucket):
   with pytest.raises(Exception, match='different model config'):
     workdir_lib.check_resumable(config, workdir)
   # metrics.jsonl: object stores cannot append, so it is rewritten; a resume drops later steps.
-  lines = JsonLines(workdir / 'metrics.jsonl', start_step=0, remote_every_s=0)
+  lines = JsonLines(workdir, start_step=0, remote_every_s=0)
   for step in (1, 2, 3):
-    lines.write({'step': step, 'train/loss': float(step)})
+    lines.write(step, {'train/loss': float(step)})
   lines.close()
-  JsonLines(workdir / 'metrics.jsonl', start_step=2).close()
+  JsonLines(workdir, start_step=2).close()
   written = (fake_bucket / 'run' / 'metrics.jsonl').read_text().splitlines()
   assert [json.loads(line)['step'] for line in written] == [1, 2]
   # Checksums are written and read through epath (Orbax's own gs:// access needs the real

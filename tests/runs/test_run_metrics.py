@@ -11,6 +11,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from engine.workdir import summary as run_summary
+from engine.train.clock import LoopClock
 from engine.train.metrics import MetricsWriter
 from engine.train.loop import DeferredMetrics, TrainResult, train
 from engine.errors import ConfigError
@@ -151,15 +152,20 @@ def test_loggers_are_checked(monkeypatch):
     validate(config, 8)
 
 
-def test_throughput_leaves_out_paused_time(tmp_path):
+def test_throughput_leaves_out_the_time_at_sync_points(tmp_path):
   now = [100.0]
+  clock = LoopClock(now=lambda: now[0])
   writer = MetricsWriter(tmp_path, num_steps=10, tokens_per_step=1000, flops_per_token=2.0,
-                         peak_flops=8000.0, clock=lambda: now[0])
-  writer.start_clock(0)
-  now[0] += 3.0  # Steps 1-4 take 3 s...
-  with writer.pause():
-    now[0] += 5.0  # ... an eval and a checkpoint save 5 s ...
-  now[0] += 1.0  # ... and more steps 1 s.
+                         peak_flops=8000.0, clock=clock)
+  clock.start()
+  with clock.phase('device'):
+    now[0] += 3.0  # Steps 1-4 take 3 s...
+  with clock.phase('evaluation'):
+    now[0] += 2.0  # ... an eval and a checkpoint save 5 s ...
+  with clock.phase('checkpoints'):
+    now[0] += 3.0
+  with clock.phase('data'):
+    now[0] += 1.0  # ... and more steps 1 s.
   writer.log_train(4, 1.0, 1e-3, 0.5)
   writer.close()
   record = json.loads((tmp_path / 'metrics.jsonl').read_text())

@@ -94,8 +94,9 @@ FLOORS = (
     ('engine', 'engine.errors', 'engine.config', 'engine.chips', 'engine.runtime', 'engine.cli',
      'engine.mesh', 'engine.models'),
     # The parts a run is built from.
-    ('engine.optimizer', 'engine.muon', 'engine.sharding', 'engine.state', 'engine.parallel', 'engine.data',
-     'engine.hf', 'engine.distributed', 'engine.workdir', 'engine.validation'),
+    ('engine.optimizer', 'engine.muon', 'engine.sharding', 'engine.state', 'engine.parallel',
+     'engine.data', 'engine.hf', 'engine.distributed', 'engine.workdir', 'engine.loggers',
+     'engine.validation'),
     # The one run path.
     ('engine.assemble',),
     # What runs on an assembled run: training, generation, evaluation, export.

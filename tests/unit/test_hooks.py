@@ -2,11 +2,10 @@
 are called in, the finiteness guard before whatever syncs on a step, and every hook closed once
 however the loop ends."""
 
-import contextlib
-
 import numpy as np
 import pytest
 
+from engine.train.clock import LoopClock
 from engine.train.finiteness import FinitenessGuard, NonFiniteError
 from engine.train.hooks import Hook, close_all
 from engine.train.loop import StepLoop, TrainResult, loop_hooks
@@ -87,25 +86,10 @@ def train_step(losses, fail_at=None):
   return step_fn
 
 
-class Untimed:
-  """The loop's goodput and watchdog clocks, timing nothing."""
-
-  def loop_started(self):
-    pass
-
-  def timed(self, cause):
-    del cause
-    return contextlib.nullcontext()
-
-  def waiting(self):
-    return contextlib.nullcontext()
-
-
 def run_loop(hooks, num_steps, step_fn, preemption=None):
   loop = StepLoop(num_steps=num_steps, batches=iter(range(num_steps)), train_step=step_fn,
-                  preemption=preemption or NoPreemption(), pause=contextlib.nullcontext,
-                  goodput=Untimed(), watchdog=Untimed(), result=TrainResult({}, {}, {}, 0, {}),
-                  hooks=hooks)
+                  preemption=preemption or NoPreemption(), clock=LoopClock(),
+                  result=TrainResult({}, {}, {}, 0, {}), hooks=hooks)
   loop({'step': 0, 'params': {}}, 0)
   return loop.result
 
