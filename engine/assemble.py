@@ -147,7 +147,7 @@ def flat_gather(parallelism: ml_collections.ConfigDict, mesh) -> bool:
   """parallelism.fsdp_gather resolved for the mesh's devices: 'auto' gathers a layer's weights
   together on CPU devices only, where XLA combines no all-gathers or reduce-scatters itself; on
   TPU and GPU its combiners do, and the cut of a flat buffer into weights would only cost copies
-  (the 8B plan on v5p-256, manual data 8 x fsdp 16: 30.9 GiB per chip against 27.6)."""
+  and memory (docs/benchmarks.md, "Steps on simulated CPU devices")."""
   choice = parallelism.fsdp_gather  # An older run's config.json gains it in run_dir.upgrade.
   if choice == 'auto':
     return mesh.devices.flat[0].platform == 'cpu'

@@ -17,8 +17,7 @@ a checkpoint of it and exits 0 (engine/train/preemption.py); what is still runni
 
 It is for trying multi-process behaviour, not for speed: the collectives between processes run
 on the CPU through Gloo (TCP), and steps run in lockstep (engine/train/loop.py), so expect several
-times less throughput than one process with the same devices (tiny.py at mesh=2x2x2 on 2 cores:
-1.9 steps/s against 11).
+times less throughput than one process with the same devices.
 """
 
 from __future__ import annotations

@@ -8,5 +8,7 @@
   grouped_matmul.py  a grouped matmul's time with part of its rows in groups (its own command)
   host_link.py       the link to host memory, as an offloaded optimizer state uses it (its own
                      command)
+  loop_cost.py       the training loop's own cost per step against its compiled step alone
+                     (its own command)
   timing.py          the median time of a jitted call, for those two
 """

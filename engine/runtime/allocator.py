@@ -2,15 +2,14 @@
 
 XLA:CPU allocates every temporary buffer of a step afresh and frees it at the end. With glibc's
 defaults each worker thread allocates from its own arena, an arena that empties is unmapped, and
-the next step page-faults all of that memory back in: on the Shakespeare model (one CPU device)
-a third of the step was kernel time. Keeping freed memory mapped (a high trim and mmap
-threshold, two arenas) removed it (docs/benchmarks.md). One arena serialises the eight threads
-of a simulated 8-device mesh on its lock; two measured best for both
-(`python -m engine.bench`, docs/benchmarks.md).
+the next step page-faults all of that memory back in as kernel time. Keeping freed memory
+mapped (a high trim and mmap threshold, two arenas) removes it; one arena serialises the eight
+threads of a simulated 8-device mesh on its lock, and two were fastest for both (`python -m
+engine.bench`; the figures: docs/benchmarks.md, "Shakespeare-char on CPU against PyTorch").
 
-The price: XLA's multi-threaded compiles are 15-20 % slower with two arenas (measured on the
-test suite's compile-heavy tests), a one-time cost against every step's. Set ENGINE_TUNE_MALLOC=0
-to keep glibc's defaults (tests/conftest.py does). Elsewhere than glibc this does nothing.
+The price: XLA's multi-threaded compiles are slower with two arenas, a one-time cost against
+every step's. Set ENGINE_TUNE_MALLOC=0 to keep glibc's defaults (tests/conftest.py does).
+Elsewhere than glibc this does nothing.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ unset, JAX tries the TPU backend first on every machine. On a CPU machine libtpu
 start-up errors ("Failed to find host bounds for accelerator type", "Logging before
 InitGoogle()", "unexpected worker hostname", "Unable to initialize backend 'tpu': ... TPU
 initialization failed: No jellyfish device found") before JAX falls back to the CPU, and backend
-start-up takes 60-200 ms instead of 6 ms (jax.devices(), measured on 2 cores). Where no TPU chip
-is visible and no other accelerator plugin is installed, `select()` sets JAX_PLATFORMS=cpu, the
-value BUILD.md used to tell users to set. Gathering the facts costs about 10 ms at import (one
-scan of the installed packages' entry points, as JAX's plugin discovery does; the PCI scan: 1 ms).
+start-up takes many times longer (BUILD.md). Where no TPU chip is visible and no other
+accelerator plugin is installed, `select()` sets JAX_PLATFORMS=cpu, the value BUILD.md used to
+tell users to set. Gathering the facts is one scan of the installed packages' entry points (as
+JAX's plugin discovery does) and of the PCI bus, at import.
 
 What the choice rests on (`choose`, a pure function, is the rule; `select` gathers the facts):
   - an explicit JAX_PLATFORMS, even an empty one (JAX's "choose for me"), is the user's: kept;

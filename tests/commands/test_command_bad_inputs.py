@@ -55,7 +55,7 @@ def test_bad_input_gets_one_line(index, results, finished_run):
 def test_every_command_has_rows():
   commands = {'engine.generate', 'engine.evaluate', 'engine.export', 'engine.bench',
               'engine.lm_eval',
-              'engine.bench.host_link',
+              'engine.bench.host_link', 'engine.bench.loop_cost',
               'engine.plan', 'engine.analysis.bubble', 'engine.analysis.compare',
               'engine.analysis.show_layout', 'engine.analysis.hf_check',
               'engine.analysis.tokenizer_check', 'launch.local',

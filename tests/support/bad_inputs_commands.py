@@ -205,6 +205,11 @@ COMMAND_ROWS = {
         (['--mib=256,0'], 2, '--mib=256,0 must list positive integers (MiB) and --repeats=7 be '
          'at least 1.'),
     ],
+    'engine.bench.loop_cost': [
+        ([], 2, '--config is required: Experiment config file.'),
+        ([TINY, '--steps=5'], 2, '--steps=5 must be at least 20 (10 log intervals of 2 steps) and '
+         '--rounds=3 at least 1.'),
+    ],
     'engine.bench': [
         ([], 2, '--config is required: Experiment config file.'),
         ([TINY, '--modes=bogus'], 2, "--modes='bogus' is unknown; choose one of ['auto', "

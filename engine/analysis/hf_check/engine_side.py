@@ -33,11 +33,9 @@ from engine.errors import ConfigError
 from engine.parallel.auto import AutoOps
 
 # Tolerances. Float32 sums taken in another order (sharded partial sums, other kernels) differ by
-# a few ulps per operation. Measured against transformers 5.24 / torch 2.13 on the CPU, mesh
-# 2x2x2: logits max |diff| 1.7e-6 to 2.5e-6 where |logits| <= 4.3, 1.9e-5 where they reach 67.5
-# (Qwen3), i.e. <= 6e-7 of the largest logit; losses within 1e-6. A wrong rotary frequency, a
-# dropped bias or norm, or a transposed head moves logits by 1e-2 or more (the llama3 model with
-# default rotary instead: 0.9).
+# a few ulps per operation: the measured differences (docs/benchmarks.md, "Hugging Face
+# checkpoints against transformers") sit well inside these, while a wrong rotary frequency, a
+# dropped bias or norm, or a transposed head moves logits by 1e-2 or more.
 LOGITS_RTOL = 2e-5  # max |diff| <= LOGITS_RTOL * max(1, max |transformers' logit|)
 LOSS_RTOL = 1e-5  # |diff| <= LOSS_RTOL * max(1, transformers' loss)
 

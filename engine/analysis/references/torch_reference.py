@@ -13,8 +13,7 @@ It imports neither jax nor anything from `engine`, and uses nothing newer than t
 
 Debian's python3-torch is built with BLAS_INFO=generic: its matrix products go through whatever
 libblas.so.3 the alternatives system picks, which is netlib's reference BLAS unless an optimised
-one is installed (measured on 2 cores: about 3 s per step with the reference BLAS, under 0.1 s
-with OpenBLAS). Install libopenblas0-openmp (or -pthread), or point LD_LIBRARY_PATH at its
+one is installed (BUILD.md: a step many times slower). Install libopenblas0-openmp (or -pthread), or point LD_LIBRARY_PATH at its
 openblas-openmp directory, before comparing anything with these timings.
 
 The model matches engine/models/gpt.py: token + learned position embeddings, pre-LayerNorm blocks

@@ -102,8 +102,8 @@ def route(logits_TE: jax.Array, k: int, router: str, groups: int = 1, topk_group
             scores_TE / scores_TE.sum(-1, keepdims=True))
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
   scores_TE = probs_TE if router == 'softmax_topk' else logits_TE
-  if bias_E is None:  # The values top_k found: gathering them again from the scores raised the
-    top_TK, experts_TK = top_k(scores_TE, k)  # Mixtral plan's auto fsdp 128 peak by 56 GiB.
+  if bias_E is None:  # The values top_k found: gathering them again from the scores holds
+    top_TK, experts_TK = top_k(scores_TE, k)  # another [T, E] in the backward pass.
   else:
     _, experts_TK = top_k(chosen_by(scores_TE), k)
     top_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
