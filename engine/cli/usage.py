@@ -51,6 +51,11 @@ COMMANDS = {
         'Times the link between a TPU or GPU and host memory as an offloaded optimizer state '
         'uses it (host -> chip -> host, the host buffer donated) and prints a table.',
         'The link to host memory'),
+    'engine.bench.loop_cost': (
+        'python -m engine.bench.loop_cost --config=EXPERIMENT [--steps=300] [--rounds=3]',
+        'Measures what the training loop costs per step beyond its compiled step: a real run\'s '
+        'step time against the compiled step alone, in alternating rounds, and prints a table.',
+        'The loop\'s own cost'),
     'engine.plan': (
         'python -m engine.plan --config=EXPERIMENT --topology=VERSION:SHAPE [--meshes=M1,M2] '
         '[--out=PREFIX]',

@@ -56,9 +56,8 @@ from engine.errors import ConfigError  # noqa: E402
 from engine.hf import load as hf  # noqa: E402
 from engine.analysis.hlo import matmul_types  # noqa: E402
 from engine.plan import peak_memory  # noqa: E402
-from engine.plan.step_flops import (executed_flops, expert_padding_flops, head_copies,
-                                    # noqa: E402                                     head_flops,
-                                    quantized_flops)
+from engine.plan.step_flops import (executed_flops, expert_padding_flops, head_copies,  # noqa: E402
+                                    head_flops, quantized_flops)
 from engine.runtime.progress import phase  # noqa: E402
 from engine.train.metrics import log_memory  # noqa: E402
 

@@ -113,6 +113,10 @@ CHECKS = {
     'python -m engine.bench.host_link --mib=256,1024':
         Skip('needs a TPU or GPU: a CPU\'s device memory is the host\'s (its refusal on CPU is a '
              'row of bad_inputs.md)'),
+    'python -m engine.bench.loop_cost --config=experiments/shakespeare_char.py --rounds=5':
+        Run('loop_cost', replace=(('--config=experiments/shakespeare_char.py',
+                                   '--config=experiments/tiny.py'), ('--rounds=5', '--rounds=1')),
+            add=('--steps=20',)),
     'python -m engine.bench.grouped_matmul':
         Run('grouped_matmul', add=('--rows=256', '--width=64', '--hidden=32', '--repeats=2')),
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.show_layout '
