@@ -3,14 +3,14 @@ Gemma 2 / 3) on your text, evaluate it and export it back to the Hugging Face fo
 
   # 1. Train from the checkpoint, with its own tokenizer, on a text file:
   python -m engine.main --config=experiments/finetune_hf.py:hf=/models/Qwen2.5-0.5B,steps=200 \
-      --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/finetune
+      --config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/finetune
   #    or on shards written with the checkpoint's tokenizer (engine.data.prepare
   #    --tokenizer=hf --tokenizer_path=/models/Qwen2.5-0.5B/tokenizer.json --out=/tmp/shards):
   python -m engine.main --config=experiments/finetune_hf.py:hf=/models/Qwen2.5-0.5B \
       --config.data.source=shards --config.data.shards=/tmp/shards --workdir=/tmp/finetune
   # 2. Evaluate and sample:
   python -m engine.evaluate --workdir=/tmp/finetune \
-      --text_file=../shared/data/tinyshakespeare.txt
+      --text_file=experiments/data/tinyshakespeare.txt
   python -m engine.generate --workdir=/tmp/finetune --prompt="ROMEO:" --max_new_tokens=50
   # 3. Export (loads with transformers' AutoModelForCausalLM and AutoTokenizer):
   python -m engine.export --workdir=/tmp/finetune --out=/tmp/finetune_hf

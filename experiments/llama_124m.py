@@ -1,7 +1,7 @@
 """A GPT-2-small-sized Llama for accelerators: bfloat16 compute, full remat, a real text file.
 
   python -m engine.main --config=experiments/llama_124m.py:mesh=-1x1x1 \
-      --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/llama_124m
+      --config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/llama_124m
 
 12 layers, width 768, 12 heads of 64 (grouped-query: 4 key/value heads), SwiGLU MLP 2048,
 vocabulary 50,304 (GPT-2's 50,257 rounded up to a multiple of 128), sequence 1024, global batch
@@ -15,9 +15,9 @@ is per byte). For subword tokens, train a byte-level BPE tokenizer on the text, 
 once into shards with it, and train on the shards (their meta.json records the tokenizer, which
 the run names with data.tokenizer):
 
-  python -m engine.data.train_tokenizer --input=../shared/data/tinyshakespeare.txt \
+  python -m engine.data.train_tokenizer --input=experiments/data/tinyshakespeare.txt \
       --vocab_size=2048 --out=/tmp/shakespeare_bpe.json
-  python -m engine.data.prepare --input=../shared/data/tinyshakespeare.txt --tokenizer=hf \
+  python -m engine.data.prepare --input=experiments/data/tinyshakespeare.txt --tokenizer=hf \
       --tokenizer_path=/tmp/shakespeare_bpe.json --out=/tmp/shakespeare_shards
   python -m engine.main --config=experiments/llama_124m.py:mesh=-1x1x1 \
       --config.data.source=shards --config.data.shards=/tmp/shakespeare_shards \
@@ -53,7 +53,7 @@ def get_config(arg=None):
   config.model.remat = 'full'
 
   config.data.source = 'file'
-  config.data.path = ''  # --config.data.path=../shared/data/tinyshakespeare.txt
+  config.data.path = 'experiments/data/tinyshakespeare.txt'  # In the repository; run from its root.
   config.data.tokenizer = 'byte'
   config.data.seq_len = 1024
   config.data.global_batch_size = 64

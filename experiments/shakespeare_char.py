@@ -1,7 +1,7 @@
 """Character-level GPT on Tiny Shakespeare: the well-known small CPU configuration.
 
   python -m engine.main --config=experiments/shakespeare_char.py \
-      --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/shakespeare
+      --config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/shakespeare
 
 Hardware: 1 CPU device (2 cores): about 3 minutes (around 11 steps/s). 4 layers, 4 heads, width
 128, context 64, batch 12, 2000 steps, AdamW lr 1e-3 (100 warmup steps, cosine decay to 1e-4),
@@ -14,7 +14,7 @@ steps=2000. Example on 8 simulated CPU devices:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.main \
       --config=experiments/shakespeare_char.py:mesh=2x2x2 \
-      --config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/shakespeare_222
+      --config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/shakespeare_222
 """
 
 from engine.config import apply_run_args, default_config, parse_run_arg
@@ -35,7 +35,7 @@ def get_config(arg=None):
   config.model.scan_layers = False
 
   config.data.source = 'file'
-  config.data.path = ''  # --config.data.path=../shared/data/tinyshakespeare.txt
+  config.data.path = 'experiments/data/tinyshakespeare.txt'  # In the repository; run from its root.
   config.data.tokenizer = 'char'
   config.data.seq_len = 64
   config.data.global_batch_size = 12

@@ -2,7 +2,7 @@
 for `--config.data.tokenizer=hf` and `engine.data.prepare`, when you have none.
 
   python -m engine.data.train_tokenizer --input=embedded --vocab_size=4096 --out=/tmp/bpe.json
-  python -m engine.data.train_tokenizer --input=../shared/data/tinyshakespeare.txt --vocab_size=2048 \
+  python -m engine.data.train_tokenizer --input=experiments/data/tinyshakespeare.txt --vocab_size=2048 \
       --out=/tmp/shakespeare_bpe.json
 
 Byte-level: every text encodes (no unknown token) and decodes back exactly. The one special

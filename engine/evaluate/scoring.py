@@ -2,7 +2,7 @@
 (by default), or on a text file.
 
   python -m engine.evaluate --workdir=/tmp/shakespeare
-  python -m engine.evaluate --workdir=/tmp/shakespeare --text_file=../shared/data/tinyshakespeare.txt
+  python -m engine.evaluate --workdir=/tmp/shakespeare --text_file=experiments/data/tinyshakespeare.txt
 
 The held-out split is the training eval's: the same windows (the last data.val_fraction of the
 corpus, or of each shard set's packed windows; train.eval_batches fixed batches of

@@ -51,7 +51,6 @@ def results(tmp_path_factory):
   for key, check in RUNS:
     if check.chain not in scratches:
       scratches[check.chain] = str(tmp_path_factory.mktemp(check.chain))
-      doc_commands.write_stand_ins(scratches[check.chain])
     scratch = scratches[check.chain]
     for name, text in check.files:
       with open(os.path.join(scratch, name), 'w') as f:

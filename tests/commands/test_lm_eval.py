@@ -69,8 +69,7 @@ def test_continuations_score_as_the_model_computes_them(mesh):
 
 @pytest.mark.slow
 def test_lm_eval_scores_the_run_as_it_scores_its_export(tmp_path):
-  python = reference_python('LM_EVAL_PYTHON', 'lm_eval, torch, transformers and the engine '
-                            'installed')
+  python = reference_python()
   from engine.data.bpe_trainer import train as train_bpe  # pylint: disable=g-import-not-at-top
   from engine.export.exporter import export_files  # pylint: disable=g-import-not-at-top
   from engine.main import run as run_main  # pylint: disable=g-import-not-at-top

@@ -95,7 +95,7 @@ def test_the_peft_adapter_recombines_into_the_merged_weights(exported):
 
 
 def test_peft_loads_the_adapter_onto_the_base_checkpoint(exported):
-  python = reference_python('TRANSFORMERS_PYTHON', 'torch, transformers and peft')
+  python = reference_python()
   script = (
       'import sys, json, torch, transformers, peft\n'
       'base, merged, adapter = sys.argv[1:4]\n'

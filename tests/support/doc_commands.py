@@ -25,8 +25,6 @@ PROGRAM_LINE = re.compile(r'^\s*(XLA_FLAGS=\S+\s+)?python -m ')
 # on the 2-core machine the docs name (later XLA flags override earlier ones).
 ALLOWED_ENV = {'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
 ONE_DEVICE = ' --xla_force_host_platform_device_count=1'
-SHARED_TEXT = '../shared/data/tinyshakespeare.txt'  # The docs' data file (write_stand_ins).
-
 # Reductions a user could type: a few steps, one eval batch.
 SHORT_TRAIN = ('--config.train.num_steps=2', '--config.train.eval_every=2',
                '--config.train.eval_batches=1', '--config.train.log_every=1')
@@ -65,13 +63,14 @@ CHECKS = {
     '. .venv/bin/activate': SETUP,
     'pip install -e .[test]': SETUP,
     'pip install -e .[test,tpu]': SETUP,
+    'python -m tests.support.reference_envs': SETUP,
     'python -m pytest -q -n 2 --dist loadfile tests': Skip('the suite itself'),
     'python -m engine.main --config=experiments/tiny.py --workdir=/tmp/engine_tiny':
         Run('tiny', add=SHORT_TRAIN, outputs=('/tmp/engine_tiny/metrics.jsonl',
                                               '/tmp/engine_tiny/config.json')),
     # README, "Commands" (and the shakespeare_char docstring): train, then sample and evaluate.
     'python -m engine.main --config=experiments/shakespeare_char.py '
-    '--config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/shakespeare':
+    '--config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/shakespeare':
         Run('shakespeare', add=SHORT_TRAIN, outputs=('/tmp/shakespeare/metrics.jsonl',
                                                      '/tmp/shakespeare/checkpoints')),
     'python -m engine.generate --workdir=/tmp/shakespeare --prompt=ROMEO:':
@@ -83,16 +82,16 @@ CHECKS = {
             files=(('prompts.txt', 'ROMEO:\nJULIET:\n'),)),
     'python -m engine.evaluate --workdir=/tmp/shakespeare': Run('shakespeare'),
     'python -m engine.evaluate --workdir=/tmp/shakespeare '
-    '--text_file=../shared/data/tinyshakespeare.txt':  # All 1.1 MB: 80 s on 2 cores.
-        Run('shakespeare', replace=(('--text_file=../shared/data/tinyshakespeare.txt',
+    '--text_file=experiments/data/tinyshakespeare.txt':  # All 1.1 MB: 80 s on 2 cores.
+        Run('shakespeare', replace=(('--text_file=experiments/data/tinyshakespeare.txt',
                                      '--text_file=/tmp/shakespeare_head.txt'),),
             files=(('shakespeare_head.txt', 'First Citizen:\nBefore we proceed any further, '
                     'hear me speak.\n\nAll:\nSpeak, speak.\n' * 8),)),
     'python -m engine.main --config=experiments/finetune_hf.py:hf=/models/Qwen2.5-0.5B,steps=200 '
-    '--config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/finetune': NO_HF,
+    '--config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/finetune': NO_HF,
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.compare '
     '--config=experiments/shakespeare_char.py:mesh=2x2x2 '
-    '--config.data.path=../shared/data/tinyshakespeare.txt --config.data.global_batch_size=16 '
+    '--config.data.path=experiments/data/tinyshakespeare.txt --config.data.global_batch_size=16 '
     '--out=/tmp/compare --modes=auto,manual --steps=10':
         Run('compare', replace=(('--steps=10', '--steps=1'),), add=('--warmup=0',),
             outputs=('/tmp/compare/report.md', '/tmp/compare/report.json')),
@@ -149,7 +148,7 @@ CHECKS = {
     'python -m engine.analysis.hf_check --torch_python=/path/to/venv/bin/python --out=/tmp/hfc':
         NO_TORCH,
     'python -m engine.analysis.tokenizer_check --transformers_python=/path/to/venv/bin/python '
-    '--text_file=../shared/data/tinyshakespeare.txt --out=/tmp/tok': NO_TRANSFORMERS,
+    '--text_file=experiments/data/tinyshakespeare.txt --out=/tmp/tok': NO_TRANSFORMERS,
     # README and docs/multihost.md, "Many processes".
     'python -m launch.local --num_processes=2 --devices_per_process=4 -- python -m engine.main '
     '--config=experiments/tiny.py:mesh=2x2x2,steps=100 --workdir=/tmp/tiny_2x4':
@@ -175,7 +174,7 @@ CHECKS = {
                      '/tmp/sweep/optim.learning_rate=1e-3,model.num_layers=2/summary.json')),
     # docs/performance.md, docs/training.md.
     'python -m engine.bench --config=experiments/shakespeare_char.py '
-    '--config.data.path=../shared/data/tinyshakespeare.txt --steps=40 '
+    '--config.data.path=experiments/data/tinyshakespeare.txt --steps=40 '
     '--torch_python=/path/to/python-with-torch': NO_TORCH,
     'pip install tensorboard tensorboard-plugin-profile': SETUP,
     'tensorboard --logdir=WORKDIR/profile': Skip('a server, for a person to look at'),
@@ -183,7 +182,7 @@ CHECKS = {
     'python -m engine.main --config=experiments/finetune_hf.py:hf=/models/Qwen2.5-0.5B '
     '--config.data.source=shards --config.data.shards=/tmp/shards --workdir=/tmp/finetune': NO_HF,
     'python -m engine.evaluate --workdir=/tmp/finetune '
-    '--text_file=../shared/data/tinyshakespeare.txt': TRAINED_FROM_HF,
+    '--text_file=experiments/data/tinyshakespeare.txt': TRAINED_FROM_HF,
     'python -m engine.generate --workdir=/tmp/finetune --prompt=ROMEO: --max_new_tokens=50':
         TRAINED_FROM_HF,
     'python -m engine.export --workdir=/tmp/finetune --out=/tmp/finetune_hf': TRAINED_FROM_HF,
@@ -194,11 +193,11 @@ CHECKS = {
     'python -m engine.evaluate --workdir=/tmp/sft': TRAINED_FROM_HF,
     'python -m engine.export --workdir=/tmp/sft --out=/tmp/sft_hf': TRAINED_FROM_HF,
     'python -m engine.main --config=experiments/llama_124m.py:mesh=-1x1x1 '
-    '--config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/llama_124m': ACCELERATOR,
-    'python -m engine.data.train_tokenizer --input=../shared/data/tinyshakespeare.txt '
+    '--config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/llama_124m': ACCELERATOR,
+    'python -m engine.data.train_tokenizer --input=experiments/data/tinyshakespeare.txt '
     '--vocab_size=2048 --out=/tmp/shakespeare_bpe.json':
         Run('prep_124m', outputs=('/tmp/shakespeare_bpe.json',)),
-    'python -m engine.data.prepare --input=../shared/data/tinyshakespeare.txt --tokenizer=hf '
+    'python -m engine.data.prepare --input=experiments/data/tinyshakespeare.txt --tokenizer=hf '
     '--tokenizer_path=/tmp/shakespeare_bpe.json --out=/tmp/shakespeare_shards':
         Run('prep_124m', outputs=('/tmp/shakespeare_shards/meta.json',)),
     'python -m engine.main --config=experiments/llama_124m.py:mesh=-1x1x1 '
@@ -223,7 +222,7 @@ CHECKS = {
         Run('llama', add=SHORT_TRAIN, outputs=('/tmp/llama_bench/metrics.jsonl',)),
     'XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.main '
     '--config=experiments/shakespeare_char.py:mesh=2x2x2 '
-    '--config.data.path=../shared/data/tinyshakespeare.txt --workdir=/tmp/shakespeare_222':
+    '--config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/shakespeare_222':
         Run('shakespeare_222', add=SHORT_TRAIN,
             outputs=('/tmp/shakespeare_222/metrics.jsonl',)),
     'python -m engine.main --config=experiments/tiny.py --workdir=/tmp/tiny': TINY_RUN,
@@ -287,17 +286,5 @@ def reduced(words: list[str], check: Run, scratch: str) -> tuple[dict, list[str]
 
 
 def move_tmp(text: str, scratch: str) -> str:
-  """/tmp/ paths into the scratch, and the docs' data file (../shared/data/, beside this
-  checkout on the machine the docs were written on, not in a clean checkout) to its stand-in
-  there (write_stand_ins)."""
-  text = re.sub(r'(?<![\w.])/tmp/', f'{scratch}/', text)
-  return text.replace(SHARED_TEXT, f'{scratch}/{os.path.basename(SHARED_TEXT)}')
-
-
-def write_stand_ins(scratch: str) -> None:
-  """The stand-in for the docs' data file: the same in every checkout (the embedded corpus's
-  first 256 KB, with the names the examples prompt with), so runs on it are reproducible."""
-  from engine.data.sources import embedded_corpus  # The engine, only where a test runs it.
-  text = 'ROMEO:\nJULIET:\nFirst Citizen:\n' + embedded_corpus(256 * 1024)
-  with open(os.path.join(scratch, os.path.basename(SHARED_TEXT)), 'w') as f:
-    f.write(text)
+  """/tmp/ paths into the scratch (the docs' data file, experiments/data/, is the checkout's)."""
+  return re.sub(r'(?<![\w.])/tmp/', f'{scratch}/', text)

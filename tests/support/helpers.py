@@ -16,6 +16,7 @@ from engine.analysis.reference import ReferenceRun
 from engine.config import default_config
 from engine.assemble import lay_out, resolve_vocab_size
 from engine.train.loop import train
+from tests.support import reference_envs
 
 # Float32 sums taken in another order (per-shard partial sums, then all-reduces) differ by a few
 # ulps per operation: losses, gradient norms and every gradient (relative to its largest entry)
@@ -218,12 +219,11 @@ def assert_resumes_exactly(config_for, tmp_path, changed: dict):
   assert sorted(after) == [5, 6] and all(np.isfinite(list(after.values())))
 
 
-def reference_python(variable: str, needs: str) -> str:
-  """The Python the environment variable `variable` names (another virtualenv, whose libraries
-  are the reference: transformers, peft, lm-eval); the test skips, saying so, where it is unset.
-  `needs`: what that environment must have."""
-  python = os.environ.get(variable)
-  if not python:
-    pytest.skip(f'{variable} is not set: the Python of an environment with {needs} '
-                '(tests/README.md)')
-  return python
+def reference_python() -> str:
+  """The Python of the reference environment (tests/support/reference_envs.py: CPU torch,
+  transformers, peft, lm-eval, which the engine never imports); the test fails, saying how to
+  build it, where it is not built."""
+  try:
+    return reference_envs.python()
+  except RuntimeError as error:
+    pytest.fail(str(error))

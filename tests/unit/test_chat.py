@@ -64,7 +64,7 @@ def test_ids_and_answers_equal_transformers(tokenizer_paths):
   """Needs a Python with transformers (TRANSFORMERS_PYTHON): its apply_chat_template's ids for
   every template and conversation, and its assistant mask for the template that marks answers
   with {% generation %}."""
-  python = reference_python('TRANSFORMERS_PYTHON', 'transformers')
+  python = reference_python()
   names = {n: os.path.dirname(p) for n, p in tokenizer_paths.items() if n != 'inst'}
   request = {'tokenizers': names, 'conversations': _conversations('chatml')}
   inst = {'tokenizers': {'inst': os.path.dirname(tokenizer_paths['inst'])},

@@ -22,7 +22,7 @@ from engine.hf import save as hf_save
 from tests.support.helpers import reference_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TEXT_FILE = ROOT / '../shared/data/tinyshakespeare.txt'
+TEXT_FILE = ROOT / 'experiments/data/tinyshakespeare.txt'
 # Classes transformers builds from the vocabulary with a pre-tokenizer and normaliser of their
 # own (the ones model types map to): never the exported class.
 REBUILDING = ('Qwen2Tokenizer', 'LlamaTokenizer', 'LlamaTokenizerFast', 'GPT2Tokenizer',
@@ -128,7 +128,7 @@ def test_the_class_check_catches_an_export_transformers_would_rebuild(exports, t
 
 @pytest.mark.slow
 def test_autotokenizer_gives_the_engines_ids_in_a_transformers_environment(tmp_path):
-  python = reference_python('TRANSFORMERS_PYTHON', 'transformers, sentencepiece and protobuf')
+  python = reference_python()
   proc = subprocess.run(
       [sys.executable, '-m', 'engine.analysis.tokenizer_check', f'--transformers_python={python}',
        f'--text_file={TEXT_FILE}', f'--out={tmp_path / "tok"}'], cwd=ROOT, capture_output=True,

@@ -2,7 +2,7 @@
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m engine.analysis.compare \
       --config=experiments/shakespeare_char.py:mesh=2x2x2 \
-      --config.data.path=../shared/data/tinyshakespeare.txt --out=/tmp/compare --steps=10
+      --config.data.path=experiments/data/tinyshakespeare.txt --out=/tmp/compare --steps=10
 
 Every mode starts from the same sharded initial state and sees the same batches; their steps are
 interleaved so that machine drift hits all alike. After each step the parameters of each mode are

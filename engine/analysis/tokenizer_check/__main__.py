@@ -2,7 +2,7 @@
 
   python -m engine.analysis.tokenizer_check --transformers_python=/path/to/python-with-transformers
   \
-      [--text_file=../shared/data/tinyshakespeare.txt] [--kinds=bpe,bpe_bos,sentencepiece_bpe,...] \
+      [--text_file=experiments/data/tinyshakespeare.txt] [--kinds=bpe,bpe_bos,sentencepiece_bpe,...] \
       [--architectures=LlamaForCausalLM,...] [--vocab_size=1024] [--out=/tmp/tok] [--dir=KEEP]
 
 For every tokenizer kind the engine exports (tokenizer_compare.KINDS: engine.data.train_tokenizer's
