@@ -167,7 +167,8 @@ _FAILURE_KEY = 'engine/failure'
 _SEEN_KEY = 'engine/failure_seen/'
 _REPORTED = threading.Lock()  # Held by whichever of the main thread and the watch reports first.
 _WAIT_FOR_OTHERS_S = 5.0  # How long process 0 waits for the others to read a report and go.
-_OWN_REPORT_S = 2.0  # How long a process given another's bad-input report waits to find its own.
+_OWN_REPORT_S = 4.0  # How long a process given another's bad-input report waits for its own
+# (a loaded machine takes seconds to reach the same check; less than process 0 waits for it).
 
 
 def client():
@@ -266,9 +267,10 @@ def fail_run(message: str, code: int) -> None:
     time.sleep(_WAIT_FOR_OTHERS_S + 5)  # The watch is ending this process for another's failure.
     os._exit(code)  # pylint: disable=protected-access
   earlier = _failure_report()
-  if earlier is not None and earlier[0] != jax.process_index():
-    # Another process failed first (this one may have been stopped while it did, and finds its
-    # own wait too long on waking): the run ends for that failure, as the watch would say.
+  # Another process failed first (this one may have been stopped while it did, and finds its own
+  # wait too long on waking): the run ends for that failure, as the watch would say. The same
+  # failure found by both (bad input every process refuses alike) is this one's too: its line.
+  if earlier is not None and earlier[0] != jax.process_index() and earlier[2] != message:
     index, code, first = earlier
     print(f'error: process {index} of {jax.process_count()} failed, so process '
           f'{jax.process_index()} stops too: {first}', file=sys.stderr, flush=True)

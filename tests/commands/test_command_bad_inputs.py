@@ -5,16 +5,13 @@ and must get its one line, `error: ...`, and exit status: no traceback, nothing 
 scratch directory, nor in the finished run it reads, tests/commands/conftest.py's), no XLA compile.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.support.bad_input_checks import (ROOT, check_nothing_written, check_output,
                                             make_scratch, snapshot, substitute)
 from tests.support.bad_inputs_commands import COMMAND_ROWS, COMMAND_SCRATCH
+from tests.support.processes import forked
 
 ROWS = [(program, *row) for program, rows in COMMAND_ROWS.items() for row in rows]
 
@@ -31,11 +28,7 @@ def results(finished_run, tmp_path_factory):
     scratches.append((scratch, snapshot(scratch)))
     commands.append({'program': program, 'cwd': ROOT,
                      'argv': [substitute(a, T=scratch, RUN=finished_run) for a in argv]})
-  env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices.
-  proc = subprocess.run([sys.executable, '-m', 'tests.support.forked_commands'], cwd=ROOT, env=env,
-                        input=json.dumps(commands), capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr
-  results = json.loads(proc.stdout)
+  results = forked(commands)
   assert snapshot(finished_run) == run_before  # No row changed the run it read.
   return [(scratch, result, before) for (scratch, before), result in zip(scratches, results)]
 

@@ -2,17 +2,15 @@
 line (`error: ...`, exit status 2, no traceback) for the same mistake, whichever command makes
 it. And the mesh strings mean the same everywhere: axes not given are 1."""
 
-import concurrent.futures
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from engine import config as config_lib
 from engine.assemble import assemble_finished_run
 from engine.errors import ConfigError
+from tests.support.processes import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = '--config=experiments/tiny.py'
@@ -65,33 +63,26 @@ def _expected_endings() -> dict[str, str]:
 
 @pytest.fixture(scope='module')
 def outcomes(tmp_path_factory):
-  """Every (kind, command) run as the real command, two at a time."""
+  """Every (kind, command) run as the real command (forked from one process that imported the
+  engine: tests/support/processes.py)."""
   workdir = tmp_path_factory.mktemp('run')
   # A finished run's record is all generate / evaluate read before the mesh.
   (workdir / 'config.json').write_text(config_lib.default_config().to_json())
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
   jobs = [(kind, name, argv) for kind, commands in _commands(str(workdir)).items()
           for name, argv in commands.items()]
-
-  def call(job):
-    kind, name, argv = job
-    proc = subprocess.run([sys.executable, '-m', *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    return (kind, name), (proc.returncode, proc.stdout, proc.stderr)
-
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    return dict(pool.map(call, jobs))
+  results = forked([{'program': argv[0], 'argv': argv[1:], 'cwd': ROOT} for _, _, argv in jobs])
+  return {(kind, name): (result['code'], result['output']) for (kind, name, _), result in
+          zip(jobs, results)}
 
 
 def test_each_command_gives_the_same_line_for_the_same_mistake(outcomes):
   endings = _expected_endings()
-  for (kind, name), (code, out, err) in outcomes.items():
-    lines = err.strip().splitlines()
-    where = f'{name}, bad {kind}: {err[-2000:]}'
+  for (kind, name), (code, output) in outcomes.items():
+    lines = output.strip().splitlines()  # Its stdout and stderr: the one line, nothing else.
+    where = f'{name}, bad {kind}: {output[-2000:]}'
     assert code == 2, where
-    assert 'Traceback' not in err and len(lines) == 1, where
+    assert 'Traceback' not in output and len(lines) == 1, where
     assert lines[0].startswith('error: ') and lines[0].endswith(endings[kind]), where
-    assert not out.strip(), where
   assert {kind for kind, _ in outcomes} == set(endings)
   assert len({name for _, name in outcomes}) == 8  # Every command that takes any of them.
 

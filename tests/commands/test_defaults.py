@@ -5,28 +5,18 @@ by default (a seed changes the sample), is greedy at --temperature=0 and takes a
 vocabulary as every token; a rerun of the finished run writes nothing, exits 0 and says how to
 train further, and that advice works; --help exits 0 with the command's usage."""
 
-import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from engine.cli.usage import COMMANDS
 from tests.commands.conftest import FINISHED_RUN_ARGV
 from tests.support.bad_input_checks import ROOT
+from tests.support.processes import forked
 
 PROMPT = '--prompt=def '
-
-
-def _forked(rows: list[dict]) -> list[dict]:
-  env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: 8 devices.
-  proc = subprocess.run([sys.executable, '-m', 'tests.support.forked_commands'], cwd=ROOT, env=env,
-                        input=json.dumps(rows), capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr
-  return json.loads(proc.stdout)
 
 
 def _warnings(output: str) -> list[str]:
@@ -67,14 +57,14 @@ def outputs(finished_run, tmp_path_factory):
       'rerun': ('engine.main', [*FINISHED_RUN_ARGV, run]),
   }
   before = _files(finished_run)
-  results = _forked([{'program': program, 'argv': argv, 'cwd': ROOT}
+  results = forked([{'program': program, 'argv': argv, 'cwd': ROOT}
                      for program, argv in rows.values()])
   found = dict(zip(rows, results))
   # The advice of the rerun's last line, followed on a copy of the run.
   advice = re.search(r'rerun with --config\.train\.num_steps=M \(M > 2\) and '
                      r'(--config\.optim\.decay_steps=\d+)', found['rerun']['output'])
   assert advice, found['rerun']['output']
-  found['extended'] = _forked([{
+  found['extended'] = forked([{
       'program': 'engine.main', 'cwd': ROOT,
       'argv': [*FINISHED_RUN_ARGV, '--config.train.num_steps=3', advice.group(1),
                f'--workdir={extended}']}])[0]
@@ -126,7 +116,7 @@ def test_a_rerun_of_a_finished_run_writes_nothing_and_says_how_to_go_on(outputs)
 def test_help_exits_0_with_the_usage_first():
   rows = [{'program': program, 'argv': [flag], 'cwd': ROOT}
           for program in COMMANDS for flag in ('--help', '--helpfull')]
-  for row, result in zip(rows, _forked(rows)):
+  for row, result in zip(rows, forked(rows)):
     lines = result['output'].splitlines()
     usage, about, _ = COMMANDS[row['program']]
     assert result['code'] == 0, (row, result['output'][-2000:])
@@ -154,7 +144,7 @@ def test_an_old_output_flag_name_still_works(tmp_path):
   config = '--config=experiments/tiny.py'
   rows = [{'program': 'engine.analysis.compare', 'argv': [config, *argv], 'cwd': ROOT}
           for argv in ([f'--workdir={tmp_path}/notes.txt'], [f'--out={tmp_path}/notes.txt'], [])]
-  old, new, none = (result['output'].strip().splitlines()[-1] for result in _forked(rows))
+  old, new, none = (result['output'].strip().splitlines()[-1] for result in forked(rows))
   assert old == new == (f'error: --out={tmp_path}/notes.txt is a file, not a directory; pass a '
                         'new path or a directory to write into.')
   assert none == 'error: --out is required: Directory for report.md, report.json and the plots.'

@@ -5,15 +5,13 @@ and the engine once: tests/support/forked_commands.py), must exit 0 and write wh
 it writes.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.support import doc_commands
 from tests.support.doc_commands import CHECKS, ROOT, Run
+from tests.support.processes import forked
 
 EXAMPLES = doc_commands.extract()
 RUNS = sorted(((k, c) for k, c in CHECKS.items() if isinstance(c, Run)),
@@ -57,12 +55,8 @@ def results(tmp_path_factory):
         f.write(text)
     env, argv = doc_commands.reduced(key.split(' '), check, scratch)
     commands.append({'program': argv[0], 'argv': argv[1:], 'cwd': str(ROOT), 'env': env})
-  env = dict(os.environ, JAX_PLATFORMS='cpu')  # conftest's XLA_FLAGS: the examples' 8 devices.
-  proc = subprocess.run([sys.executable, '-m', 'tests.support.forked_commands'], cwd=ROOT, env=env,
-                        input=json.dumps(commands), capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr
   return {key: (scratches[check.chain], result)
-          for (key, check), result in zip(RUNS, json.loads(proc.stdout))}
+          for (key, check), result in zip(RUNS, forked(commands))}
 
 
 @pytest.mark.slow

@@ -6,8 +6,6 @@ command's line."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -23,6 +21,7 @@ from engine.data.shard_writer import prepare
 from engine.data.bpe_trainer import train as train_bpe
 from engine.evaluate.scoring import decoding_tokenizer, evaluate, heldout_windows, score
 from tests.support.helpers import tiny_config
+from tests.support.processes import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _rng = np.random.default_rng(0)
@@ -100,12 +99,8 @@ def test_the_command_scores_the_heldout_split_or_a_file(trained):
   root, logged = trained
   rows = [{'program': 'engine.evaluate', 'cwd': ROOT, 'argv': [f'--workdir={root}/run', *more]}
           for more in ([], ['--eval_batches=1'], [f'--text_file={root}/text.txt'])]
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  proc = subprocess.run([sys.executable, '-m', 'tests.support.forked_commands'], cwd=ROOT, env=env,
-                        input=json.dumps(rows), capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr
   heldout, first, text_file = (r['output'].strip().splitlines()[-1]
-                               for r in json.loads(proc.stdout))
+                               for r in forked(rows, timeout_s=600))
   assert heldout.startswith("held-out split (the training eval's 2 batches of 16 windows; "
                             'data.val_fraction=0.1): loss '), heldout
   assert float(heldout.split('loss ')[1].split(',')[0]) == pytest.approx(logged, abs=2e-4)
