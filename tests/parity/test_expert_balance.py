@@ -131,13 +131,13 @@ def test_the_bias_moves_the_reference_far_beyond_the_tolerance(references):
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_aux_free_balancing_matches_single_device(mode, references):
   """expert 4 x data 2 with 2 micro-batches accumulated, expert 2 x fsdp 2 x tensor 2 in one,
-  and the stage mesh with 1F1B, and in manual mode, whose stages each keep their layers' biases
-  (engine/parallel/manual.py), with GPipe too."""
+  and the stage mesh with GPipe and 1F1B. Guards each layer's load reaching its own bias
+  through a pipeline: auto GPipe's stages keeping their own layer counters fails it."""
   for mesh, microbatches in (((2, 1, 1, 1, 1, 4), 2), ((1, 2, 2, 1, 1, 2), 1)):
     config = aux_free(moe_config(mesh, mode=mode))
     config.train.microbatches = microbatches
     assert_same_run(engine_run(config, mode, 2), references['sigmoid'])
-  for schedule in ('gpipe', '1f1b') if mode == 'manual' else ('1f1b',):
+  for schedule in ('gpipe', '1f1b'):
     assert_same_run(engine_run(_stage_config(mode, schedule), mode, 2), references['stage'])
 
 

@@ -116,25 +116,28 @@ def mla_config(mesh=(1, 1, 1), mode='auto', deepseek=False, dense_layers=0):
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_latent_attention_matches_single_device(mode):
   """data 2 x fsdp 2 x tensor 2 (each device 2 of the 4 heads) and data 2 x tensor 2 x stage
-  2 with 2 micro-batches. (DeepSeek-V3's block on expert 2 x fsdp 2 x tensor 2: below, after
-  a dense layer.)"""
+  2 with 2 micro-batches; DeepSeek-V3's block (group routing, a shared expert, the aux-free
+  bias) on expert 2 x fsdp 2 x tensor 2 from the first layer. Guards the experts' hidden
+  dimension summed over `tensor` after auto mode's dropless exchange, and manual mode's router
+  scoring every expert (its expert dimension split over `expert` fails it)."""
   reference = single_device_run(mla_config(), 2)
   assert_same_run(engine_run(mla_config((2, 2, 2), mode), mode, 2), reference)
   staged = mla_config((2, 1, 2, 1, 2), mode)
   staged.train.microbatches = 2
   assert_same_run(engine_run(staged, mode, 2), reference)
+  assert_same_run(engine_run(mla_config((1, 2, 2, 1, 1, 2), mode, True), mode, 2),
+                  single_device_run(mla_config(deepseek=True), 2))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('mode', ['auto', 'manual'])
 def test_dense_first_layers_match_single_device(mode):
-  """DeepSeek-V3's blocks after a dense one on expert 2 x fsdp 2 x tensor 2, and in manual mode
-  on data 2 x stage 2 x expert 2 with 2 micro-batches (the dense layer runs before the
-  pipeline; the pipeline's code is auto mode's too, whose stages run latent attention above)."""
+  """DeepSeek-V3's blocks after a dense one on expert 2 x fsdp 2 x tensor 2, and on data 2 x
+  stage 2 x expert 2 with 2 micro-batches (the dense layer runs before the pipeline). Guards
+  each stage's layers counting on from the stage before (the router biases move by their own
+  layer's load): auto GPipe's stages keeping their own layer counters fails it."""
   reference = single_device_run(mla_config(deepseek=True, dense_layers=1), 2)
   assert_same_run(engine_run(mla_config((1, 2, 2, 1, 1, 2), mode, True, 1), mode, 2), reference)
-  if mode == 'auto':
-    return
   staged = mla_config((2, 1, 1, 1, 2, 2), mode, True, 1)
   staged.train.microbatches = 2
   assert_same_run(engine_run(staged, mode, 2), reference)

@@ -133,14 +133,16 @@ def test_packed_documents_match_one_device(mode):
 
 
 @pytest.mark.slow
-def test_a_mixture_of_experts_with_its_balance_loss_matches_gpipe(mode='manual'):
+@pytest.mark.parametrize('mode', ['manual', 'auto'])
+def test_a_mixture_of_experts_with_its_balance_loss_matches_gpipe(mode):
   """The balance loss is per micro-batch in any pipeline (the single-device run has it over
   the whole batch): the GPipe schedule of the same layout, itself checked against one device
-  in test_moe.py, is the reference; the auxiliary loss is on. Manual mode: the schedule's code
-  (engine/parallel/pipeline/one_f_one_b.py) is auto mode's too, whose 1F1B runs above and below."""
+  in test_moe.py, is the reference; the auxiliary loss is on. Guards the carry's extras (the
+  layers' balance terms) moving with x between stages: auto mode's own (StackedLanes.to_next
+  leaving them on their stage fails it), manual mode's ppermute."""
   config = moe_config((2, 1, 1, 1, 2), mode=mode)
   config.model.num_layers = 2
-  config.train.microbatches = 4
+  config.train.microbatches = 4 if mode == 'manual' else 2
   tokens = np.random.default_rng(0).integers(0, 256, (config.data.global_batch_size,
                                                       config.data.seq_len + 1))
   gpipe = _gradients(config, mode, tokens)
