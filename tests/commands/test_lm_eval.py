@@ -1,7 +1,7 @@
 """engine.lm_eval: the scorer behind lm-eval's log-likelihood requests against the model's own
 log-softmax computed apart, in NumPy (one device and a 2x2x2 mesh; a long context keeps its last
-tokens); and, with LM_EVAL_PYTHON (a Python with lm_eval, torch, transformers and this engine
-installed), the command on four local tasks (multiple choice, a scored continuation, generation,
+tokens); and, in the reference environment (tests/support/reference_envs.py: lm_eval, torch,
+transformers, this engine seen through it), the command on four local tasks (multiple choice, a scored continuation, generation,
 rolling perplexity) against lm-eval's own Hugging Face model on the run's export."""
 
 import json

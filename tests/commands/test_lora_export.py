@@ -1,9 +1,8 @@
 """A LoRA run from a Hugging Face checkpoint (a tiny Qwen2 written by the test; the adapters on
 every projection, the rest frozen), exported merged and as a PEFT adapter: the merged export
 loads back as a plain model whose logits are the run's, the PEFT tensors recombine (W + s B A,
-in NumPy) into the merged weights, and, with TRANSFORMERS_PYTHON (a Python with torch,
-transformers and peft), peft's PeftModel on the base checkpoint computes the merged export's
-logits."""
+in NumPy) into the merged weights, and peft's PeftModel on the base checkpoint (in the
+reference environment: tests/support/reference_envs.py) computes the merged export's logits."""
 
 import json
 import subprocess

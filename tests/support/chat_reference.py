@@ -1,4 +1,4 @@
-"""Run by a Python with transformers (TRANSFORMERS_PYTHON; not the engine's): reads
+"""Run by the reference environment's Python (transformers; tests/support/reference_envs.py): reads
 {"tokenizers": {name: directory}, "conversations": [...]} as JSON on stdin and prints, for each
 tokenizer and conversation, transformers' `apply_chat_template` ids and, for a template that
 marks its answers with {% generation %}, its assistant mask (else null)."""

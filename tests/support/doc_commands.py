@@ -51,7 +51,7 @@ NO_HF = Skip('needs a downloaded Hugging Face checkpoint (/models/...)')
 TRAINED_FROM_HF = Skip('reads a run trained from a Hugging Face checkpoint (/models/...)')
 NO_TORCH = Skip('needs a Python with torch and transformers (--torch_python)')
 NO_TRANSFORMERS = Skip('needs a Python with transformers (--transformers_python); the suite runs '
-                       'it when TRANSFORMERS_PYTHON names one (tests/unit/test_tokenizer_export.py)')
+                       'it in its reference environment (tests/unit/test_tokenizer_export.py)')
 NO_LIBTPU = Skip('needs libtpu\'s TPU compiler (the tpu extra) and compiles an 8B model')
 ACCELERATOR = Skip('sized for accelerators: 153M parameters, sequence 1024, batch 64')
 TINY_RUN = Skip('the same run as README\'s `python -m engine.main --config=experiments/tiny.py '
@@ -131,8 +131,8 @@ CHECKS = {
     # docs/commands.md: lm-eval.
     'python -m engine.lm_eval --workdir=/tmp/sft --tasks=engine_arith_choice,engine_text_ppl '
     '--include_path=/tmp/lm_tasks --out=/tmp/sft_lm_eval':
-        Skip('needs the lm_eval extra and an SFT run; tests/commands/test_lm_eval.py runs it with '
-             'LM_EVAL_PYTHON'),
+        Skip('needs the lm_eval extra and an SFT run; tests/commands/test_lm_eval.py runs it in '
+             'the reference environment'),
     # docs/commands.md: record files and a datasets directory.
     'python -m engine.data.prepare --input=/tmp/docs.jsonl --text_field=body --tokenizer=byte '
     '--out=/tmp/jsonl_shards':

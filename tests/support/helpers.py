@@ -125,9 +125,9 @@ def compiled_run(config, mode, num_steps):
   the compiled train step, whose HLO tests may also read instead of compiling it again).
 
   The train step is compiled ahead of time for the abstract state and batch (as engine.train
-  does), in a thread alongside the state's initialisation: XLA compiles without the GIL. The
-  first step's gradients are read back from the optimizer state (first_adam_gradients): a
-  gradient program of their own took a third of each run's time."""
+  does), in a thread alongside the state's initialisation (initial_state): XLA compiles without
+  the GIL. The first step's gradients are read back from the optimizer state
+  (first_adam_gradients): a gradient program of their own took a third of each run's time."""
   corpus, batches = train_batches(config)
   train_setup = lay_out(config, corpus.tokenizer.vocab_size)
   steps = parallel.build_steps(mode, train_setup)
@@ -136,7 +136,7 @@ def compiled_run(config, mode, num_steps):
   lowered = steps.train.lower(abstract, batch)
   with futures.ThreadPoolExecutor(1) as pool:
     compiling = pool.submit(lowered.compile)
-    state, _ = train_setup.init(config.seed)
+    state = initial_state(train_setup, config)
     train = compiling.result()
   sharding = train_setup.batch_sharding()
   losses, grad_norms, first_gradients = [], [], None
@@ -148,6 +148,27 @@ def compiled_run(config, mode, num_steps):
       first_gradients = first_adam_gradients(state['opt_state'], grad_norms[0], config.optim)
   run = Run(np.array(losses), np.array(grad_norms), first_gradients, _flat(state['params']))
   return run, train_setup, train
+
+
+_INITIAL_STATES = {}
+
+
+def initial_state(train_setup, config):
+  """`train_setup`'s initial state, in its shardings. The first layout of a model, optimizer and
+  seed creates it with its own sharded init (TrainSetup.init); later layouts of the same state
+  get those values placed in their shardings instead of compiling an init of their own (its
+  random initialisers were a third of a run's compile time). Equal values either way: a sharded
+  init equals the one-device init on every kind of layout (tests/unit/test_sharding.py), and
+  the first layout's run checks its own against the single-device reference."""
+  abstract = train_setup.abstract_state()
+  key = (config.model.to_json(), config.optim.to_json(), config.seed,
+         config.parallelism.offload_optimizer, str(jax.tree.structure(abstract)),
+         tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(abstract)))
+  if key not in _INITIAL_STATES:
+    state, _ = train_setup.init(config.seed)
+    _INITIAL_STATES[key] = jax.device_get(state)
+    return state
+  return jax.device_put(_INITIAL_STATES[key], train_setup.state_shardings())
 
 
 def first_adam_gradients(opt_state, grad_norm: float, optim_config) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """Conversations as training data (engine/data/chat.py): rendered and tokenized as transformers'
-apply_chat_template does (compared with transformers itself when TRANSFORMERS_PYTHON names a
-Python that has it), the answers trained and everything else flagged as context, written as a
+apply_chat_template does (compared with transformers itself, in the reference environment:
+tests/support/reference_envs.py), the answers trained and everything else flagged as context, written as a
 shard set by engine.data.prepare, and each way they can be wrong one line."""
 
 import json
@@ -61,7 +61,7 @@ def test_the_answers_are_trained_and_the_rest_is_context(tokenizer_paths):
 
 
 def test_ids_and_answers_equal_transformers(tokenizer_paths):
-  """Needs a Python with transformers (TRANSFORMERS_PYTHON): its apply_chat_template's ids for
+  """transformers in the reference environment: its apply_chat_template's ids for
   every template and conversation, and its assistant mask for the template that marks answers
   with {% generation %}."""
   python = reference_python()

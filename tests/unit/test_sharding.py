@@ -9,6 +9,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from engine import config as config_lib
 from engine import sharding
 from engine.analysis.show_layout import layout
 from engine.mesh import make_mesh
@@ -104,13 +105,57 @@ def test_sharded_init_never_holds_the_whole_model_on_one_device():
   assert sharding.bytes_per_device(state) == pytest.approx(per_device_output, rel=0.01)
 
 
-def test_sharded_init_equals_unsharded_init():
-  setup8 = _setup(tiny_config(mesh=(2, 2, 2)))
-  setup1 = _setup(tiny_config(mesh=(8, 1, 1)))
-  sharded, _ = setup8.init(seed=3)
-  replicated, _ = setup1.init(seed=3)
-  for a, b in zip(jax.tree.leaves(sharded['params']), jax.tree.leaves(replicated['params'])):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def _layout(mesh, mode, **values):
+  """tiny_config on mesh DATAxFSDPxTENSOR[xCONTEXT[xSTAGE[xEXPERT]]] in `mode`, with `values`
+  ({'model.name': 'llama', ...})."""
+  config = tiny_config(mesh=mesh[:3])
+  config.mesh.context, config.mesh.stage, config.mesh.expert = (*mesh[3:], 1, 1, 1)[:3]
+  config.parallelism.mode = mode
+  for key, value in values.items():
+    section, name = key.split('.')
+    config[section][name] = value
+  return config
+
+
+_DEEPSEEK = {'model.name': 'llama', 'model.tie_embeddings': False, 'model.num_experts': 4,
+             'model.moe_mlp_dim': 16, 'model.moe_shared_expert': 16,
+             'model.moe_router': 'sigmoid_topk', 'model.moe_balance': 'aux_free',
+             'model.moe_aux_loss_coef': 0.0, 'model.mla_kv_rank': 16, 'model.mla_q_rank': 16,
+             'model.mla_rope_dim': 4, 'model.head_dim': 8, 'model.mla_value_dim': 8}
+# One of each kind of layout the parity tests run: what each splits, stacks or groups.
+_INIT_LAYOUTS = {
+    'data2_fsdp2_tensor2_auto': _layout((2, 2, 2), 'auto'),
+    'fsdp2_tensor2_stage2_manual': _layout((1, 2, 2, 1, 2), 'manual',
+                                           **{'train.microbatches': 2}),
+    'circular_stage2_fsdp2_auto': _layout((2, 2, 1, 1, 2), 'auto', **{
+        'model.num_layers': 4, 'train.pipeline_repeats': 2, 'train.microbatches': 2}),
+    'deepseek_expert2_fsdp2_tensor2_manual': _layout((1, 2, 2, 1, 1, 2), 'manual', **_DEEPSEEK),
+    'deepseek_data2_stage2_expert2_auto': _layout((2, 1, 1, 1, 2, 2), 'auto', **_DEEPSEEK,
+                                                  **{'train.microbatches': 2}),
+    'muon_data4_tensor2_manual': _layout((4, 1, 2), 'manual', **{'optim.name': 'muon'}),
+    'zero1_data4_fsdp2_auto': _layout((4, 2, 1), 'auto', **{
+        'parallelism.optimizer_sharding': 'zero1'}),
+}
+
+
+@pytest.mark.parametrize('name', list(_INIT_LAYOUTS))
+def test_sharded_init_equals_unsharded_init(name):
+  """The whole state a layout's sharded init creates (parameters, optimizer state), value for
+  value, is the one-device init's: random initialisers give the same numbers however their
+  outputs are split. tests/support/helpers.py relies on it: later layouts of a model in a test
+  file get the first one's initial values placed in their shardings."""
+  config = _INIT_LAYOUTS[name]
+  one = config_lib.with_values(config, {
+      'mesh.data': 1, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'mesh.context': 1, 'mesh.stage': 1,
+      'mesh.expert': 1, 'train.microbatches': 1, 'train.pipeline_repeats': 1})
+  sharded, _ = _setup(config).init(seed=3)
+  whole, _ = assemble(one, jax.devices()[:1]).setup.init(seed=3)
+  sharded = dict(jax.tree_util.tree_leaves_with_path(sharded))
+  whole = dict(jax.tree_util.tree_leaves_with_path(whole))
+  assert sharded.keys() == whole.keys()
+  for path, array in sharded.items():  # A circular pipeline's stack: [R, L / R, ...].
+    np.testing.assert_array_equal(np.asarray(array), np.reshape(whole[path], array.shape),
+                                  err_msg=jax.tree_util.keystr(path))
 
 
 def test_visualize_draws_every_device():
