@@ -23,12 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOPOLOGY = 'v5p:2x2x2'  # 8 chips: the same device count as the CPU tests' simulated mesh.
 
 
-def _config(model='gpt'):
-  """Two layers, but wide enough (1024, MLP 4096) that TPU's (8, 128) tiles pad nothing even
-  when fsdp splits a dimension eight ways."""
+def _config(model='gpt', width=1024):
+  """Two layers, but wide enough (1024, MLP 4 x 1024) that TPU's (8, 128) tiles pad nothing
+  even when fsdp splits a dimension eight ways; a narrower `width` where fewer ways split it or
+  none (a TPU compile takes longer the wider the model)."""
   config = tiny_config(mesh=(8, 1, 1), steps=2)
   config.model.name = model
-  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = 1024, 4096, 8
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = width, 4 * width, 8
   config.model.vocab_size = 1024
   if model == 'llama':
     config.model.num_kv_heads = 2
@@ -225,7 +226,7 @@ def test_1f1b_fsdp_gathers_a_stage_per_tick_as_the_theory_counts():
   """fsdp 4 x stage 2, 1F1B over 4 micro-batches: each of the 5 forward ticks gathers the
   stage's layers once and each of the 5 backward ticks twice; XLA:TPU gathers them in the
   matmuls' bfloat16, half the theory's float32 bytes, which the plan names as the reason."""
-  config = _config('llama')
+  config = _config('llama', width=512)
   config.model.num_layers, config.data.global_batch_size = 4, 16
   config.train.pipeline_schedule, config.train.microbatches = '1f1b', 4
   result = plan_lib.plan(config, TOPOLOGY, 1, ['manual'], ['1x4x1x1x2'])
@@ -251,20 +252,20 @@ def test_moe_plan_carries_the_all_to_all_bytes_and_the_padded_expert_flops():
   shard_map), and the compute FLOPs count only the routed rows, while XLA's count of the
   unrolled step also has the exchanged blocks' unused rows (8 x min(2, 8 / 8) / 2 = 4 times the
   routed rows here), which TPU's grouped-matmul kernel skips."""
-  config = _config('llama')
-  config.model.num_experts, config.model.experts_per_token, config.model.moe_mlp_dim = 8, 2, 1024
+  config = _config('llama', width=256)
+  config.model.num_experts, config.model.experts_per_token, config.model.moe_mlp_dim = 8, 2, 256
   config.model.scan_layers = False  # XLA's cost analysis then counts every layer.
   result = plan_lib.plan(config, TOPOLOGY, 1, ['auto', 'manual'], ['1x1x1x1x1x8'])
   setup = lay_out(plan_lib.ml_collections.ConfigDict(result['candidates'][0]['config']), 1024,
                   plan_lib.topology_devices(TOPOLOGY))
   theory = comm_theory.expected_bytes(setup, 16, 16)[('all-to-all', ('expert',))]
-  # Dropless: 8 blocks of min(2, 8 / 8) rows per local token (32), width 1024, float32, each
+  # Dropless: 8 blocks of min(2, 8 / 8) rows per local token (32), width 256, float32, each
   # way, forward (no remat) and backward, 2 layers (ragged all-to-alls, counted at their whole
   # buffer); plus the forward's int32 counts per expert [8] and the two int32 offset vectors [8]
   # the backward's ragged moves exchange (on CPU: each row's int32 expert id instead).
-  assert theory == 2 * (4 * 8 * 32 * 1024 * 4 + 8 * 4 + 2 * 8 * 4)
-  # Useful routed FLOPs per step: 6 x (2 layers x 2 of 8 experts x 3 x 1024 x 1024) x 256 tokens.
-  useful = 6 * 2 * 2 * 3 * 1024 * 1024 * 256
+  assert theory == 2 * (4 * 8 * 32 * 256 * 4 + 8 * 4 + 2 * 8 * 4)
+  # Useful routed FLOPs per step: 6 x (2 layers x 2 of 8 experts x 3 x 256 x 256) x 256 tokens.
+  useful = 6 * 2 * 2 * 3 * 256 * 256 * 256
   for row in result['candidates']:
     assert row['status'] == 'fits' and row['all_to_all_bytes']['theory'] == theory
     assert row['expert_padding_flops_per_step'] == 0
@@ -283,7 +284,7 @@ def test_int8_projections_compile_to_int8_matmuls_timed_at_the_int8_peak():
   """The quantized step for TPU v5p: its projections' matmuls take int8 operands in the HLO (the
   head's and attention's stay bfloat16), and the roofline times their FLOPs at v5p's int8 peak
   (twice bfloat16's), so compute falls by half their share against the unquantized step."""
-  config = _config()
+  config = _config(width=256)
   config.model.dtype = 'bfloat16'
   # Blocks of 128 (the sequence too): libtpu compiles smaller ones to bfloat16 matmuls.
   config.model.matmul_precision, config.model.matmul_block = 'int8', 128
@@ -294,7 +295,7 @@ def test_int8_projections_compile_to_int8_matmuls_timed_at_the_int8_peak():
   assert row['matmul_types'].get('s8 x s8', 0) == 6 * 3
   assert row['matmul_types'].get('bf16 x bf16', 0) > 0
   estimate = row['roofline']
-  quantized = step_flops.quantized_flops(lay_out(config, 1024), config) / 8
+  quantized = step_flops.quantized_flops(lay_out(config, config.model.vocab_size), config) / 8
   assert 0 < quantized < estimate['flops_per_device']
   peak = 459e12  # v5p bfloat16; int8: 918.
   assert estimate['compute_s'] == pytest.approx(
