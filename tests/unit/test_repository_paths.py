@@ -6,9 +6,9 @@ The rules, read off every tracked text file:
   folder); the data the docs and tests use ships inside it (experiments/data/);
 - no path under the folder this clone lives in, or the one above it (a build machine's folders:
   whatever they are called there, the test reads them off its own location);
-- no home directory (/home/NAME, /root/..., /Users/NAME) and nothing under the folders a
-  machine keeps its own installs and mounts in (/opt/, /mnt/, /work/, /srv/), but the example
-  /opt/torch-venv/bin/python, which the error lines name as "e.g.".
+- no home directory (/home/NAME, /root/..., /Users/NAME) and nothing under the top-level
+  folders a machine keeps its own installs, mounts and workspaces in (MACHINE below), but the
+  example /opt/torch-venv/bin/python, which the error lines name as "e.g.".
 Placeholders are allowed as such: scratch paths under /tmp/, gs://bucket/..., /path/to/..., and
 the user's own machines in examples of a cluster or a checkpoint (/models/, /data/, /shared/,
 /local/, /ckpt/); the default cache paths are written with ~ and are not absolute.
