@@ -24,12 +24,12 @@ TOPOLOGY = 'v5p:2x2x2'  # 8 chips: the same device count as the CPU tests' simul
 
 
 def _config(model='gpt', width=1024):
-  """Two layers, but wide enough (1024, MLP 4 x 1024) that TPU's (8, 128) tiles pad nothing
+  """Two layers, but wide enough (1024, an MLP as wide) that TPU's (8, 128) tiles pad nothing
   even when fsdp splits a dimension eight ways; a narrower `width` where fewer ways split it or
   none (a TPU compile takes longer the wider the model)."""
   config = tiny_config(mesh=(8, 1, 1), steps=2)
   config.model.name = model
-  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = width, 4 * width, 8
+  config.model.embed_dim, config.model.mlp_dim, config.model.num_heads = width, width, 8
   config.model.vocab_size = 1024
   if model == 'llama':
     config.model.num_kv_heads = 2
