@@ -5,7 +5,6 @@ and must get its one line, `error: ...`, and exit status: no traceback, nothing 
 scratch directory, nor in the finished run it reads, tests/commands/conftest.py's), no XLA compile.
 """
 
-
 import pytest
 
 from tests.support.bad_input_checks import (ROOT, check_nothing_written, check_output,

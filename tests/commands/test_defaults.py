@@ -58,7 +58,7 @@ def outputs(finished_run, tmp_path_factory):
   }
   before = _files(finished_run)
   results = forked([{'program': program, 'argv': argv, 'cwd': ROOT}
-                     for program, argv in rows.values()])
+                    for program, argv in rows.values()])
   found = dict(zip(rows, results))
   # The advice of the rerun's last line, followed on a copy of the run.
   advice = re.search(r'rerun with --config\.train\.num_steps=M \(M > 2\) and '

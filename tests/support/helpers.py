@@ -2,7 +2,6 @@
 
 from concurrent import futures
 import dataclasses
-import os
 
 import jax
 import numpy as np
