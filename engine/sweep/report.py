@@ -9,13 +9,10 @@ import csv
 import json
 import os
 
-import matplotlib
 from etils import epath
 
-matplotlib.use('Agg')  # Files only; no display on training machines.
-import matplotlib.pyplot as plt  # noqa: E402
-
-from engine.workdir import summary as run_summary  # noqa: E402
+from engine.runtime.pyplot import pyplot
+from engine.workdir import summary as run_summary
 
 COLUMNS = ('variant', 'status', 'final train loss', 'final eval loss', 'best eval loss',
            'tokens/s', 'MFU', 'peak memory MiB')
@@ -102,6 +99,7 @@ def write_csv(path: str, rows: dict[str, dict]) -> None:
 
 def plot(path: str, workdirs: dict[str, str]) -> None:
   """Every variant's train loss as a line, its eval losses as points of the same colour."""
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(9, 5))
   # Layouts that agree (auto and manual, one mesh and another) draw the same curve: the line
   # styles keep every one of them visible.
@@ -156,6 +154,7 @@ def plot_final_losses(path: str, rows: dict[str, dict],
   """One panel per swept key: final_loss_series's lines, eval solid with points, train dashed,
   one colour per combination of the other keys; ticks at the swept values, numbers on a log axis
   when they span a factor of 10 or more, other values (mode, mesh) in the grid's order."""
+  plt = pyplot()
   series = final_loss_series(rows, values)
   fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 4), squeeze=False)
   for ax, (key, lines) in zip(axes[0], series.items()):

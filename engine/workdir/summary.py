@@ -12,17 +12,14 @@ import json
 import math
 
 import jax
-import matplotlib
 import numpy as np
 from absl import logging
 from etils import epath
 
 from engine import chips
 from engine import config as config_lib
+from engine.runtime.pyplot import pyplot
 from engine.workdir import run_dir as workdir_lib
-
-matplotlib.use('Agg')  # Files only; no display on training machines.
-import matplotlib.pyplot as plt  # noqa: E402
 
 # The keys of summary.json (engine's sweep tools read them).
 SUMMARY_KEYS = ('status', 'final_step', 'num_steps', 'final_train_loss', 'final_eval_loss',
@@ -124,6 +121,7 @@ def summarize(records: list[dict], *, status: str, final_step: int, num_steps: i
 
 def plot_loss_curve(records: list[dict], path: epath.Path) -> None:
   """Train and eval loss against step, as a PNG."""
+  plt = pyplot()
   figure, axes = plt.subplots(figsize=(7, 4))
   for name, style in (('train/loss', '-'), ('eval/loss', 'o-')):
     steps, values = _series(records, name)

@@ -5,14 +5,11 @@ from __future__ import annotations
 import json
 import os
 
-import matplotlib
+import numpy as np
 
-matplotlib.use('Agg')  # Files only; no display on training machines.
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from engine.analysis import verdicts  # noqa: E402
-from engine.parallel.pipeline.gpipe import SCHEDULE_NAMES, bubble_fraction  # noqa: E402
+from engine.analysis import verdicts
+from engine.parallel.pipeline.gpipe import SCHEDULE_NAMES, bubble_fraction
+from engine.runtime.pyplot import pyplot
 
 PLOTS = ('loss.png', 'step_time.png', 'communication.png')
 
@@ -203,6 +200,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, workdir: str) -> None:
+  plt = pyplot()
   modes = report['modes']
   steps = np.arange(1, report['steps'] + 1)
 
