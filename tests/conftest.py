@@ -14,7 +14,10 @@ Compiled programs are shared through JAX's persistent compilation cache, in a di
 session's own (shared by the xdist workers and every subprocess the tests start, removed at the
 end; a JAX_COMPILATION_CACHE_DIR already set is used instead, and kept): the commands the tests run
 as subprocesses (a run, its resume, its evaluation) compile the same programs again, and about a
-fifth of their time went to those compiles (tests/runs: 80 s to 63 s).
+fifth of their time went to those compiles (tests/runs: 80 s to 63 s). Tests that compile each
+program once (the parity tests, the TPU planning compiles) go without it, by the fixture
+`without_persistent_cache`: keying and writing every program cost the parity tests 5-6 % of
+their time, the planning tests (large TPU executables) 17 %, with nothing read back.
 
 The allocator settings that `import engine` applies for faster CPU steps
 (engine/runtime/allocator.py) are off: they made the suite's many multi-threaded compiles 15-20 %
@@ -43,6 +46,7 @@ os.environ.setdefault('ENGINE_TUNE_MALLOC', '0')
 
 import jax  # noqa: E402  (must follow the flags)
 import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 NUM_DEVICES = 8
 
@@ -53,6 +57,16 @@ def eight_devices():
   assert jax.device_count() == NUM_DEVICES, (
       f'tests need {NUM_DEVICES} CPU devices, got {jax.device_count()}; XLA_FLAGS was set too '
       'late (JAX initialised before tests/conftest.py ran).')
+
+
+@pytest.fixture(scope='module')
+def without_persistent_cache():
+  """The module's tests compile without the persistent compilation cache."""
+  jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()  # Whether the cache is used is decided once, until reset.
+  yield
+  jax.config.update('jax_enable_compilation_cache', True)
+  compilation_cache.reset_cache()
 
 
 def pytest_sessionfinish(session):

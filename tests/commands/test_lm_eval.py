@@ -78,7 +78,7 @@ def test_lm_eval_scores_the_run_as_it_scores_its_export(tmp_path):
                  for line in open(os.path.join(tasks, 'arith.jsonl'))) * 20
   (tmp_path / 'train.txt').write_text(text)
   train_bpe([text], 300, str(tmp_path / 'bpe.json'))
-  assert run_main(['--config=experiments/llama_bench.py:steps=30', f'--workdir={tmp_path / "run"}',
+  assert run_main(['--config=experiments/llama_bench.py:steps=10', f'--workdir={tmp_path / "run"}',
                    '--config.data.source=file', f'--config.data.path={tmp_path / "train.txt"}',
                    '--config.data.tokenizer=hf', f'--config.data.tokenizer_path={tmp_path / "bpe.json"}',
                    '--config.model.vocab_size=-1', '--config.data.seq_len=64']) == 0

@@ -19,6 +19,8 @@ from engine.assemble import lay_out
 from experiments import tiny as tiny_experiment
 from tests.support.helpers import collective_table, compiled_train_step, tiny_config
 
+pytestmark = pytest.mark.usefixtures('without_persistent_cache')  # Each compiled once.
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPOLOGY = 'v5p:2x2x2'  # 8 chips: the same device count as the CPU tests' simulated mesh.
 

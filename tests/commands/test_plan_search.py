@@ -12,6 +12,8 @@ from engine.plan import planner, search
 from engine.plan.report import search_markdown
 from tests.commands import test_plan
 
+pytestmark = pytest.mark.usefixtures('without_persistent_cache')  # Each compiled once.
+
 TOPOLOGY = 'v5p:2x2x1'  # 4 chips: few meshes, quick compiles.
 
 
