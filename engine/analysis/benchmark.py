@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 
 from engine import data, parallel
-from engine.train import profiling
+from engine.train import goodput, profiling
 from engine.assemble import compile_train_step
 from engine import chips
 from engine.analysis import collectives, verdicts
@@ -47,6 +47,7 @@ class ModeRun:
   step_seconds: list[float] = dataclasses.field(default_factory=list)
   losses: list[float] = dataclasses.field(default_factory=list)
   grad_norms: list[float] = dataclasses.field(default_factory=list)
+  first_step_s: float | None = None  # Its first step's end, in seconds after the process start.
 
   @property
   def mesh(self) -> str:
@@ -123,6 +124,8 @@ def run_variants(config, corpus: data.Corpus, variants: list[tuple[str, TrainSet
       start = time.perf_counter()
       states[k], metrics = run.compiled(states[k], batch)
       jax.block_until_ready((states[k], metrics))
+      if run.first_step_s is None:
+        run.first_step_s = time.time() - goodput.process_started()
       if i >= warmup:
         run.step_seconds.append(time.perf_counter() - start)
       run.losses.append(float(metrics['loss']))
@@ -177,12 +180,17 @@ def fit_bubble(microbatches: list[int], seconds: list[float]) -> tuple[float, li
 
 
 def measurements(run: ModeRun, tokens_per_step: int, model_flops_per_step: float,
-                 peak_flops_per_device: float | None) -> dict:
-  """One variant's row: speed, model FLOP/s and MFU, per-device memory, collectives."""
+                 peak_flops_per_device: float | None,
+                 causal_flops_per_step: float | None = None) -> dict:
+  """One variant's row: speed, model FLOP/s and MFU, per-device memory, collectives.
+  `causal_flops_per_step`: the same FLOPs with causal attention's halved (the convention of
+  MaxText and Megatron), for a second MFU column."""
   seconds = np.array(run.step_seconds)
   median = float(np.median(seconds))
   num_devices = run.setup.mesh.devices.size
   achieved = model_flops_per_step / median / num_devices
+  causal = (causal_flops_per_step / median / num_devices / peak_flops_per_device
+            if causal_flops_per_step and peak_flops_per_device else None)
   return {
       'mode': run.mode, 'mesh': run.mesh, 'mesh_shape': dict(run.setup.mesh.shape),
       'compile_s': run.compile_seconds,
@@ -192,6 +200,7 @@ def measurements(run: ModeRun, tokens_per_step: int, model_flops_per_step: float
       'model_tflop_per_step': model_flops_per_step / 1e12,
       'model_tflops_per_device': achieved / 1e12,
       'mfu': achieved / peak_flops_per_device if peak_flops_per_device else None,
+      'mfu_causal': causal, 'first_step_s': run.first_step_s,
       'memory': run.memory, 'losses': run.losses,
       'collectives': [{'kind': kind, 'axes': list(axes), **row}
                       for (kind, axes), row in collectives.summarize(run.collectives).items()],
@@ -217,18 +226,20 @@ def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
     first.setdefault(label(row), row['median_ms'])
   lines = [f'## {title}', '',
            '| mesh | mode | median ms | min | max | vs first | tokens/s | compile s | '
-           'model TFLOP/s/device | MFU | of matmul | args MiB | temp MiB | peak MiB | '
-           'collectives per step |',
-           '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|']
+           'first step s | model TFLOP/s/device | MFU | MFU, causal halved | of matmul | '
+           'args MiB | temp MiB | peak MiB | collectives per step |',
+           '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|']
+  percent = lambda x: f'{100 * x:.1f} %' if x is not None else 'n/a'
   for r in rows:
     m = r['memory']
-    mfu = f'{100 * r["mfu"]:.1f} %' if r['mfu'] is not None else 'n/a'
+    mfu, causal = percent(r['mfu']), percent(r.get('mfu_causal'))
+    first_step = f'{r["first_step_s"]:.1f}' if r.get('first_step_s') is not None else 'n/a'
     of_matmul = f'{100 * r["of_matmul"]:.1f} %' if r.get('of_matmul') is not None else 'n/a'
     lines.append(
         f'| {label(r)} | {r["mode"]} | {r["median_ms"]:.1f} | {r["min_ms"]:.1f} | '
         f'{r["max_ms"]:.1f} | {r["median_ms"] / first[label(r)]:.3f} | '
-        f'{r["tokens_per_s"]:,.0f} | {r["compile_s"]:.1f} | {r["model_tflops_per_device"]:.4f} | '
-        f'{mfu} | {of_matmul} | {m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
+        f'{r["tokens_per_s"]:,.0f} | {r["compile_s"]:.1f} | {first_step} | '
+        f'{r["model_tflops_per_device"]:.4f} | {mfu} | {causal} | {of_matmul} | {m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("temp_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("peak_estimate_bytes", 0) / 2**20:.1f} | {_collectives_cell(r["collectives"])} |')
   if any(c.get('ops_in_unknown_loops') for r in rows for c in r['collectives']):

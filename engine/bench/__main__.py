@@ -6,11 +6,15 @@
 
 Every variant is compiled once, then the variants' steps run interleaved on the same batches
 from the same initial parameters, the order rotating every round (engine.analysis.benchmark).
-Printed, and written as Markdown (OUT.md) and JSON (OUT.json): compile time, median / min / max
-step time, tokens/s, the model's FLOPs per step (6N plus attention, from the model spec) as
-TFLOP/s per device and as MFU against the chip's peak (engine.chips: known TPUs and
-GPUs; --peak_tflops elsewhere), per-device memory, and the collectives of each compiled step by
-kind and mesh axes.
+Printed, and written as Markdown (OUT.md) and JSON (OUT.json): compile time, when the
+variant's first step ended (seconds after the process started: imports, data, every variant's
+compile), median / min / max step time, tokens/s, the model's FLOPs per step (6N plus
+attention, from the model spec, attention counted whole) as TFLOP/s per device and as MFU
+against the chip's peak (engine.chips: known TPUs and GPUs; --peak_tflops elsewhere), MFU again
+with causal attention's FLOPs halved (MaxText's and Megatron's convention), per-device memory
+of the compiled step (arguments, temporaries, and `peak`: arguments + outputs + temporaries -
+aliased, what MaxText prints as its total), the device allocator's peak in use where the
+platform counts one, and the collectives of each compiled step by kind and mesh axes.
 
 --profile=DIR also traces a few steps of each variant with jax.profiler, after the timed
 rounds (so the profiler's cost stays out of the times), into DIR/<mesh>-<mode>, e.g.
@@ -166,8 +170,11 @@ def report(config, runs: list, tokens: int, matmul: float | None, external: dict
   seq_len = config.data.seq_len  # Each variant's own model FLOPs (a dense equivalent's differ).
   rows = []
   for run in runs:
-    row = benchmark.measurements(run, tokens, run.setup.model.flops_per_token(seq_len) * tokens,
-                                 peak)
+    flops = run.setup.model.flops_per_token
+    # Attention's FLOPs grow with the sequence, the weights' do not: halving the difference
+    # counts a causal mask's skipped half (MaxText's and Megatron's convention).
+    causal = (flops(seq_len) + flops(0)) / 2
+    row = benchmark.measurements(run, tokens, flops(seq_len) * tokens, peak, causal * tokens)
     row['dense_equivalent'] = _DENSE.value and run.setup.model.experts is None
     row['baseline'] = run.mode.endswith(baseline.SUFFIX)
     row['of_matmul'] = row['model_tflops_per_device'] * 1e12 / matmul if matmul else None
@@ -182,6 +189,9 @@ def report(config, runs: list, tokens: int, matmul: float | None, external: dict
     title += f'; {config.model.matmul_precision} projections'
   if matmul:
     title += f'; calibrated matmul: {matmul / 1e12:.4g} TFLOP/s per device'
+  in_use = device_peak_bytes()
+  if in_use:
+    title += f'; device peak in use (all variants): {in_use / 2**30:.2f} GiB'
   off = off_theory(config, [r for r in runs if not r.mode.endswith(baseline.SUFFIX)])
   text = '\n'.join(verdicts.markdown(off)) + '\n' + benchmark.markdown(rows, title, external)
   if config.model.matmul_precision != 'default' and jax.devices()[0].platform == 'cpu':
@@ -206,12 +216,21 @@ def report(config, runs: list, tokens: int, matmul: float | None, external: dict
       json.dump({'title': title, 'tokens_per_step': tokens,
                  'model_flops_per_step': runs[0].setup.model.flops_per_token(seq_len) * tokens,
                  'peak_flops_per_device': peak, 'matmul_flops_per_device': matmul,
+                 'device_peak_bytes_in_use': in_use,
                  'config': json.loads(config.to_json()), 'variants': rows, 'external': external,
                  'baseline': pairs and {'directory': os.path.abspath(_BASELINE.value),
                                         'comparison': pairs},
                  'ops_seconds_per_step': ops,
                  'off_theory': [dataclasses.asdict(f) for f in off]}, f, indent=1)
     logging.info('Wrote %s.md and %s.json', _OUT.value, _OUT.value)
+
+
+def device_peak_bytes() -> int | None:
+  """The most memory any local device has held at once in this process (the allocator's
+  peak_bytes_in_use; None where the platform keeps no such count, as XLA:CPU)."""
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  peaks = [s['peak_bytes_in_use'] for s in stats if 'peak_bytes_in_use' in s]
+  return max(peaks) if peaks else None
 
 
 def off_theory(config, runs: list) -> list:

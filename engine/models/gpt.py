@@ -136,13 +136,12 @@ class GPT(nnx.Module):
     return self.ln_final(apply_layers(self.blocks, x_BLD, ops, unroll), ops)
 
   def head_logits(self, x_BLD: jax.Array, ops=LocalOps()) -> jax.Array:
-    """Float32 logits of normalised features (any number of positions), whatever the compute
-    dtype: the loss needs their precision."""
+    """Logits of normalised features (any number of positions) in the compute dtype
+    (engine/models/cross_entropy.py says why that is precise enough)."""
     if self.cfg.tie_embeddings:
-      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, self.tok_embed_VD[...],
-                              preferred_element_type=jnp.float32)
+      logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, self.tok_embed_VD[...])
     else:
-      logits_BLV = dense(x_BLD, self.head_DV[...], preferred_element_type=jnp.float32)
+      logits_BLV = dense(x_BLD, self.head_DV[...])
     return ops.constrain(logits_BLV, ('batch', 'length', 'vocab'))
 
 

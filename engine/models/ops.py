@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from engine.models.attention.causal import causal_attention
 from engine.models.attention.spec import AttentionSpec
+from engine.models.cross_entropy import token_losses
 from engine.models.moe import dispatch as moe_dispatch
 from engine.models.layers import LAYERS, layer_group, num_groups  # noqa: F401 (LAYERS: re-export)
 
@@ -149,11 +149,10 @@ class LocalOps:
 
   def cross_entropy(self, logits_BLV: jax.Array, targets_BL: jax.Array,
                     keep_BL: jax.Array | None = None, count=None) -> jax.Array:
-    """Mean next-token cross-entropy in float32; with `keep_BL` (packed documents), the sum
-    over the kept predictions divided by `count` (reduce_losses)."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BLV.astype(jnp.float32), targets_BL)
-    return reduce_losses(losses, keep_BL, count)
+    """Mean next-token cross-entropy in float32 (engine/models/cross_entropy.py); with
+    `keep_BL` (packed documents), the sum over the kept predictions divided by `count`
+    (reduce_losses)."""
+    return reduce_losses(token_losses(logits_BLV, targets_BL), keep_BL, count)
 
   def prepare_params(self, module: nnx.Module, skip_stacked: bool = True) -> nnx.Module:
     """Called by the engine, not the model: the module with its parameters ready for computation

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.models.cross_entropy import sharded_token_losses
 from engine.models.moe import dispatch as moe_dispatch
 from engine.models.ops import LocalOps, reduce_losses
 from engine.parallel import context, expert_exchange, flat_gather, quantized_gather
@@ -277,16 +278,7 @@ class ManualOps(LocalOps):
     `more_axes` (row-major: this device's slice is its index over them all)."""
     axes = self.rules.mesh_axes('vocab', activation=True) + tuple(more_axes)
     first = self.shard_index(axes) * logits_BLV.shape[-1]
-    logits_BLV = logits_BLV.astype(jnp.float32)
-    # The max only stabilises the exponentials; it needs no gradient.
-    max_BL = jax.lax.pmax(jax.lax.stop_gradient(logits_BLV.max(-1)), axes)
-    sum_exp_BL = jax.lax.psum(jnp.exp(logits_BLV - max_BL[..., None]).sum(-1), axes)
-    local_BL = targets_BL - first
-    mine_BL = (local_BL >= 0) & (local_BL < logits_BLV.shape[-1])
-    target_logit_BL = jnp.take_along_axis(
-        logits_BLV, jnp.where(mine_BL, local_BL, 0)[..., None], axis=-1)[..., 0]
-    target_logit_BL = jax.lax.psum(jnp.where(mine_BL, target_logit_BL, 0.0), axes)
-    return jnp.log(sum_exp_BL) + max_BL - target_logit_BL
+    return sharded_token_losses(logits_BLV, targets_BL - first, axes)
 
 
 def columns_lookup_axes(setup: TrainSetup) -> tuple[str, ...]:

@@ -54,6 +54,7 @@ NO_TRANSFORMERS = Skip('needs a Python with transformers (--transformers_python)
                        'it in its reference environment (tests/unit/test_tokenizer_export.py)')
 NO_LIBTPU = Skip('needs libtpu\'s TPU compiler (the tpu extra) and compiles an 8B model')
 ACCELERATOR = Skip('sized for accelerators: 153M parameters, sequence 1024, batch 64')
+ACCELERATOR_500M = Skip('sized for accelerators: 0.5B parameters, sequence 2048, batch 8')
 TINY_RUN = Skip('the same run as README\'s `python -m engine.main --config=experiments/tiny.py '
                 '--workdir=/tmp/engine_tiny`, which runs')
 
@@ -194,6 +195,8 @@ CHECKS = {
     'python -m engine.export --workdir=/tmp/sft --out=/tmp/sft_hf': TRAINED_FROM_HF,
     'python -m engine.main --config=experiments/llama_124m.py:mesh=-1x1x1 '
     '--config.data.path=experiments/data/tinyshakespeare.txt --workdir=/tmp/llama_124m': ACCELERATOR,
+    'python -m engine.main --config=experiments/llama_500m.py:mesh=-1x1x1 '
+    '--workdir=/tmp/llama_500m': ACCELERATOR_500M,
     'python -m engine.data.train_tokenizer --input=experiments/data/tinyshakespeare.txt '
     '--vocab_size=2048 --out=/tmp/shakespeare_bpe.json':
         Run('prep_124m', outputs=('/tmp/shakespeare_bpe.json',)),

@@ -285,7 +285,10 @@ class Llama(nnx.Module):
     return self.final_norm(x_BLD), aux, stats
 
   def head_logits(self, x_BLD: jax.Array, ops=LocalOps()) -> jax.Array:
-    """Float32 logits of normalised features (any number of positions)."""
-    logits_BLV = dense(x_BLD, self.head_DV[...], preferred_element_type=jnp.float32)
+    """Logits of normalised features (any number of positions) in the compute dtype
+    (engine/models/cross_entropy.py says why that is precise enough); float32 under a soft
+    cap, whose tanh needs the precision near the cap."""
+    logits_BLV = dense(x_BLD, self.head_DV[...],
+                       preferred_element_type=jnp.float32 if self.cfg.logit_softcap else None)
     return ops.constrain(soft_cap(logits_BLV, self.cfg.logit_softcap),
                          ('batch', 'length', 'vocab'))
