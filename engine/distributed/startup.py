@@ -119,12 +119,21 @@ def initialize(options: DistributedOptions = DistributedOptions()) -> None:
                 options.heartbeat_timeout_s)
   # Harmless where the backend is not the CPU; required for CPU collectives across processes.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  jax.distributed.initialize(
-      coordinator_address=options.coordinator_address,
-      num_processes=options.num_processes,
-      process_id=options.process_id,
-      heartbeat_timeout_seconds=options.heartbeat_timeout_s,
-      initialization_timeout=options.initialization_timeout_s)
+  try:
+    jax.distributed.initialize(
+        coordinator_address=options.coordinator_address,
+        num_processes=options.num_processes,
+        process_id=options.process_id,
+        heartbeat_timeout_seconds=options.heartbeat_timeout_s,
+        initialization_timeout=options.initialization_timeout_s)
+  except OSError as e:  # requests' errors too: a cluster's metadata server out of reach.
+    if explicit or (options.num_processes or 1) > 1:
+      raise
+    # A machine that looks like a cluster's (a TPU VM's devices and variables) but whose
+    # metadata server cannot be reached, as on a lone TPU VM kept off the network: one process.
+    logging.warning('jax.distributed: the %s cluster\'s settings could not be read (%s); '
+                    'running as a single process.', cluster, str(e).splitlines()[0][:200])
+    return
   global _ACTIVE
   _ACTIVE = options
   _watch_for_failures()

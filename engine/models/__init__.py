@@ -20,6 +20,7 @@ config schema reads MODEL_KEYS where JAX is never imported (the launchers).
   varying_axes.py    shard_map's varying-axes types, and the casts that widen them
   documents.py       packed documents: segment ids and in-document positions
   chunked_loss.py    the next-token loss over slices of the positions (model.loss_chunks)
+  cross_entropy.py   the next-token cross-entropy and its own backward pass (no float32 logits)
   gpt.py             a GPT-2-style decoder
 
   attention/         causal attention: its spec, the einsum / dot_product_attention / splash paths

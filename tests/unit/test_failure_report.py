@@ -64,3 +64,18 @@ def test_the_first_failure_is_reported_in_its_own_words(process_1_of_2, capsys):
     startup.fail_run('data.shards is unreadable', 2)
   assert capsys.readouterr().err == 'error: data.shards is unreadable\n'
   assert store.written == [(startup._FAILURE_KEY, '1\n2\ndata.shards is unreadable')]
+
+
+def test_a_detected_cluster_without_its_metadata_runs_as_one_process(monkeypatch):
+  """A TPU VM's devices without its metadata server (a lone chip kept off the network): JAX's
+  cluster detection finds a TPU VM, its initialisation cannot read the cluster's settings, and
+  the command goes on as one process instead of ending in a traceback. Asked for several
+  processes, it still fails."""
+  def unreachable(**_):
+    raise ConnectionError('metadata.google.internal: Name or service not known')
+  monkeypatch.setattr(startup, 'detected_cluster', lambda: 'gce_tpu')
+  monkeypatch.setattr(startup.jax.distributed, 'initialize', unreachable)
+  startup.initialize(startup.DistributedOptions())
+  assert startup._ACTIVE is None  # pylint: disable=protected-access
+  with pytest.raises(ConnectionError):
+    startup.initialize(startup.DistributedOptions(num_processes=2))
