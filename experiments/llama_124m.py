@@ -28,10 +28,10 @@ The vocabulary stays 50,304 rows, which holds any tokenizer of up to that many i
 model.vocab_multiple).
 
 Hardware: one or more accelerators (mesh=-1x1x1 is data parallel over all of them; use fsdp or
-tensor axes when memory needs it). On one TPU v5e chip at batch 16 without micro-batches it
-trains at 89,000 tokens/s with model.attention=splash and compiles to 4.05 GiB, in either mode
-(docs/benchmarks.md, the benchmark of record). On the 2-core CPU machine it compiles and trains
-but at a few hundred tokens/s (use experiments/shakespeare_char.py there).
+tensor axes when memory needs it). Its speed and memory on one TPU v5e chip at batch 16
+without micro-batches, in both modes: docs/benchmarks.md, the benchmark of record. On the 2-core
+CPU machine it compiles and trains but at a few hundred tokens/s (use
+experiments/shakespeare_char.py there).
 
 Arguments (comma separated): mode=auto|manual, mesh=DxFxT[xC[xS[xE]]], steps=N.
 """

@@ -239,7 +239,8 @@ def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
         f'| {label(r)} | {r["mode"]} | {r["median_ms"]:.1f} | {r["min_ms"]:.1f} | '
         f'{r["max_ms"]:.1f} | {r["median_ms"] / first[label(r)]:.3f} | '
         f'{r["tokens_per_s"]:,.0f} | {r["compile_s"]:.1f} | {first_step} | '
-        f'{r["model_tflops_per_device"]:.4f} | {mfu} | {causal} | {of_matmul} | {m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
+        f'{r["model_tflops_per_device"]:.4f} | {mfu} | {causal} | {of_matmul} | '
+        f'{m.get("argument_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("temp_size_in_bytes", 0) / 2**20:.1f} | '
         f'{m.get("peak_estimate_bytes", 0) / 2**20:.1f} | {_collectives_cell(r["collectives"])} |')
   if any(c.get('ops_in_unknown_loops') for r in rows for c in r['collectives']):

@@ -7,5 +7,5 @@ lines.
   progress.py        progress lines of long work: a phase's time, a loop's count and time left
   log_format.py      the short log lines (`I 12:03:04 message`), absl's full ones under --verbosity=1
   compile_cache.py   JAX's persistent compilation cache for a run, and what it read back
-  pyplot.py          matplotlib's pyplot, imported when the first figure is drawn
+  pyplot.py          matplotlib's pyplot, imported for the first figure drawn
 """
