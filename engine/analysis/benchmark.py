@@ -234,7 +234,7 @@ def markdown(rows: list[dict], title: str, external: dict | None = None) -> str:
     m = r['memory']
     mfu, causal = percent(r['mfu']), percent(r.get('mfu_causal'))
     first_step = f'{r["first_step_s"]:.1f}' if r.get('first_step_s') is not None else 'n/a'
-    of_matmul = f'{100 * r["of_matmul"]:.1f} %' if r.get('of_matmul') is not None else 'n/a'
+    of_matmul = percent(r.get('of_matmul'))
     lines.append(
         f'| {label(r)} | {r["mode"]} | {r["median_ms"]:.1f} | {r["min_ms"]:.1f} | '
         f'{r["max_ms"]:.1f} | {r["median_ms"] / first[label(r)]:.3f} | '
